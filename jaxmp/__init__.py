@@ -1,0 +1,18 @@
+"""jaxmp: mixed-precision training for JAX and Flax NNX.
+
+Precision policies (:mod:`jaxmp.policy`), loss scales (:mod:`jaxmp.loss_scale`),
+precision-safe numerics (:mod:`jaxmp.ops`), optax integration (:mod:`jaxmp.optim`) and
+underflow diagnostics (:mod:`jaxmp.diagnostics`).
+"""
+from jaxmp.policy import PRESETS, Policy, PolicyRules, get_policy, get_policy_rules
+from jaxmp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    get_loss_scale,
+    select_tree,
+)
+
+__version__ = "0.1.0"

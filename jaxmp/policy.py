@@ -1,0 +1,295 @@
+"""Precision policies: which dtype parameters are stored in, computed in, and returned in.
+
+A :class:`Policy` is the jmp idea (``jmp.Policy``, github.com/google-deepmind/jmp) kept
+as a tiny frozen, hashable dataclass so it can be a static argument under ``jax.jit``:
+
+* ``param_dtype``: the dtype of the *master weights* the optimizer updates. Mixed
+  precision keeps them in float32 (Micikevicius et al. 2018, "Mixed Precision
+  Training", section 3.1) so that small updates are not rounded away.
+* ``compute_dtype``: the dtype matmuls and activations run in (bfloat16 / float16).
+* ``output_dtype``: the dtype a module hands back to its caller.
+
+:func:`get_policy` parses jmp's grammar (``params=float32,compute=bfloat16,output=float32``
+or ``p=f32,c=bf16,o=f32`` or a bare dtype) plus the presets in :data:`PRESETS`.
+
+:class:`PolicyRules` maps module paths to policies (per-module overrides such as
+"router and norms in float32", DeepSeek-V3 report section 3.3), resolved once per
+module when the model is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Policy",
+    "get_policy",
+    "PolicyRules",
+    "get_policy_rules",
+    "canonical_dtype",
+    "PRESETS",
+    "DTYPE_NAMES",
+]
+
+# Accepted spellings of each dtype (jmp's plus the short forms used in configs).
+DTYPE_NAMES: Mapping[str, str] = {
+    "float32": "float32", "f32": "float32", "fp32": "float32", "full": "float32",
+    "single": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16",
+    "float64": "float64", "f64": "float64", "double": "float64",
+}
+
+_KEYS = {
+    "params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
+    "compute": "compute_dtype", "c": "compute_dtype",
+    "output": "output_dtype", "o": "output_dtype",
+}
+
+PRESETS: Mapping[str, str] = {
+    # Plain float32 training: the reference every mixed mode is compared against.
+    "fp32": "params=float32,compute=float32,output=float32",
+    # FP32 master weights, BF16 compute, FP32 outputs (loss in float32).
+    "mixed_bf16": "params=float32,compute=bfloat16,output=float32",
+    # FP32 master weights, FP16 compute: needs a loss scale (Micikevicius et al. 2018).
+    "mixed_fp16": "params=float32,compute=float16,output=float32",
+    # Pure bfloat16: parameters too. Kept for comparison; small updates are lost (case MW-1).
+    "bf16": "params=bfloat16,compute=bfloat16,output=bfloat16",
+}
+
+
+def canonical_dtype(name: Any) -> jnp.dtype:
+    """Turns a dtype spelling into a ``jnp.dtype``.
+
+    Args:
+      name: a string from :data:`DTYPE_NAMES` (case-insensitive), or anything
+        ``jnp.dtype`` accepts that is a floating-point dtype.
+
+    Returns:
+      The floating-point ``jnp.dtype``.
+
+    Raises:
+      ValueError: the name is unknown or not a floating-point dtype; the message
+        names the bad value and lists the accepted names.
+    """
+    if isinstance(name, str):
+        key = name.strip().lower()
+        if key not in DTYPE_NAMES:
+            raise ValueError(
+                f"unknown dtype {name!r}; allowed: {', '.join(sorted(DTYPE_NAMES))}")
+        return jnp.dtype(DTYPE_NAMES[key])
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError as e:
+        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(DTYPE_NAMES))}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype {dtype} is not a floating-point dtype; a policy needs one of "
+                         f"{', '.join(sorted(set(DTYPE_NAMES.values())))}")
+    return dtype
+
+
+def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+    """Casts the floating-point array leaves of ``tree`` to ``dtype``; others pass through."""
+
+    def cast(x):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        if isinstance(x, float):  # Python floats become arrays of the target dtype.
+            return jnp.asarray(x, dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: parameter, compute and output dtypes.
+
+    Frozen and hashable, so it can be a static argument of ``jax.jit`` and a field of
+    an NNX module. ``str(policy)`` gives ``params=float32,compute=bfloat16,output=float32``
+    which :func:`get_policy` parses back to an equal policy.
+
+    Attributes:
+      param_dtype: dtype of the master weights (float32 for mixed precision).
+      compute_dtype: dtype of matmuls and activations.
+      output_dtype: dtype of a module's result.
+    """
+
+    param_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+    output_dtype: jnp.dtype
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, canonical_dtype(getattr(self, field)))
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts floating-point leaves of ``tree`` to ``param_dtype``; ints, bools pass through."""
+        return _cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts floating-point leaves of ``tree`` to ``compute_dtype``; ints, bools pass through."""
+        return _cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts floating-point leaves of ``tree`` to ``output_dtype``; ints, bools pass through."""
+        return _cast_floating(tree, self.output_dtype)
+
+    def with_param_dtype(self, dtype: Any) -> "Policy":
+        """Returns a copy with another ``param_dtype``."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: Any) -> "Policy":
+        """Returns a copy with another ``compute_dtype``."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: Any) -> "Policy":
+        """Returns a copy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    @property
+    def needs_loss_scale(self) -> bool:
+        """True when gradients flow through float16, whose range needs a loss scale."""
+        return jnp.dtype(jnp.float16) in (self.compute_dtype, self.param_dtype)
+
+    def __str__(self) -> str:
+        return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+                f"output={self.output_dtype.name}")
+
+
+def get_policy(spec: Union[str, Policy, Any]) -> Policy:
+    """Builds a :class:`Policy` from a string, a ``Policy`` or a ``jmp.Policy``.
+
+    Grammar (jmp's, ``jmp.get_policy``): comma-separated ``key=dtype`` pairs with keys
+    ``params``/``p``, ``compute``/``c``, ``output``/``o``; missing keys default to
+    float32. A bare dtype (``"bf16"``) sets all three. Presets: ``fp32``, ``mixed_bf16``,
+    ``mixed_fp16``, ``bf16`` (see :data:`PRESETS`).
+
+    Args:
+      spec: the policy description.
+
+    Returns:
+      The parsed policy.
+
+    Raises:
+      ValueError: an unknown key, dtype or malformed pair; the message names the bad
+        token and what is allowed.
+      TypeError: ``spec`` is neither a string nor a policy object.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if all(hasattr(spec, a) for a in ("param_dtype", "compute_dtype", "output_dtype")):
+        return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)  # jmp.Policy
+    if not isinstance(spec, str):
+        raise TypeError(f"policy spec must be a string or a Policy, got {type(spec).__name__}")
+    text = spec.strip()
+    if text.lower() in PRESETS:
+        text = PRESETS[text.lower()]
+    if "=" not in text:
+        if text.lower() not in DTYPE_NAMES:
+            raise ValueError(
+                f"unknown policy or dtype {spec!r}; allowed presets: {', '.join(PRESETS)}; "
+                f"dtypes: {', '.join(sorted(DTYPE_NAMES))}; or key=dtype pairs with keys "
+                f"{', '.join(sorted(_KEYS))}")
+        dtype = canonical_dtype(text)
+        return Policy(dtype, dtype, dtype)
+    fields = {"param_dtype": "float32", "compute_dtype": "float32", "output_dtype": "float32"}
+    for pair in text.split(","):
+        if pair.count("=") != 1:
+            raise ValueError(f"malformed policy item {pair.strip()!r} in {spec!r}; expected key=dtype")
+        key, value = (s.strip().lower() for s in pair.split("="))
+        if key not in _KEYS:
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {', '.join(sorted(_KEYS))}")
+        fields[_KEYS[key]] = canonical_dtype(value)
+    return Policy(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRules:
+    """Per-module policies: an ordered list of ``(pattern, policy)`` plus a default.
+
+    A module's path is its attribute path in the model joined by ``/`` (for example
+    ``blocks/3/moe/router``). :meth:`resolve` returns the policy of the **first** rule
+    whose pattern (a Python regular expression) is found anywhere in the path
+    (``re.search``); when several patterns match, the earlier rule wins, so put the most
+    specific patterns first. With no match, the default applies. Rules are resolved once
+    per module when the model is built, never inside the step.
+
+    As one config string (see :func:`get_policy_rules`)::
+
+        "mixed_fp16; router: fp32; norm: fp32; experts: p=f32,c=f16,o=f32"
+
+    Attributes:
+      default: the policy of modules no rule matches.
+      rules: the ``(pattern, policy)`` pairs, in priority order.
+    """
+
+    default: Policy
+    rules: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "default", get_policy(self.default))
+        rules = []
+        for item in self.rules:
+            pattern, policy = item
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"bad module pattern {pattern!r}: {e}") from e
+            rules.append((str(pattern), get_policy(policy)))
+        object.__setattr__(self, "rules", tuple(rules))
+
+    def resolve(self, path: Union[str, Sequence[Any]]) -> Policy:
+        """Returns the policy of the module at ``path`` (a ``/``-joined string or a sequence of keys)."""
+        if not isinstance(path, str):
+            path = "/".join(str(p) for p in path)
+        for pattern, policy in self.rules:
+            if re.search(pattern, path):
+                return policy
+        return self.default
+
+    def __str__(self) -> str:
+        parts = [str(self.default)] + [f"{pattern}: {policy}" for pattern, policy in self.rules]
+        return "; ".join(parts)
+
+
+def get_policy_rules(spec: Union[str, Policy, PolicyRules, Iterable]) -> PolicyRules:
+    """Parses per-module policies from one string.
+
+    Grammar: ``;``-separated items. An item without ``:`` is the default policy (at most
+    one; float32 if absent); ``PATTERN: POLICY`` adds a rule, in order. ``POLICY`` is
+    anything :func:`get_policy` accepts. Example: ``"mixed_bf16; router: fp32; norm: fp32"``.
+
+    Args:
+      spec: the rules string, a single policy (no rules), or a ``PolicyRules``.
+
+    Returns:
+      The parsed :class:`PolicyRules`.
+
+    Raises:
+      ValueError: two defaults, an empty pattern, a bad regular expression or a bad policy.
+    """
+    if isinstance(spec, PolicyRules):
+        return spec
+    if not isinstance(spec, str):
+        return PolicyRules(default=get_policy(spec))
+    default = None
+    rules = []
+    for item in (s.strip() for s in spec.split(";")):
+        if not item:
+            continue
+        if ":" in item:
+            pattern, policy = (s.strip() for s in item.split(":", 1))
+            if not pattern:
+                raise ValueError(f"empty module pattern in rule {item!r} of {spec!r}")
+            rules.append((pattern, get_policy(policy)))
+        else:
+            if default is not None:
+                raise ValueError(f"two default policies in {spec!r}: {str(default)!r} and {item!r}")
+            default = get_policy(item)
+    return PolicyRules(default=default or get_policy("fp32"), rules=tuple(rules))
