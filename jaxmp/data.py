@@ -1,0 +1,457 @@
+"""Byte-level language-model data pipeline built on grain.
+
+Documents (the Python standard library's own ``.py`` files by default, or the
+user's text / ``.jsonl`` files) are split into train and eval by document, each
+split is packed into one token stream with an end-of-document token after every
+document, and the stream is cut into non-overlapping windows of ``seq_len + 1``
+tokens. Training batches come from a ``grain.MapDataset`` (global shuffle,
+reshuffled every epoch) whose iterator state is a small JSON-serialisable dict,
+so a resumed run sees exactly the batches it would have seen.
+
+Example::
+
+    cfg = ml_collections.ConfigDict(dict(path=None, text_field="text", seq_len=256,
+                                         eval_fraction=0.02, num_eval_batches=8,
+                                         max_tokens=None))
+    pipe = create_pipeline(cfg, global_batch_size=32, seed=0)
+    batch = next(pipe.train_iter)  # {"inputs", "targets"}: int32 [32, 256]
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import pathlib
+import sysconfig
+import zlib
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# Bumped when the meaning of a saved iterator state changes.
+_STATE_VERSION = 1
+
+
+class ByteTokenizer:
+    """Tokenizer whose tokens are raw bytes plus one end-of-document token.
+
+    Ids ``0..255`` are the bytes themselves, so any file, valid UTF-8 or not, is
+    tokenized losslessly without decoding; id ``256`` (``eos_id``) marks the end
+    of a document. Nothing is downloaded (the ByT5 / nanoGPT "byte-level" idea,
+    without ByT5's special-token offset).
+
+    Attributes:
+      vocab_size: 257 (256 byte values + EOS).
+      eos_id: 256.
+    """
+
+    vocab_size: int = 257
+    eos_id: int = 256
+
+    def encode(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
+        """Returns the token ids of ``text`` as one document.
+
+        Args:
+          text: a ``str`` (encoded as UTF-8) or raw ``bytes`` (used as they are,
+            so invalid UTF-8 survives unchanged).
+          add_eos: append ``eos_id`` after the bytes, as the packed corpus does
+            after every document; pass ``False`` for a prompt to be continued.
+
+        Returns:
+          int32 array ``[num_bytes (+1)]`` with values in ``[0, 257)``.
+
+        Raises:
+          TypeError: ``text`` is neither ``str`` nor bytes-like.
+        """
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        elif not isinstance(text, (bytes, bytearray, memoryview)):
+            raise TypeError(f"encode expects str or bytes, got {type(text).__name__}")
+        ids = np.frombuffer(bytes(text), dtype=np.uint8).astype(np.int32)
+        if add_eos:
+            ids = np.append(ids, np.int32(self.eos_id))
+        return ids
+
+    def decode(self, ids: Any) -> str:
+        """Returns the text of token ids, dropping every EOS token.
+
+        The remaining bytes are decoded as UTF-8 with ``errors="replace"``: each
+        undecodable byte sequence becomes U+FFFD (the replacement character), so
+        decoding never fails but is lossless only for valid UTF-8.
+
+        Args:
+          ids: integer array-like of any shape (flattened), values in ``[0, 257)``.
+
+        Returns:
+          The decoded string.
+
+        Raises:
+          ValueError: ``ids`` is not integer or holds a value outside ``[0, 257)``.
+        """
+        ids = np.asarray(ids).reshape(-1)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= self.vocab_size)
+        if bad.any():
+            raise ValueError(
+                f"token id {ids[bad][0]} is outside [0, {self.vocab_size})")
+        data = ids[ids != self.eos_id].astype(np.uint8).tobytes()
+        return data.decode("utf-8", errors="replace")
+
+
+def default_corpus_files() -> list[pathlib.Path]:
+    """Returns the standard library's ``.py`` files, sorted by relative path.
+
+    The root is ``sysconfig.get_paths()["stdlib"]``; subpackages are included,
+    ``site-packages`` / ``dist-packages`` (third-party code) and ``__pycache__``
+    are not, and directory symlinks are not followed.
+
+    Returns:
+      Absolute paths, sorted by their POSIX path relative to the stdlib root, so
+      the order is the same on every machine with the same Python version.
+
+    Raises:
+      FileNotFoundError: the stdlib holds no ``.py`` file (e.g. a zipped stdlib).
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"no .py files under the stdlib directory {root}")
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
+    docs = []
+    with open(file, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{file}, line {lineno}: invalid JSON ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(
+                    f"{file}, line {lineno}: expected a JSON object with a string "
+                    f"field {text_field!r}, got {line[:80]!r}")
+            docs.append((f"{file}:{lineno}", record[text_field].encode("utf-8")))
+    return docs
+
+
+def load_documents(path: str | None, text_field: str = "text") -> list[tuple[str, bytes]]:
+    """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
+
+    Args:
+      path: ``None`` or ``""`` for the stdlib corpus (:func:`default_corpus_files`,
+        names are POSIX paths relative to the stdlib root); otherwise a glob
+        (``**`` matches any number of directories) of text files, each one
+        document read as raw bytes, or of ``.jsonl`` files, each non-blank line
+        one JSON object whose ``text_field`` string (UTF-8 encoded) is one
+        document named ``"file:line"``. Files are taken in sorted path order;
+        directories the glob matches are ignored.
+      text_field: the ``.jsonl`` field holding the text.
+
+    Returns:
+      Documents in a deterministic order.
+
+    Raises:
+      ValueError: no file matches ``path``; a ``.jsonl`` line is not valid JSON
+        or lacks a string ``text_field`` (names the file and line number).
+    """
+    if not path:
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        docs = [(p.relative_to(root).as_posix(), p.read_bytes())
+                for p in default_corpus_files()]
+        return [d for d in docs if d[1]]
+    files = sorted(f for f in glob.glob(os.path.expanduser(path), recursive=True)
+                   if os.path.isfile(f))
+    if not files:
+        raise ValueError(f"no file matches data.path glob {path!r}")
+    docs = []
+    for file in files:
+        if file.lower().endswith(".jsonl"):
+            docs.extend(_jsonl_documents(file, text_field))
+        else:
+            with open(file, "rb") as f:
+                docs.append((file, f.read()))
+    return [d for d in docs if d[1]]
+
+
+def _eval_score(name: str) -> float:
+    # crc32 is stable across processes and machines, unlike hash() of a str.
+    return zlib.crc32(name.encode("utf-8")) / 2**32
+
+
+def split_documents(docs: Sequence[tuple[str, bytes]],
+                    eval_fraction: float) -> tuple[list, list]:
+    """Splits documents into train and eval by a stable hash of their names.
+
+    A document goes to eval iff ``zlib.crc32(name.encode()) / 2**32 <
+    eval_fraction``. The choice depends only on the name, so it is the same on
+    every machine and run, and adding or removing documents never moves the
+    others to the other split. Each split keeps the input order. The eval share
+    is ``eval_fraction`` of the documents in expectation, not exactly.
+
+    Args:
+      docs: ``(name, bytes)`` documents.
+      eval_fraction: in ``[0, 1)``; 0 puts every document in train.
+
+    Returns:
+      ``(train_docs, eval_docs)``, disjoint, together all of ``docs``.
+
+    Raises:
+      ValueError: ``eval_fraction`` is outside ``[0, 1)``.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    train, evals = [], []
+    for doc in docs:
+        (evals if _eval_score(doc[0]) < eval_fraction else train).append(doc)
+    return train, evals
+
+
+class TokenStream:
+    """A packed token stream viewed as non-overlapping windows of ``seq_len + 1``.
+
+    Window ``i`` is ``tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its
+    first ``seq_len`` tokens are model inputs and its last ``seq_len`` the
+    next-token targets. The tail shorter than a window is dropped. Tokens are
+    stored once as uint16 (2 bytes/token; the stdlib is ~30 M tokens, ~60 MB) and
+    windows are sliced on demand, so the stream is a grain random-access source.
+
+    Args:
+      tokens: 1-D integer array with values in ``[0, 257)``.
+      seq_len: model sequence length (> 0).
+
+    Raises:
+      ValueError: ``seq_len <= 0``, ``tokens`` is not 1-D, or it holds fewer than
+        ``seq_len + 1`` tokens (the message gives both counts).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if not isinstance(seq_len, (int, np.integer)) or seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.size < seq_len + 1:
+            raise ValueError(
+                f"corpus has {tokens.size} tokens, fewer than the seq_len + 1 = "
+                f"{seq_len + 1} needed for one sequence")
+        self.seq_len = int(seq_len)
+        self.tokens = tokens.astype(np.uint16, copy=False)
+        n = tokens.size // (seq_len + 1)
+        self._windows = self.tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+    @classmethod
+    def from_documents(cls, docs: Sequence[tuple[str, bytes]], seq_len: int, *,
+                       max_tokens: int | None = None) -> "TokenStream":
+        """Packs documents, each followed by EOS (256), into one stream.
+
+        Args:
+          docs: ``(name, bytes)`` documents in order; every byte is one token.
+          seq_len: model sequence length.
+          max_tokens: keep only the first ``max_tokens`` tokens of the packed
+            stream (``None`` or 0: all); documents past the cap are never copied.
+
+        Returns:
+          The stream.
+
+        Raises:
+          ValueError: as for the constructor, or ``max_tokens < 0``.
+        """
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be None or >= 0, got {max_tokens}")
+        max_tokens = max_tokens or None
+        kept, total = [], 0
+        for _, data in docs:
+            if max_tokens is not None and total >= max_tokens:
+                break
+            kept.append(data)
+            total += len(data) + 1
+        lengths = np.fromiter((len(d) for d in kept), dtype=np.int64, count=len(kept))
+        eos_at = np.cumsum(lengths + 1) - 1
+        tokens = np.empty(total, dtype=np.uint16)
+        is_byte = np.ones(total, dtype=bool)
+        is_byte[eos_at] = False
+        tokens[is_byte] = np.frombuffer(b"".join(kept), dtype=np.uint8)
+        tokens[eos_at] = ByteTokenizer.eos_id
+        return cls(tokens[:max_tokens], seq_len)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the stream, including the dropped tail."""
+        return int(self.tokens.size)
+
+    def __len__(self) -> int:
+        return self._windows.shape[0]
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Returns window ``index`` as int32 ``[seq_len + 1]``."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        return self._windows[index].astype(np.int32)
+
+    def batch(self, window_ids: Any) -> dict[str, np.ndarray]:
+        """Gathers windows into a ``{"inputs", "targets"}`` batch.
+
+        Args:
+          window_ids: integer array ``[B]`` of window indices.
+
+        Returns:
+          ``inputs = w[:, :-1]`` and ``targets = w[:, 1:]`` of the gathered
+          windows ``w``, both contiguous int32 ``[B, seq_len]``.
+        """
+        w = self._windows[np.asarray(window_ids)].astype(np.int32)
+        return {"inputs": np.ascontiguousarray(w[:, :-1]),
+                "targets": np.ascontiguousarray(w[:, 1:])}
+
+
+@dataclasses.dataclass
+class DataPipeline:
+    """Training iterator, eval batches and corpus statistics for one process.
+
+    Attributes:
+      train_iter: infinite iterator of ``{"inputs", "targets"}`` int32
+        ``[local_batch, seq_len]`` batches, ``local_batch = global_batch /
+        process_count``.
+      eval_batches: ``num_eval_batches`` batches of the same form, fixed order.
+      tokenizer: the :class:`ByteTokenizer`.
+      train_tokens: tokens in the (capped) packed train stream.
+      eval_tokens: tokens in the (capped) packed eval stream.
+      num_documents: non-empty documents in the corpus (both splits).
+    """
+
+    train_iter: grain.DatasetIterator
+    eval_batches: list[dict]
+    tokenizer: ByteTokenizer
+    train_tokens: int
+    eval_tokens: int
+    num_documents: int
+    # Identifies the training order; a saved state only resumes a matching one.
+    _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def get_state(self) -> dict:
+        """Returns the train iterator's position as a JSON-serialisable dict.
+
+        The position counts global batches, so a run may resume with a different
+        ``process_count`` and still see the same global batches.
+        """
+        return {"version": _STATE_VERSION, "fingerprint": dict(self._fingerprint),
+                "iterator": self.train_iter.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        """Moves the train iterator to a position saved by :meth:`get_state`.
+
+        Raises:
+          ValueError: ``state`` was saved by a pipeline with a different corpus
+            size, seq_len, global batch size or seed (its batches would differ).
+        """
+        if state.get("version") != _STATE_VERSION or "iterator" not in state:
+            raise ValueError(f"not a DataPipeline state (version {_STATE_VERSION}): {state!r}")
+        if state.get("fingerprint") != self._fingerprint:
+            raise ValueError(
+                f"data state was saved for {state.get('fingerprint')}, but this "
+                f"pipeline is {self._fingerprint}")
+        self.train_iter.set_state(state["iterator"])
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
+                    process_index: int = 0, process_count: int = 1) -> DataPipeline:
+    """Builds this process's train iterator and eval batches.
+
+    Train: window ids ``0..n-1`` are globally shuffled with ``seed`` by grain,
+    repeated forever with a fresh shuffle every epoch, and grouped into global
+    batches of ``global_batch_size`` (batches may span an epoch boundary). Each
+    process then gathers only rows ``[i * B / P, (i + 1) * B / P)`` of each global
+    batch, so the processes' rows together are the one-process global batch.
+    Shuffling ids rather than windows is what lets a process read only its rows.
+
+    Eval: global batch ``k`` holds eval windows ``k * B .. (k + 1) * B - 1``
+    modulo the number of eval windows (a small eval split is repeated), unshuffled.
+
+    Args:
+      data_config: object with attributes ``path`` (glob, ``None``/``""``: the
+        stdlib), ``text_field`` (default ``"text"``), ``seq_len``,
+        ``eval_fraction`` (see :func:`split_documents`), ``num_eval_batches``
+        (0 disables eval) and ``max_tokens`` (``None`` or 0: all; otherwise caps
+        each split's packed stream, for tests and tiny runs).
+      global_batch_size: sequences per step over all processes.
+      seed: shuffle seed in ``[0, 2**32)`` (grain's range).
+      process_index: this process, in ``[0, process_count)``.
+      process_count: number of processes sharing each global batch.
+
+    Returns:
+      The pipeline.
+
+    Raises:
+      ValueError: a non-positive batch size, seq_len or process count; a batch
+        not divisible by ``process_count``; a bad ``process_index``, ``seed``,
+        ``eval_fraction``, ``num_eval_batches`` or ``max_tokens``; no file
+        matches ``path``; a bad ``.jsonl`` line; a train split shorter than one
+        window; an eval split shorter than one window while eval is enabled.
+    """
+    seq_len = _check_int("data.seq_len", data_config.seq_len, 1)
+    batch = _check_int("global_batch_size", global_batch_size, 1)
+    count = _check_int("process_count", process_count, 1)
+    index = _check_int("process_index", process_index, 0)
+    if index >= count:
+        raise ValueError(f"process_index must be < process_count={count}, got {index}")
+    if batch % count:
+        raise ValueError(f"global_batch_size={batch} is not divisible by "
+                         f"process_count={count}")
+    seed = _check_int("seed", seed, 0)
+    if seed >= 2**32:
+        raise ValueError(f"seed must be < 2**32, got {seed}")
+    num_eval = _check_int("data.num_eval_batches", getattr(data_config, "num_eval_batches", 0), 0)
+    max_tokens = getattr(data_config, "max_tokens", None)
+    if max_tokens is not None:
+        max_tokens = _check_int("data.max_tokens", max_tokens, 0) or None
+    eval_fraction = float(getattr(data_config, "eval_fraction", 0.0))
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+
+    path = getattr(data_config, "path", None)
+    docs = load_documents(path, getattr(data_config, "text_field", None) or "text")
+    train_docs, eval_docs = split_documents(docs, eval_fraction)
+    train = TokenStream.from_documents(train_docs, seq_len, max_tokens=max_tokens)
+    lo, hi = index * batch // count, (index + 1) * batch // count
+
+    eval_batches, eval_tokens = [], 0
+    if num_eval:
+        try:
+            evals = TokenStream.from_documents(eval_docs, seq_len, max_tokens=max_tokens)
+        except ValueError as e:
+            raise ValueError(
+                f"eval split ({len(eval_docs)} documents, eval_fraction={eval_fraction}) "
+                f"is too small: {e}; add documents, raise data.eval_fraction, or set "
+                "data.num_eval_batches=0") from None
+        eval_tokens = evals.num_tokens
+        ids = (np.arange(num_eval * batch) % len(evals)).reshape(num_eval, batch)
+        eval_batches = [evals.batch(row[lo:hi]) for row in ids]
+
+    ds = (grain.MapDataset.range(len(train)).shuffle(seed=seed).repeat()
+          .batch(batch, drop_remainder=True)
+          .map(lambda ids: train.batch(ids[lo:hi])))
+    # One reader thread and a 2-batch buffer: gathering is a NumPy copy, and
+    # grain's default (16 threads, 500 batches) would hold hundreds of MB.
+    train_iter = iter(ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
+    return DataPipeline(
+        train_iter=train_iter, eval_batches=eval_batches, tokenizer=ByteTokenizer(),
+        train_tokens=train.num_tokens, eval_tokens=eval_tokens,
+        num_documents=len(docs),
+        _fingerprint={"train_windows": len(train), "seq_len": seq_len,
+                      "global_batch_size": batch, "seed": seed})
