@@ -62,16 +62,18 @@ def _is_float_array(x) -> bool:
 
 
 def _scale_leaf(x, factor):
-    """Multiplies in float32 and casts back, so the scale itself never overflows ``x.dtype``."""
+    """Multiplies in (at least) float32 and casts back, so the scale itself never overflows ``x.dtype``."""
     if not _is_float_array(x):
         return x
-    return (x.astype(jnp.float32) * factor).astype(x.dtype)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return (x.astype(wide) * factor).astype(x.dtype)
 
 
 def _unscale_leaf(x, loss_scale, dtype):
     if not _is_float_array(x):
         return x
-    out = x.astype(jnp.float32) / loss_scale
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    out = x.astype(wide) / loss_scale.astype(wide)
     return out.astype(dtype if dtype is not None else x.dtype)
 
 
@@ -83,6 +85,10 @@ def _concrete(x) -> Optional[float]:
         return float(np.asarray(x))
     except Exception:  # pragma: no cover - odd leaves during tree manipulation
         return None
+
+
+def _int32_at_least(v: float, lo: int) -> bool:
+    return bool(np.isfinite(v)) and float(v).is_integer() and lo <= v <= np.iinfo(np.int32).max
 
 
 class _PytreeMixin:
@@ -209,8 +215,9 @@ class DynamicLossScale(LossScale):
     ``DynamicGradScaler``):
 
     * finite step: ``counter += 1``; when it reaches ``growth_interval`` the scale becomes
-      ``min(loss_scale * growth_factor, max_loss_scale)`` (kept unchanged if that is not
-      finite), ``counter`` resets to 0 and the hysteresis budget refills to ``hysteresis``.
+      ``min(loss_scale * growth_factor, max_loss_scale)``, except that when the float32
+      product overflows to ``inf`` the scale stays unchanged (jmp); ``counter`` resets to 0
+      and the hysteresis budget refills to ``hysteresis``.
     * non-finite step: ``counter = 0`` and one unit of hysteresis budget is spent; once
       the budget is spent (after ``hysteresis`` non-finite steps since the last growth)
       the scale becomes ``max(loss_scale * backoff_factor, min_loss_scale)`` on each
@@ -226,15 +233,17 @@ class DynamicLossScale(LossScale):
     may be set below 1 (case LS-3); ``max_loss_scale`` the largest float32, so growth
     never produces ``inf``.
 
-    All arguments are keyword-only. Every field is a pytree leaf: ``loss_scale``,
+    All arguments are keyword-only; ``counter`` and ``hysteresis_counter`` (default
+    ``hysteresis``) set a mid-training state. Every field is a pytree leaf: ``loss_scale``,
     ``min_loss_scale``, ``max_loss_scale``, ``growth_factor``, ``backoff_factor`` are
     float32 scalars; ``counter``, ``hysteresis_counter``, ``growth_interval``,
     ``hysteresis`` are int32 scalars.
 
     Raises:
       ValueError: on construction with concrete values that break
-        ``0 < min_loss_scale <= loss_scale <= max_loss_scale``, ``growth_interval >= 1``,
-        ``growth_factor >= 1``, ``0 < backoff_factor <= 1`` or ``hysteresis >= 1``.
+        ``0 < min_loss_scale <= loss_scale <= max_loss_scale <= float32 max``,
+        ``growth_interval >= 1``, ``growth_factor >= 1``, ``0 < backoff_factor <= 1``,
+        ``hysteresis >= 1``, ``counter >= 0`` or ``0 <= hysteresis_counter <= hysteresis``.
     """
 
     _fields = ("loss_scale", "counter", "hysteresis_counter", "growth_interval",
@@ -249,17 +258,19 @@ class DynamicLossScale(LossScale):
         values = dict(loss_scale=loss_scale, growth_interval=growth_interval,
                       growth_factor=growth_factor, backoff_factor=backoff_factor,
                       hysteresis=hysteresis, min_loss_scale=min_loss_scale,
-                      max_loss_scale=max_loss_scale, counter=counter)
+                      max_loss_scale=max_loss_scale, counter=counter,
+                      hysteresis_counter=hysteresis_counter)
         c = {k: _concrete(v) for k, v in values.items()}
         checks = [
             ("min_loss_scale", lambda v: 0 < v <= _F32_MAX, "a positive finite float32"),
             ("max_loss_scale", lambda v: 0 < v <= _F32_MAX, "a positive finite float32"),
             ("loss_scale", lambda v: np.isfinite(v) and v > 0, "a positive finite float32"),
-            ("growth_interval", lambda v: v >= 1 and v == int(v), "an integer >= 1"),
-            ("growth_factor", lambda v: np.isfinite(v) and v >= 1, "a finite number >= 1"),
+            ("growth_interval", lambda v: _int32_at_least(v, 1), "an int32 >= 1"),
+            ("growth_factor", lambda v: 1 <= v <= _F32_MAX, "a finite float32 >= 1"),
             ("backoff_factor", lambda v: 0 < v <= 1, "in (0, 1]"),
-            ("hysteresis", lambda v: v >= 1 and v == int(v), "an integer >= 1"),
-            ("counter", lambda v: v >= 0 and v == int(v), "an integer >= 0"),
+            ("hysteresis", lambda v: _int32_at_least(v, 1), "an int32 >= 1"),
+            ("counter", lambda v: _int32_at_least(v, 0), "an int32 >= 0"),
+            ("hysteresis_counter", lambda v: _int32_at_least(v, 0), "an int32 >= 0"),
         ]
         for name, ok, allowed in checks:
             if c[name] is not None and not ok(c[name]):
@@ -268,14 +279,16 @@ class DynamicLossScale(LossScale):
         if None not in (lo, s, hi) and not lo <= s <= hi:
             raise ValueError(f"loss_scale={s!r} must lie in [min_loss_scale={lo!r}, "
                              f"max_loss_scale={hi!r}]")
+        if None not in (c["hysteresis"], c["hysteresis_counter"]) and c["hysteresis_counter"] > c["hysteresis"]:
+            raise ValueError(f"hysteresis_counter={c['hysteresis_counter']!r} must not exceed "
+                             f"hysteresis={c['hysteresis']!r}")
         f32, i32 = jnp.float32, jnp.int32
         for name, dtype in (("loss_scale", f32), ("counter", i32),
                             ("hysteresis_counter", i32), ("growth_interval", i32),
                             ("growth_factor", f32), ("backoff_factor", f32),
                             ("hysteresis", i32), ("min_loss_scale", f32),
                             ("max_loss_scale", f32)):
-            value = hysteresis_counter if name == "hysteresis_counter" else values[name]
-            object.__setattr__(self, name, jnp.asarray(value, dtype))
+            object.__setattr__(self, name, jnp.asarray(values[name], dtype))
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
         """Returns the next loss scale given this step's global finiteness verdict.
@@ -285,8 +298,15 @@ class DynamicLossScale(LossScale):
 
         Returns:
           A new ``DynamicLossScale``; all fields keep their dtypes (float32 / int32).
+
+        Raises:
+          ValueError: ``grads_finite`` is not a scalar.
         """
-        finite = jnp.asarray(grads_finite, jnp.bool_)
+        finite = jnp.asarray(grads_finite)
+        if finite.shape != ():
+            raise ValueError(f"adjust needs one bool verdict (shape ()), got shape {finite.shape}; "
+                             f"reduce with all_finite(grads)")
+        finite = finite.astype(jnp.bool_)
         # Finite step: count, and grow after `growth_interval` finite steps in a row.
         counter = self.counter + 1
         grow = counter >= self.growth_interval
@@ -366,8 +386,9 @@ def get_loss_scale(spec: Union[str, LossScale]) -> LossScale:
     Example: ``dynamic:init=256,growth_interval=500``.
 
     Raises:
-      ValueError: unknown kind or key, or a value that is not a number; the message
-        names the bad token and what is allowed.
+      ValueError: unknown kind or key, a key given twice, a value that is not a number
+        (or not an integer for ``growth_interval``/``hysteresis``), or values the
+        constructor rejects; the message names the bad token and what is allowed.
     """
     if isinstance(spec, LossScale):
         return spec
@@ -402,11 +423,21 @@ def get_loss_scale(spec: Union[str, LossScale]) -> LossScale:
         for item in filter(None, (s.strip() for s in args.split(","))):
             key, eq, value = item.partition("=")
             key = key.strip().lower()
-            if not eq or key not in keys:
+            if key not in keys:
                 raise ValueError(f"unknown dynamic loss scale key {key!r} in {spec!r}; "
                                  f"allowed: {', '.join(sorted(keys))}")
+            if not eq:
+                raise ValueError(f"dynamic loss scale item {item!r} in {spec!r} needs a value: "
+                                 f"{key}=VALUE")
+            if keys[key] in kwargs:
+                raise ValueError(f"dynamic loss scale key {key!r} in {spec!r} sets "
+                                 f"{keys[key]} twice")
             v = number(value)
-            kwargs[keys[key]] = int(v) if keys[key] in ("growth_interval", "hysteresis") else v
+            if keys[key] in ("growth_interval", "hysteresis"):
+                if not v.is_integer():
+                    raise ValueError(f"{key}={value.strip()!r} in {spec!r} must be an integer")
+                v = int(v)
+            kwargs[keys[key]] = v
         return DynamicLossScale(**kwargs)
     raise ValueError(f"unknown loss scale kind {kind!r} in {spec!r}; allowed: none, static:S, "
                      f"dynamic[:key=value,...]")

@@ -77,6 +77,8 @@ def canonical_dtype(name: Any) -> jnp.dtype:
       ValueError: the name is unknown or not a floating-point dtype; the message
         names the bad value and lists the accepted names.
     """
+    if name is None:  # jnp.dtype(None) would silently give the default float dtype
+        raise ValueError(f"dtype None is not allowed; allowed: {', '.join(sorted(DTYPE_NAMES))}")
     if isinstance(name, str):
         key = name.strip().lower()
         if key not in DTYPE_NAMES:
@@ -166,9 +168,12 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
     """Builds a :class:`Policy` from a string, a ``Policy`` or a ``jmp.Policy``.
 
     Grammar (jmp's, ``jmp.get_policy``): comma-separated ``key=dtype`` pairs with keys
-    ``params``/``p``, ``compute``/``c``, ``output``/``o``; missing keys default to
-    float32. A bare dtype (``"bf16"``) sets all three. Presets: ``fp32``, ``mixed_bf16``,
-    ``mixed_fp16``, ``bf16`` (see :data:`PRESETS`).
+    ``params``/``p``, ``compute``/``c``, ``output``/``o``, each at most once. Missing keys
+    follow jmp: params default to float32, compute to the param dtype, output to the
+    compute dtype (``"c=bf16"`` is ``p=f32,c=bf16,o=bf16``). A bare dtype (``"bf16"``)
+    sets all three. Presets: ``fp32``, ``mixed_bf16``, ``mixed_fp16``, ``bf16`` (see
+    :data:`PRESETS`). Unlike jmp, ``half`` always means float16 (jmp picks bfloat16 on
+    TPU), so a config means the same on every backend.
 
     Args:
       spec: the policy description.
@@ -198,15 +203,23 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
                 f"{', '.join(sorted(_KEYS))}")
         dtype = canonical_dtype(text)
         return Policy(dtype, dtype, dtype)
-    fields = {"param_dtype": "float32", "compute_dtype": "float32", "output_dtype": "float32"}
+    fields = {}
     for pair in text.split(","):
         if pair.count("=") != 1:
             raise ValueError(f"malformed policy item {pair.strip()!r} in {spec!r}; expected key=dtype")
         key, value = (s.strip().lower() for s in pair.split("="))
         if key not in _KEYS:
             raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {', '.join(sorted(_KEYS))}")
-        fields[_KEYS[key]] = canonical_dtype(value)
-    return Policy(**fields)
+        if _KEYS[key] in fields:
+            raise ValueError(f"policy key {key!r} in {spec!r} sets {_KEYS[key]} twice")
+        try:
+            fields[_KEYS[key]] = canonical_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"{e} (in policy {spec!r})") from None
+    # jmp's defaults: params float32, compute follows params, output follows compute.
+    param = fields.get("param_dtype", jnp.dtype(jnp.float32))
+    compute = fields.get("compute_dtype", param)
+    return Policy(param, compute, fields.get("output_dtype", compute))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +238,13 @@ class PolicyRules:
         "mixed_fp16; router: fp32; norm: fp32; experts: p=f32,c=f16,o=f32"
 
     Attributes:
-      default: the policy of modules no rule matches.
-      rules: the ``(pattern, policy)`` pairs, in priority order.
+      default: the policy of modules no rule matches (anything :func:`get_policy` takes).
+      rules: the ``(pattern, policy)`` pairs in priority order, or an ordered mapping
+        ``{pattern: policy}``; stored as a tuple of pairs so the rules stay hashable.
+
+    Raises:
+      ValueError: a rule that is not a ``(pattern, policy)`` pair, a bad regular
+        expression, or a bad policy.
     """
 
     default: Policy
@@ -234,8 +252,12 @@ class PolicyRules:
 
     def __post_init__(self):
         object.__setattr__(self, "default", get_policy(self.default))
+        items = self.rules.items() if isinstance(self.rules, Mapping) else self.rules
         rules = []
-        for item in self.rules:
+        for item in items:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError(f"a policy rule must be a (pattern, policy) pair with a string "
+                                 f"pattern, got {item!r}")
             pattern, policy = item
             try:
                 re.compile(pattern)
@@ -264,6 +286,8 @@ def get_policy_rules(spec: Union[str, Policy, PolicyRules, Iterable]) -> PolicyR
     Grammar: ``;``-separated items. An item without ``:`` is the default policy (at most
     one; float32 if absent); ``PATTERN: POLICY`` adds a rule, in order. ``POLICY`` is
     anything :func:`get_policy` accepts. Example: ``"mixed_bf16; router: fp32; norm: fp32"``.
+    A pattern may contain ``:`` (the item is split at its last ``:``) but not ``;``.
+    ``get_policy_rules(str(rules)) == rules`` for rules whose patterns have no ``;``.
 
     Args:
       spec: the rules string, a single policy (no rules), or a ``PolicyRules``.
@@ -284,7 +308,8 @@ def get_policy_rules(spec: Union[str, Policy, PolicyRules, Iterable]) -> PolicyR
         if not item:
             continue
         if ":" in item:
-            pattern, policy = (s.strip() for s in item.split(":", 1))
+            # Policies never contain ':', patterns may ('(?:a|b)'): split at the last one.
+            pattern, policy = (s.strip() for s in item.rsplit(":", 1))
             if not pattern:
                 raise ValueError(f"empty module pattern in rule {item!r} of {spec!r}")
             rules.append((pattern, get_policy(policy)))
