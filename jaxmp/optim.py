@@ -1,0 +1,397 @@
+"""Optax integration for mixed precision: Adam with low-precision moments, a skip-safe
+update step, and gradient accumulation that one bad micro-step cannot poison.
+
+The recipe (Micikevicius et al. 2018, "Mixed Precision Training", sections 3.1-3.2;
+PyTorch ``torch.amp.GradScaler``):
+
+1. keep float32 *master weights* and let the optimizer update those (section 3.1);
+2. multiply the loss by the loss scale ``S`` before the backward pass (section 3.2);
+3. divide the gradients by ``S`` in float32 **before anything else looks at them**, so
+   gradient clipping and the norm you log see true magnitudes (GradScaler's
+   ``unscale_`` before ``clip_grad_norm_``; case LS-7);
+4. if any gradient is NaN or +-inf, skip the step: parameters, every optimizer state
+   leaf (step count included, so a learning-rate schedule does not advance) and any
+   other training state stay bitwise unchanged, chosen by a select, never by
+   multiplying with 0 (``inf * 0`` is NaN; case LS-6); then back the scale off.
+
+DeepSeek-V3 (technical report, section 3.3) keeps float32 master weights and stores
+both AdamW moments in bfloat16; :func:`scale_by_adam` allows that through
+``mu_dtype``/``nu_dtype`` while doing the moment arithmetic in float32.
+
+Threading a loss scale through your own train step::
+
+    policy = jaxmp.get_policy("mixed_fp16")
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            jaxmp.optim.adamw(3e-4, weight_decay=0.1))
+    opt_state = optimizer.init(params)                 # params are float32
+    loss_scale = jaxmp.DynamicLossScale(loss_scale=2.0**15)
+
+    @jax.jit
+    def train_step(params, opt_state, loss_scale, batch):
+        def loss_fn(p):
+            loss = model_loss(policy.cast_to_compute(p), batch)
+            return loss_scale.scale(loss), loss
+        grads, loss = jax.grad(loss_fn, has_aux=True)(params)   # scaled
+        out = jaxmp.optim.apply_gradients(optimizer, grads, opt_state, params, loss_scale)
+        return out.params, out.opt_state, out.loss_scale, loss, out.grad_norm
+
+Gradient accumulation: one loss scale and one finiteness verdict per effective batch
+(inside ``train_step``, in place of the last two lines of its body)::
+
+    acc = jaxmp.optim.accumulator_init(params)
+    def micro(acc, mb):
+        grads = jax.grad(lambda p: loss_scale.scale(model_loss(p, mb)))(params)
+        return jaxmp.optim.accumulate(acc, grads, loss_scale), None
+    acc, _ = jax.lax.scan(micro, acc, micro_batches)
+    mean, finite = jaxmp.optim.accumulated_mean(acc)
+    out = jaxmp.optim.apply_gradients(optimizer, mean, opt_state, params, loss_scale,
+                                      grads_scaled=False, grads_finite=finite)
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmp.loss_scale import LossScale, all_finite, select_tree
+from jaxmp.policy import canonical_dtype
+
+__all__ = [
+    "ScaleByAdamState",
+    "scale_by_adam",
+    "adamw",
+    "MixedPrecisionUpdate",
+    "apply_gradients",
+    "GradAccumulator",
+    "accumulator_init",
+    "accumulate",
+    "accumulated_mean",
+]
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _check_real(name: str, value: Any, lo: float, hi: Optional[float], allowed: str) -> None:
+    """Raises ValueError when a Python number lies outside ``[lo, hi)``; arrays pass."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not (lo <= value and (hi is None or value < hi)):
+            raise ValueError(f"{name}={value!r} is not allowed; it must be {allowed}")
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`.
+
+    Attributes:
+      count: int32 scalar, the number of applied updates (the ``t`` of bias correction).
+      mu: first moments, a tree like the params, each leaf in ``mu_dtype``.
+      nu: second moments, a tree like the params, each leaf in ``nu_dtype``.
+    """
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  eps_root: float = 0.0, mu_dtype: Any = None,
+                  nu_dtype: Any = None) -> optax.GradientTransformation:
+    """Adam's update direction with a storage dtype for each moment.
+
+    Per leaf, in float32 whatever the storage dtypes (Kingma & Ba 2015, Algorithm 1)::
+
+        mu = (1 - b1) * g + b1 * mu           nu = (1 - b2) * g**2 + b2 * nu
+        mu_hat = mu / (1 - b1**t)             nu_hat = nu / (1 - b2**t)
+        update = mu_hat / (sqrt(nu_hat + eps_root) + eps)
+
+    The moments are then stored in ``mu_dtype``/``nu_dtype`` (DeepSeek-V3 report
+    section 3.3.3 keeps both in bfloat16 next to float32 master weights; optax's own
+    ``scale_by_adam`` has only ``mu_dtype``). The update has the dtype of the incoming
+    gradient leaf. With float32 gradients and float32 moments, under ``jax.jit``, the
+    result is bitwise that of ``optax.scale_by_adam`` (same operation order).
+
+    Args:
+      b1: decay of the first moment, in [0, 1); default 0.9 (Kingma & Ba 2015).
+      b2: decay of the second moment, in [0, 1); default 0.999 (Kingma & Ba 2015).
+      eps: added to the denominator outside the square root, >= 0; default 1e-8.
+      eps_root: added inside the square root, >= 0; default 0 (optax).
+      mu_dtype: storage dtype of ``mu`` (e.g. ``"bf16"``); None = each param's dtype.
+      nu_dtype: storage dtype of ``nu``; None = each param's dtype.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state :class:`ScaleByAdamState`.
+
+    Raises:
+      ValueError: ``b1``/``b2`` outside [0, 1), negative ``eps``/``eps_root``, or a
+        dtype that is not floating point.
+    """
+    _check_real("b1", b1, 0.0, 1.0, "in [0, 1)")
+    _check_real("b2", b2, 0.0, 1.0, "in [0, 1)")
+    _check_real("eps", eps, 0.0, None, ">= 0")
+    _check_real("eps_root", eps_root, 0.0, None, ">= 0")
+    mu_dtype = None if mu_dtype is None else canonical_dtype(mu_dtype)
+    nu_dtype = None if nu_dtype is None else canonical_dtype(nu_dtype)
+
+    def init_fn(params):
+        def zeros(dtype):
+            return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.asarray(p).dtype), params)
+        return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(mu_dtype), nu=zeros(nu_dtype))
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        # Bias corrections in float32 from the int count: 0.999**t in bfloat16 is 1.
+        c1 = jnp.asarray(1 - b1 ** count, jnp.float32)
+        c2 = jnp.asarray(1 - b2 ** count, jnp.float32)
+
+        def f32(x):
+            return x.astype(jnp.float32)
+
+        mu = jax.tree.map(lambda g, m: (1 - b1) * f32(g) + b1 * f32(m), updates, state.mu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * (f32(g) * f32(g)) + b2 * f32(v), updates, state.nu)
+        u = jax.tree.map(
+            lambda g, m, v: ((m / c1) / (jnp.sqrt(v / c2 + eps_root) + eps)).astype(g.dtype),
+            updates, mu, nu)
+        m = jax.tree.map(lambda new, old: new.astype(old.dtype), mu, state.mu)
+        v = jax.tree.map(lambda new, old: new.astype(old.dtype), nu, state.nu)
+        return u, ScaleByAdamState(count=count, mu=m, nu=v)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adamw(learning_rate: Any, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 1e-4, mu_dtype: Any = None, nu_dtype: Any = None,
+          mask: Any = None) -> optax.GradientTransformation:
+    """AdamW (Loshchilov & Hutter 2019, decoupled weight decay) with per-moment dtypes.
+
+    ``optax.chain(scale_by_adam(...), optax.add_decayed_weights(weight_decay, mask),
+    optax.scale_by_learning_rate(learning_rate))``, i.e. optax.adamw's composition with
+    :func:`scale_by_adam` in place of optax's. Defaults as ``optax.adamw``.
+
+    Args:
+      learning_rate: a number >= 0 or an optax schedule ``count -> lr``. A schedule
+        reads the chain's own step count, which :func:`apply_gradients` leaves
+        unchanged on a skipped step.
+      b1, b2, eps, mu_dtype, nu_dtype: as in :func:`scale_by_adam`.
+      weight_decay: decoupled decay coefficient (multiplied by the learning rate), >= 0.
+      mask: optax mask (tree of bools or callable) of the params that decay.
+
+    Returns:
+      An ``optax.GradientTransformation``; its state is a tuple whose first element is a
+      :class:`ScaleByAdamState`.
+
+    Raises:
+      ValueError: a negative ``learning_rate``/``weight_decay``, or as in
+        :func:`scale_by_adam`.
+    """
+    if not callable(learning_rate):
+        _check_real("learning_rate", learning_rate, 0.0, None, ">= 0 or an optax schedule")
+    _check_real("weight_decay", weight_decay, 0.0, None, ">= 0")
+    return optax.chain(
+        scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+class MixedPrecisionUpdate(NamedTuple):
+    """Result of :func:`apply_gradients`.
+
+    Attributes:
+      params: new params (old ones, bitwise, on a skipped step); dtypes unchanged.
+      opt_state: new optimizer state (old one, bitwise, on a skipped step).
+      loss_scale: ``loss_scale.adjust(grads_finite)``.
+      extra: ``new_extra`` if the step was applied, else ``extra`` (None if not given).
+      grads_finite: bool scalar, True when the step was applied.
+      grad_norm: float32 scalar, global L2 norm of the unscaled gradients, computed in
+        float32 before any clipping (inf/NaN on a skipped step).
+    """
+
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+    extra: Any
+    grads_finite: jax.Array
+    grad_norm: jax.Array
+
+
+def _check_scalar_bool(name: str, value: Any) -> jax.Array:
+    value = jnp.asarray(value)
+    if value.shape != ():
+        raise ValueError(f"{name} must be a scalar bool, got shape {value.shape}")
+    return value.astype(jnp.bool_)
+
+
+def _to_float32(tree: Any, loss_scale: LossScale, grads_scaled: bool) -> Any:
+    if grads_scaled:
+        return loss_scale.unscale(tree, jnp.float32)
+    return jax.tree.map(lambda g: g.astype(jnp.float32) if _is_float(g) else g, tree)
+
+
+def _check_like(grads: Any, like: Any, what: str) -> None:
+    """Raises ValueError unless ``grads`` has the tree structure and shapes of ``like``."""
+    g_def, l_def = jax.tree.structure(grads), jax.tree.structure(like)
+    if g_def != l_def:
+        raise ValueError(f"grads and {what} must have one tree structure, got {g_def} and {l_def}")
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(like)):
+        if jnp.shape(g) != jnp.shape(p):
+            raise ValueError(f"gradient of shape {jnp.shape(g)} for a {what} leaf of shape {jnp.shape(p)}")
+
+
+def _cast_like(grads: Any, like: Any) -> Any:
+    """Casts each float gradient leaf to the dtype of the matching leaf of ``like``."""
+    return jax.tree.map(
+        lambda g, p: g.astype(jnp.asarray(p).dtype) if _is_float(g) and _is_float(jnp.asarray(p)) else g,
+        grads, like)
+
+
+def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any,
+                    params: Any, loss_scale: LossScale, *, grads_scaled: bool = True,
+                    grads_finite: Optional[jax.Array] = None, extra: Any = None,
+                    new_extra: Any = None) -> MixedPrecisionUpdate:
+    """One optimizer step under a loss scale, skipped as a whole if gradients overflow.
+
+    Order (Micikevicius et al. 2018, section 3.2; PyTorch GradScaler):
+
+    1. if ``grads_scaled``: ``grads = loss_scale.unscale(grads)`` in float32, first of
+       all, so clipping inside ``optimizer`` (e.g. ``optax.chain(
+       optax.clip_by_global_norm(1.0), adamw(...))``) and ``grad_norm`` see true
+       magnitudes (case LS-7);
+    2. ``grad_norm`` = global L2 norm of those float32 gradients;
+    3. cast each gradient to its param's dtype (the master dtype, normally float32);
+    4. ``finite = all_finite(grads) & grads_finite``; one verdict for all devices;
+    5. ``optimizer.update`` and ``optax.apply_updates``;
+    6. keep the new params, optimizer state (every leaf, counts included) and
+       ``new_extra`` only if ``finite``, by a leafwise select (case LS-6): a skipped
+       step is bitwise a no-op, whatever NaN the optimizer produced internally;
+    7. ``loss_scale.adjust(finite)``.
+
+    Args:
+      optimizer: any optax ``GradientTransformation`` (also ``optax.MultiSteps``).
+      grads: gradient tree, same structure and shapes as ``params``; any float dtypes.
+      opt_state: ``optimizer.init(params)`` or a later state.
+      params: the master weights.
+      loss_scale: a :class:`jaxmp.LossScale` (``NoOpLossScale()`` for none).
+      grads_scaled: True when ``grads`` are gradients of the scaled loss; False when
+        already divided by the scale (e.g. :func:`accumulated_mean`).
+      grads_finite: optional bool scalar ANDed into the verdict (e.g. from
+        :func:`accumulated_mean`, or a NaN loss).
+      extra: optional tree of other training state (e.g. MoE router biases) before
+        the step.
+      new_extra: that state after the step, same structure and dtypes; kept only if
+        the step is applied. Give both or neither.
+
+    Returns:
+      A :class:`MixedPrecisionUpdate`.
+
+    Raises:
+      ValueError: ``loss_scale`` is not a ``LossScale``; ``grads`` and ``params``
+        differ in structure or shapes; ``grads_finite`` is not a scalar; only one of
+        ``extra``/``new_extra`` is given.
+    """
+    if not isinstance(loss_scale, LossScale):
+        raise ValueError(f"loss_scale must be a jaxmp LossScale (NoOpLossScale, StaticLossScale, "
+                         f"DynamicLossScale), got {type(loss_scale).__name__}")
+    if (extra is None) != (new_extra is None):
+        raise ValueError("give both extra and new_extra, or neither")
+    _check_like(grads, params, "params")
+    if grads_finite is not None:
+        grads_finite = _check_scalar_bool("grads_finite", grads_finite)
+
+    grads32 = _to_float32(grads, loss_scale, grads_scaled)
+    grad_norm = optax.tree.norm([g for g in jax.tree.leaves(grads32) if _is_float(g)])
+    grads = _cast_like(grads32, params)
+    finite = all_finite(grads)
+    if grads_finite is not None:
+        finite = finite & grads_finite
+
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+    if extra is not None:
+        extra = select_tree(finite, new_extra, extra)
+    return MixedPrecisionUpdate(params=params, opt_state=opt_state,
+                                loss_scale=loss_scale.adjust(finite), extra=extra,
+                                grads_finite=finite, grad_norm=grad_norm.astype(jnp.float32))
+
+
+class GradAccumulator(NamedTuple):
+    """Running sum of unscaled micro-batch gradients (see :func:`accumulate`).
+
+    Attributes:
+      grad_sum: tree like the params, each leaf in its param's dtype (the master
+        dtype, normally float32): the sum of the finite micro-steps' gradients.
+      count: int32 scalar, micro-steps seen (finite or not).
+      finite: bool scalar, False once any micro-step had a NaN or +-inf gradient.
+    """
+
+    grad_sum: Any
+    count: jax.Array
+    finite: jax.Array
+
+
+def accumulator_init(params: Any) -> GradAccumulator:
+    """An empty accumulator: zeros in each param's dtype, ``count`` 0, ``finite`` True."""
+    grad_sum = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.asarray(p).dtype), params)
+    return GradAccumulator(grad_sum, jnp.zeros((), jnp.int32), jnp.ones((), jnp.bool_))
+
+
+def accumulate(acc: GradAccumulator, grads: Any, loss_scale: LossScale, *,
+               grads_scaled: bool = True) -> GradAccumulator:
+    """Adds one micro-step's gradients to ``acc``, unless they are not finite.
+
+    The gradients are unscaled in float32 (if ``grads_scaled``) and cast to the master
+    dtype before the sum, so bfloat16/float16 compute gradients never meet a float32
+    accumulator in mixed dtypes (case LS-8). A non-finite micro-step leaves
+    ``grad_sum`` bitwise unchanged (a select; a multiply by 0 would turn inf into NaN)
+    and sets ``finite`` to False, which skips the whole effective batch in
+    :func:`apply_gradients`. Every micro-step must use the same ``loss_scale``; adjust
+    it once per effective batch.
+
+    Args:
+      acc: the accumulator so far.
+      grads: this micro-step's gradients, structured like ``acc.grad_sum``.
+      loss_scale: the :class:`jaxmp.LossScale` the loss was multiplied by.
+      grads_scaled: False when ``grads`` are already unscaled.
+
+    Returns:
+      The new :class:`GradAccumulator` (``count`` + 1).
+
+    Raises:
+      ValueError: ``loss_scale`` is not a ``LossScale``, or ``grads`` and
+        ``acc.grad_sum`` differ in structure or shapes.
+    """
+    if not isinstance(loss_scale, LossScale):
+        raise ValueError(f"loss_scale must be a jaxmp LossScale, got {type(loss_scale).__name__}")
+    _check_like(grads, acc.grad_sum, "accumulator")
+    grads = _cast_like(_to_float32(grads, loss_scale, grads_scaled), acc.grad_sum)
+    ok = all_finite(grads)
+    summed = jax.tree.map(lambda s, g: s + g, acc.grad_sum, grads)
+    return GradAccumulator(grad_sum=select_tree(ok, summed, acc.grad_sum),
+                           count=acc.count + 1, finite=acc.finite & ok)
+
+
+def accumulated_mean(acc: GradAccumulator) -> tuple:
+    """The mean gradient of an effective batch and its finiteness verdict.
+
+    Args:
+      acc: an accumulator after at least one :func:`accumulate`.
+
+    Returns:
+      ``(mean_grads, finite)``: ``grad_sum / count`` in each leaf's dtype (divided in
+      float32), and the bool scalar ``acc.finite``. Pass both to :func:`apply_gradients`
+      with ``grads_scaled=False, grads_finite=finite``.
+
+    Raises:
+      ValueError: ``acc.count`` is concretely 0 (nothing was accumulated).
+    """
+    if not isinstance(acc.count, jax.core.Tracer) and int(acc.count) == 0:
+        raise ValueError("accumulated_mean of an empty accumulator (count=0); call accumulate first")
+    n = jnp.maximum(acc.count, 1).astype(jnp.float32)
+    mean = jax.tree.map(lambda s: (s.astype(jnp.float32) / n).astype(s.dtype) if _is_float(s) else s,
+                        acc.grad_sum)
+    return mean, acc.finite
