@@ -1,0 +1,223 @@
+"""The training loop behind ``python train.py --config configs/NAME.py``.
+
+Reads top to bottom: check the config, build the mesh, data, model and train state,
+resume from the newest checkpoint if the workdir has one, then run the jit-compiled
+:func:`~jaxmp.train_step.make_train_step` over the mesh with logging, evaluation and
+checkpoints, and finish with a generated sample.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxmp import sharding
+from jaxmp.checkpoint import Checkpointer
+from jaxmp.data import create_pipeline
+from jaxmp.loss_scale import get_loss_scale
+from jaxmp.metrics_log import MetricsWriter, expert_load_stats
+from jaxmp.models import ModelConfig, MoETransformer, count_params, generate
+from jaxmp.policy import get_policy_rules
+from jaxmp.train_step import (create_train_state, make_eval_step, make_lr_schedule,
+                              make_optimizer, make_train_step)
+
+__all__ = ["train_and_evaluate", "validate_config", "build", "config_to_dict"]
+
+
+def config_to_dict(config: ml_collections.ConfigDict) -> dict:
+    """The config as plain JSON-compatible data (stored in checkpoints)."""
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+    """Checks the trainer's settings before any work is done.
+
+    Raises:
+      ValueError: a count that must be positive is not, or the global batch cannot be
+        split into ``grad_accum_steps`` micro-batches that the data axis of the mesh
+        divides; the message names the values.
+    """
+    t = config.train
+    for key in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
+                "keep_checkpoints", "grad_accum_steps"):
+        if int(t[key]) < 1:
+            raise ValueError(f"train.{key} must be >= 1, got {t[key]}")
+    if t.batch_size % t.grad_accum_steps:
+        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                         f"train.grad_accum_steps={t.grad_accum_steps}")
+    micro = t.batch_size // t.grad_accum_steps
+    if micro % num_devices:
+        raise ValueError(
+            f"the micro-batch of {micro} sequences (train.batch_size={t.batch_size} / "
+            f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by the "
+            f"{num_devices} devices of the mesh's 'data' axis; use a multiple of {num_devices}")
+    if config.data.seq_len > config.model.max_len:
+        raise ValueError(f"data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}")
+
+
+def build(config: ml_collections.ConfigDict):
+    """Builds ``(model_config, rules, graphdef, state, optimizer, lr_schedule, param_counts)``
+    on the host; ``param_counts`` is ``(total, active_per_token)``."""
+    model_config = ModelConfig.from_config(config.model)
+    rules = get_policy_rules(config.precision.policy)
+    model = MoETransformer(model_config, rules, rngs=nnx.Rngs(config.seed))
+    optimizer = make_optimizer(config.optim, config.train.steps)
+    lr_schedule = make_lr_schedule(config.optim, config.train.steps)
+    graphdef, state = create_train_state(model, optimizer, get_loss_scale(config.precision.loss_scale),
+                                         config.seed)
+    return model_config, rules, graphdef, state, optimizer, lr_schedule, count_params(model)
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+
+
+def _banner(config, mesh, model_config, rules, state, data, param_counts) -> str:
+    total, active = param_counts
+    state_bytes = _tree_bytes(state)
+    grad_bytes = _tree_bytes(state.params)
+    lines = [
+        "jaxmp trainer",
+        f"  devices     : {len(mesh.devices.flat)} x {jax.devices()[0].platform} "
+        f"({jax.process_count()} process(es)); mesh {dict(mesh.shape)}",
+        f"  model       : {model_config.num_layers} layers, d_model {model_config.d_model}, "
+        f"{model_config.num_heads} heads, {model_config.num_experts} routed + "
+        f"{model_config.num_shared_experts} shared experts, top-{model_config.top_k}",
+        f"  parameters  : {total:,} total, {active:,} active per token",
+        f"  policy      : {rules}",
+        f"  loss scale  : {state.loss_scale!r}",
+        f"  memory/dev  : train state {state_bytes / 2**20:.1f} MiB + gradients "
+        f"{grad_bytes / 2**20:.1f} MiB (activations not included; see python -m jaxmp.report)",
+        f"  data        : {data.num_documents} documents, {data.train_tokens:,} train / "
+        f"{data.eval_tokens:,} eval tokens, seq_len {config.data.seq_len}, "
+        f"global batch {config.train.batch_size}",
+    ]
+    return "\n".join(lines)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       num_devices: Optional[int] = None) -> Dict[str, Any]:
+    """Trains the MoE Transformer described by ``config``, resuming from ``workdir``.
+
+    Args:
+      config: the run config (see configs/tiny_moe.py for every key).
+      workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and the sample go.
+      num_devices: devices of the data-parallel mesh; ``config.train.num_devices`` or
+        all devices when None.
+
+    Returns:
+      A summary: ``step``, ``train_losses`` (one per step run in this call, float),
+      ``eval_loss`` (the last, float), ``skipped_steps``, ``sample`` (str).
+
+    Raises:
+      ValueError: bad config values or data (see :func:`validate_config`).
+      jaxmp.checkpoint.CheckpointError: a checkpoint in ``workdir`` is unreadable or
+        was written for another setup.
+    """
+    workdir = pathlib.Path(workdir)
+    num_devices = num_devices or config.train.get("num_devices") or None
+    mesh = sharding.make_mesh(num_devices)
+    validate_config(config, mesh.devices.size)
+    t = config.train
+    data = create_pipeline(config.data, global_batch_size=t.batch_size, seed=config.seed,
+                           process_index=jax.process_index(), process_count=jax.process_count())
+    if data.tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                         f"tokenizer's {data.tokenizer.vocab_size}")
+    model_config, rules, graphdef, state, optimizer, lr_schedule, param_counts = build(config)
+
+    logical_rules = sharding.DATA_PARALLEL_RULES
+    state_sh = sharding.state_shardings(state, mesh, logical_rules)
+    batch_sh = sharding.batch_sharding(mesh, logical_rules)
+    state = jax.device_put(state, state_sh)
+
+    writer = MetricsWriter(workdir, enabled=jax.process_index() == 0)
+    ckpt = Checkpointer(workdir, keep=t.keep_checkpoints)
+    config_dict = config_to_dict(config)
+    start = 0
+    if ckpt.latest_step() is not None:
+        start, state, data_state = ckpt.restore(state, config_dict)
+        data.set_state(data_state)
+        writer.truncate_after(start)
+        print(f"resumed from {ckpt.directory} at step {start}")
+
+    train_step = jax.jit(
+        make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
+                        bias_update_rate=model_config.bias_update_rate,
+                        grad_accum_steps=t.grad_accum_steps),
+        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_sh, batch_sh))
+
+    def to_device(batch):
+        return {k: jax.make_array_from_process_local_data(batch_sh, np.asarray(v)) for k, v in batch.items()}
+
+    def evaluate(state):
+        loss = tokens = 0.0
+        for batch in data.eval_batches:
+            out = jax.device_get(eval_step(state, to_device(batch)))
+            loss, tokens = loss + float(out["loss"]), tokens + float(out["tokens"])
+        return loss / tokens
+
+    if jax.process_index() == 0:
+        print(_banner(config, mesh, model_config, rules, state, data, param_counts))
+
+    tokens_per_step = t.batch_size * config.data.seq_len
+    summary = {"train_losses": [], "eval_loss": None}
+    last_log_time, last_log_step = time.perf_counter(), start
+    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train",
+               disable=jax.process_index() != 0, dynamic_ncols=True)
+    metrics = None
+    for step in bar:
+        batch = to_device(next(data.train_iter))
+        state, metrics = train_step(state, batch)
+        done = step + 1
+        if step == start:  # keep compilation out of tokens/s
+            jax.block_until_ready(metrics)
+            last_log_time, last_log_step = time.perf_counter(), done
+        if done % t.log_every == 0 or done == t.steps:
+            m = jax.device_get(metrics)
+            now = time.perf_counter()
+            # None when only the (compiling) first step ran since the timer was reset.
+            tps = (tokens_per_step * (done - last_log_step) / (now - last_log_time)
+                   if done > last_log_step else None)
+            last_log_time, last_log_step = now, done
+            record = {k: float(v) for k, v in m.items() if np.ndim(v) == 0 and k != "grads_finite"}
+            record.update(grads_finite=bool(m["grads_finite"]), skipped_steps=int(m["skipped_steps"]),
+                          tokens_per_s=tps, **expert_load_stats(m["expert_counts"]))
+            writer.write(done, "train", record)
+            summary["train_losses"].append(record["loss"])
+            bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record['loss_scale']:g}",
+                            tok_s="-" if tps is None else f"{tps:,.0f}", skipped=record["skipped_steps"])
+        if done % t.eval_every == 0 or done == t.steps:
+            summary["eval_loss"] = evaluate(state)
+            writer.write(done, "eval", {"loss": summary["eval_loss"]})
+            bar.write(f"step {done}: eval loss {summary['eval_loss']:.4f}")
+        if done % t.checkpoint_every == 0 or done == t.steps:
+            ckpt.save(done, state, data.get_state(), config_dict)
+        if done % t.eval_every == 0 or done % t.checkpoint_every == 0:
+            last_log_time, last_log_step = time.perf_counter(), done  # keep eval/saving out of tokens/s
+    bar.close()
+    ckpt.close()
+    writer.close()
+
+    if summary["eval_loss"] is None:  # nothing left to train: report the restored state
+        summary["eval_loss"] = evaluate(state)
+    model = nnx.merge(graphdef, *jax.device_get((state.params, state.biases, state.rest)))
+    prompt = data.tokenizer.encode(t.sample_prompt, add_eos=False)
+    ids = generate(model, prompt, max_new_tokens=t.sample_tokens, temperature=t.sample_temperature,
+                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)))
+    sample = data.tokenizer.decode(ids)
+    if jax.process_index() == 0:
+        (workdir / "sample.txt").write_text(sample)
+        print(f"sample after {t.steps} steps:\n{sample}")
+    summary.update(step=int(jax.device_get(state.step)), skipped_steps=int(jax.device_get(state.skipped_steps)),
+                   sample=sample)
+    return summary
