@@ -31,6 +31,7 @@ __all__ = [
     "get_policy",
     "PolicyRules",
     "get_policy_rules",
+    "with_float32_islands",
     "canonical_dtype",
     "PRESETS",
     "DTYPE_NAMES",
@@ -318,3 +319,26 @@ def get_policy_rules(spec: Union[str, Policy, PolicyRules, Iterable]) -> PolicyR
                 raise ValueError(f"two default policies in {spec!r}: {str(default)!r} and {item!r}")
             default = get_policy(item)
     return PolicyRules(default=default or get_policy("fp32"), rules=tuple(rules))
+
+
+def with_float32_islands(rules: PolicyRules, patterns: Sequence[str]) -> PolicyRules:
+    """Adds float32-compute rules for ``patterns`` *after* the user's rules.
+
+    Modules that none of the user's rules match but one of ``patterns`` does compute in
+    float32, with the default policy's parameter dtype and output dtype (an island: the
+    result goes back to the caller's dtype). A user's rule that matches such a module
+    still wins, so ``"mixed_bf16; router: bf16"`` really puts the router in bfloat16.
+    DeepSeek-V3 (report section 3.3) keeps the MoE gating and normalization in higher
+    precision; Micikevicius et al. 2018 (section 3.3) do reductions in float32.
+
+    Args:
+      rules: the user's rules.
+      patterns: module-path patterns of the islands, e.g. ``("router", "norm")``.
+
+    Returns:
+      The extended :class:`PolicyRules`.
+    """
+    island = rules.default.with_compute_dtype(jnp.float32)
+    known = {pattern for pattern, _ in rules.rules}
+    extra = tuple((p, island) for p in patterns if p not in known)
+    return PolicyRules(default=rules.default, rules=tuple(rules.rules) + extra)

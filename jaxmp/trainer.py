@@ -41,9 +41,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     """Checks the trainer's settings before any work is done.
 
     Raises:
-      ValueError: a count that must be positive is not, or the global batch cannot be
+      ValueError: a count that must be positive is not; the global batch cannot be
         split into ``grad_accum_steps`` micro-batches that the data axis of the mesh
-        divides; the message names the values.
+        divides; a bad model shape (e.g. heads not dividing the width, top-k above the
+        number of experts), policy, loss scale or schedule. The message names the values.
     """
     t = config.train
     for key in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
@@ -61,6 +62,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             f"{num_devices} devices of the mesh's 'data' axis; use a multiple of {num_devices}")
     if config.data.seq_len > config.model.max_len:
         raise ValueError(f"data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}")
+    # Parse everything that can be wrong in the config now, before data is read.
+    ModelConfig.from_config(config.model)
+    get_policy_rules(config.precision.policy)
+    get_loss_scale(config.precision.loss_scale)
+    make_lr_schedule(config.optim, t.steps)
 
 
 def build(config: ml_collections.ConfigDict):
@@ -73,7 +79,8 @@ def build(config: ml_collections.ConfigDict):
     lr_schedule = make_lr_schedule(config.optim, config.train.steps)
     graphdef, state = create_train_state(model, optimizer, get_loss_scale(config.precision.loss_scale),
                                          config.seed)
-    return model_config, rules, graphdef, state, optimizer, lr_schedule, count_params(model)
+    # model.rules: the user's rules plus the model's float32 islands (router, norms).
+    return model_config, model.rules, graphdef, state, optimizer, lr_schedule, count_params(model)
 
 
 def _tree_bytes(tree) -> int:

@@ -1,0 +1,434 @@
+"""Mixture-of-experts feed-forward layer (DeepSeekMoE style) with per-module precision.
+
+One MoE layer (:class:`MoE`, attribute path ``.../moe``) holds three modules, each with
+the :class:`~jaxmp.policy.Policy` its own path resolves to:
+
+* ``.../moe/router`` (:class:`Router`): routing logits always come from
+  :func:`jaxmp.ops.router_logits` (a float32 matmul island, float32 result); scores,
+  top-k selection and gates are float32 too. Give the router a ``router: fp32`` rule so
+  that its weights are not rounded before the island (case OP-3).
+* ``.../moe/experts`` (:class:`RoutedExperts`): ``num_experts`` SwiGLU experts of width
+  ``d_expert``, run dropless (sort by expert + ``jax.lax.ragged_dot``, the MegaBlocks
+  idea, Gale et al. 2022) or with a per-sequence capacity (GShard, Lepikhin et al. 2020).
+* ``.../moe/shared_experts`` (:class:`SwiGLU`): ``num_shared_experts`` always-on experts
+  (DeepSeekMoE, Dai et al. 2024, section 3.2), merged into one SwiGLU of width
+  ``num_shared_experts * d_expert`` (a sum of SwiGLUs is a SwiGLU with the hidden units
+  concatenated).
+
+Every module creates its parameters in ``policy.param_dtype``, casts them and its input to
+``policy.compute_dtype`` in ``__call__`` and returns ``policy.output_dtype``. Expert outputs
+are weighted by the float32 gates and summed in float32.
+
+Auxiliary-loss-free balancing (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2): the
+router holds a float32 per-expert bias in a :class:`RouterBias` variable (not an
+``nnx.Param``: it gets no gradient). It is added to the scores for top-k selection only,
+never to the gate values; the trainer moves it with :func:`update_router_bias`.
+
+Logical axis names of the parameters (mapped to mesh axes only in :mod:`jaxmp.sharding`):
+``embed`` (model width), ``mlp`` (dense / shared-expert hidden width), ``expert`` (the
+expert index), ``expert_mlp`` (routed-expert hidden width).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp import ops
+from jaxmp.policy import Policy, PolicyRules
+
+__all__ = [
+    "RouterBias",
+    "update_router_bias",
+    "make_param",
+    "SwiGLU",
+    "Routing",
+    "Router",
+    "RoutedExperts",
+    "MoEStats",
+    "balance_loss",
+    "MoE",
+    "expert_capacity",
+    "SCORE_FNS",
+]
+
+SCORE_FNS = ("softmax", "sigmoid")
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert routing bias of auxiliary-loss-free balancing: float32 [num_experts].
+
+    A variable type of its own, not an ``nnx.Param``: ``nnx.grad`` and optimizers that
+    filter on ``nnx.Param`` leave it alone; the trainer updates it with
+    :func:`update_router_bias` (DeepSeek-V3 report, section 2.1.2).
+    """
+
+
+def update_router_bias(bias: jax.Array, expert_counts: jax.Array, rate: float) -> jax.Array:
+    """One step of auxiliary-loss-free balancing: ``bias + rate * sign(mean(counts) - counts)``.
+
+    Overloaded experts (more tokens than the mean) get their bias lowered by ``rate``,
+    underloaded ones raised (DeepSeek-V3 report, section 2.1.2, update speed gamma).
+
+    Args:
+      bias: float32 [..., num_experts], the current biases.
+      expert_counts: [..., num_experts] (any real dtype), tokens routed to each expert in
+        the step; the mean is taken over the last axis.
+      rate: the update speed gamma (>= 0); 0 leaves the bias unchanged.
+
+    Returns:
+      float32 [..., num_experts], the new biases.
+
+    Raises:
+      ValueError: ``rate`` is negative or the last axes differ.
+    """
+    if isinstance(rate, (int, float)) and rate < 0:
+        raise ValueError(f"bias update rate={rate} must be >= 0")
+    if jnp.shape(bias)[-1:] != jnp.shape(expert_counts)[-1:]:
+        raise ValueError(f"bias shape {jnp.shape(bias)} and expert_counts shape "
+                         f"{jnp.shape(expert_counts)} differ in the expert axis")
+    counts = jnp.asarray(expert_counts, jnp.float32)
+    step = jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
+    return jnp.asarray(bias, jnp.float32) + jnp.asarray(rate, jnp.float32) * step
+
+
+def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]
+               ) -> nnx.Param:
+    """Creates an ``nnx.Param`` in ``dtype`` carrying logical axis names.
+
+    The names go into the variable's ``out_sharding`` metadata via
+    ``nnx.with_partitioning``; ``eager_sharding=False`` because the logical names only
+    become mesh axes in :mod:`jaxmp.sharding`, not at creation.
+
+    Args:
+      rngs: the NNX rng streams (``params`` is used).
+      init: a ``jax.nn.initializers`` initializer.
+      shape: the parameter shape.
+      dtype: the parameter dtype (the policy's ``param_dtype``).
+      axes: one logical axis name (or None) per dimension.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for a parameter of shape {tuple(shape)}")
+    initializer = nnx.with_partitioning(init, tuple(axes), eager_sharding=False)
+    return nnx.Param(initializer(rngs.params(), tuple(shape), dtype))
+
+
+def _swiglu(x, w_gate, w_up, w_down):
+    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class SwiGLU(nnx.Module):
+    """SwiGLU feed-forward network: the dense FFN and the shared experts.
+
+    Args:
+      d_model: input/output width.
+      d_hidden: hidden width.
+      path: the module's attribute path (its policy is ``rules.resolve(path)``).
+      rules: the per-module precision rules.
+      rngs: NNX rngs.
+      init_std: std of the input projections (normal init).
+      out_std: std of the output projection (scaled down for residual branches, GPT-2).
+
+    Parameters: ``w_gate``, ``w_up`` [d_model, d_hidden] (``embed``, ``mlp``), ``w_down``
+    [d_hidden, d_model] (``mlp``, ``embed``), in ``policy.param_dtype``.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, *, path: str, rules: PolicyRules,
+                 rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        dt = self.policy.param_dtype
+        self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
+        self.w_up = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
+        self.w_down = make_param(rngs, nnx.initializers.normal(out_std), (d_hidden, d_model), dt, ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[..., d_model] -> [..., d_model] in ``policy.output_dtype``."""
+        p = self.policy
+        w = p.cast_to_compute((self.w_gate[...], self.w_up[...], self.w_down[...]))
+        return p.cast_to_output(_swiglu(p.cast_to_compute(x), *w))
+
+
+class Routing(NamedTuple):
+    """What the router decided, all float32 except the int32 expert ids.
+
+    Attributes:
+      logits: float32 [..., num_experts], from ``ops.router_logits``.
+      scores: float32 [..., num_experts], softmax or sigmoid of the logits (no bias).
+      expert_ids: int32 [..., top_k], experts chosen by top-k of ``scores + bias``.
+      gates: float32 [..., top_k], ``scores`` at ``expert_ids`` normalized to sum to 1.
+    """
+
+    logits: jax.Array
+    scores: jax.Array
+    expert_ids: jax.Array
+    gates: jax.Array
+
+
+class Router(nnx.Module):
+    """Top-k token-to-expert router deciding in float32.
+
+    ``logits = ops.router_logits(x, W)`` (float32 island), ``scores = softmax(logits)`` or
+    ``sigmoid(logits)``; the top-k of ``scores + bias`` are selected and their (bias-free)
+    scores normalized over the k chosen experts (DeepSeek-V3 report, eqs. 13-16, applied
+    to softmax scores too). ``x`` and ``W`` are first cast to the policy's compute dtype,
+    so only a float32 policy (rule ``router: fp32``) keeps float32 weights (case OP-3).
+    The policy's output dtype is not used: every routing decision is float32.
+
+    Args:
+      d_model: input width.
+      num_experts: number of routed experts E.
+      top_k: experts per token, 1 <= top_k <= E.
+      score_fn: ``"softmax"`` or ``"sigmoid"``.
+      path: attribute path, e.g. ``blocks/2/moe/router``.
+      rules: per-module precision rules.
+      rngs: NNX rngs.
+
+    Variables: ``kernel`` [d_model, E] (``embed``, ``expert``) in ``policy.param_dtype``;
+    ``bias`` :class:`RouterBias` float32 [E] (``expert``), zeros.
+
+    Raises:
+      ValueError: bad ``top_k`` or ``score_fn``.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, score_fn: str = "softmax", *,
+                 path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02):
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if score_fn not in SCORE_FNS:
+            raise ValueError(f"score_fn={score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.top_k = top_k
+        self.score_fn = score_fn
+        self.kernel = make_param(rngs, nnx.initializers.normal(init_std), (d_model, num_experts),
+                                 self.policy.param_dtype, ("embed", "expert"))
+        self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32), out_sharding=("expert",),
+                               eager_sharding=False)
+
+    def __call__(self, x: jax.Array) -> Routing:
+        """Routes ``x`` [..., d_model]; returns a :class:`Routing` (float32 decisions)."""
+        p = self.policy
+        logits = ops.router_logits(p.cast_to_compute(x), p.cast_to_compute(self.kernel[...]))
+        logits = logits.astype(jnp.float32)
+        if self.score_fn == "softmax":
+            scores = ops.softmax(logits, axis=-1, dtype=jnp.float32)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        # The bias steers selection only; gates stay the bias-free scores (DeepSeek-V3 2.1.2).
+        _, expert_ids = jax.lax.top_k(scores + self.bias[...].astype(jnp.float32), self.top_k)
+        chosen = jnp.take_along_axis(scores, expert_ids, axis=-1)
+        # Sigmoid scores can all underflow to 0: keep the denominator positive.
+        gates = chosen / jnp.maximum(chosen.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+        return Routing(logits, scores, expert_ids.astype(jnp.int32), gates)
+
+
+def expert_capacity(capacity_factor: float, group_size: int, top_k: int, num_experts: int) -> int:
+    """Slots per expert per group: ``ceil(capacity_factor * group_size * top_k / num_experts)``.
+
+    GShard (Lepikhin et al. 2020, section 2.2) with top-k assignments per token; at least 1.
+    A group is one sequence (batch row), so results do not depend on how the batch is
+    split over devices.
+    """
+    return max(1, math.ceil(capacity_factor * group_size * top_k / num_experts))
+
+
+def _dropless(x, expert_ids, gates, w_gate, w_up, w_down):
+    """Every assignment computed: sort by expert, grouped matmuls with ``lax.ragged_dot``.
+
+    x [N, D] (compute dtype), expert_ids/gates [N, k]. Returns float32 [N, D].
+    """
+    n, k = expert_ids.shape
+    num_experts = w_gate.shape[0]
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    xs = x[order // k]  # token of each sorted assignment
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
+    ys = jax.lax.ragged_dot(h, w_down, group_sizes)
+    ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
+    return jnp.einsum("nk,nkd->nd", gates, ys.astype(jnp.float32))
+
+
+def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity):
+    """GShard dispatch with ``capacity`` slots per expert and sequence.
+
+    x [B, T, D] (compute dtype), expert_ids/gates [B, T, k]. Within a sequence, all first
+    choices are placed before any second choice, each in token order (GShard Algorithm 1);
+    assignments past an expert's capacity are dropped (their gate weight is lost, the token
+    keeps its residual). Returns (float32 [B, T, D], float32 fraction of assignments dropped).
+    """
+    b, t, k = expert_ids.shape
+    num_experts = w_gate.shape[0]
+    onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32)  # [B, T, k, E]
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, num_experts)
+    slot = (jnp.cumsum(by_choice, axis=1) - 1).reshape(b, k, t, num_experts).transpose(0, 2, 1, 3)
+    slot = jnp.sum(slot * onehot, axis=-1)  # [B, T, k]: the slot of each assignment
+    keep = slot < capacity
+    slots = jax.nn.one_hot(jnp.where(keep, slot, capacity), capacity, dtype=jnp.float32)  # dropped -> 0 row
+    expert = onehot.astype(jnp.float32)
+    dispatch = jnp.einsum("btke,btkc->btec", expert, slots)
+    combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
+    xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
+    h = jax.nn.silu(jnp.einsum("becd,edf->becf", xe, w_gate)) * jnp.einsum("becd,edf->becf", xe, w_up)
+    ye = jnp.einsum("becf,efd->becd", h, w_down)
+    y = jnp.einsum("btec,becd->btd", combine, ye.astype(jnp.float32))
+    dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    return y, dropped
+
+
+class RoutedExperts(nnx.Module):
+    """``num_experts`` SwiGLU experts of width ``d_expert``, dropless or capacity-limited.
+
+    Args:
+      num_experts: E.
+      d_model: input/output width.
+      d_expert: hidden width of each expert.
+      capacity_factor: None or 0 for dropless dispatch (sort + ``jax.lax.ragged_dot``);
+        > 0 for GShard dispatch with :func:`expert_capacity` slots per expert and sequence.
+        Capacity dispatch is not causal: a later token's first choice can take the slot
+        of an earlier token's second choice.
+      path: attribute path, e.g. ``blocks/2/moe/experts``.
+      rules: per-module precision rules.
+      rngs: NNX rngs.
+
+    Parameters: ``w_gate``, ``w_up`` [E, d_model, d_expert] (``expert``, ``embed``,
+    ``expert_mlp``); ``w_down`` [E, d_expert, d_model] (``expert``, ``expert_mlp``,
+    ``embed``), in ``policy.param_dtype``.
+
+    Raises:
+      ValueError: negative ``capacity_factor``.
+    """
+
+    def __init__(self, num_experts: int, d_model: int, d_expert: int, capacity_factor=None, *,
+                 path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
+                 out_std: float = 0.02):
+        if capacity_factor is not None and capacity_factor < 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be None, 0 (dropless) or > 0")
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.capacity_factor = float(capacity_factor or 0.0)
+        dt = self.policy.param_dtype
+        shape_in, shape_out = (num_experts, d_model, d_expert), (num_experts, d_expert, d_model)
+        axes_in, axes_out = ("expert", "embed", "expert_mlp"), ("expert", "expert_mlp", "embed")
+        self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
+        self.w_up = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
+        self.w_down = make_param(rngs, nnx.initializers.normal(out_std), shape_out, dt, axes_out)
+
+    def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array):
+        """Runs the experts.
+
+        Args:
+          x: [B, T, d_model], any float dtype (cast to the compute dtype).
+          expert_ids: int32 [B, T, k].
+          gates: float32 [B, T, k].
+
+        Returns:
+          ``(y, dropped_fraction)``: y [B, T, d_model] in ``policy.output_dtype``, the
+          gate-weighted sum of the chosen experts' outputs (summed in float32);
+          dropped_fraction a float32 scalar, dropped assignments / (B * T * k) (0 dropless).
+        """
+        p = self.policy
+        x = p.cast_to_compute(x)
+        w = p.cast_to_compute((self.w_gate[...], self.w_up[...], self.w_down[...]))
+        gates = gates.astype(jnp.float32)
+        b, t, d = x.shape
+        if self.capacity_factor > 0:
+            capacity = expert_capacity(self.capacity_factor, t, expert_ids.shape[-1], w[0].shape[0])
+            y, dropped = _with_capacity(x, expert_ids, gates, *w, capacity)
+        else:
+            k = expert_ids.shape[-1]
+            y = _dropless(x.reshape(b * t, d), expert_ids.reshape(b * t, k), gates.reshape(b * t, k), *w)
+            y, dropped = y.reshape(b, t, d), jnp.zeros((), jnp.float32)
+        return p.cast_to_output(y), dropped
+
+
+class MoEStats(NamedTuple):
+    """Per-layer routing statistics (float32).
+
+    Attributes:
+      balance_loss: scalar, the unweighted load-balance loss ``E * sum_e f_e * P_e``
+        averaged over sequences (1 when perfectly balanced).
+      expert_counts: [E], token-expert assignments per expert over the whole batch
+        (before any capacity drop); sums to B * T * top_k.
+      dropped_fraction: scalar, dropped assignments / all assignments (0 dropless).
+    """
+
+    balance_loss: jax.Array
+    expert_counts: jax.Array
+    dropped_fraction: jax.Array
+
+
+def balance_loss(scores: jax.Array, expert_ids: jax.Array, score_fn: str) -> jax.Array:
+    """Sequence-wise load-balance loss ``E * sum_e f_e * P_e``, mean over sequences.
+
+    ``f_e``: fraction of the sequence's T * k assignments that went to expert e;
+    ``P_e``: mean over the sequence's tokens of the routing probability of e (Switch
+    Transformer, Fedus et al. 2021, eq. 4-6, with top-k assignments as in GShard; sigmoid
+    scores are first normalized per token, DeepSeek-V3 report eqs. 17-20). Only ``P``
+    carries gradient.
+
+    Args:
+      scores: float32 [B, T, E]. expert_ids: int32 [B, T, k]. score_fn: as the router's.
+
+    Returns:
+      float32 scalar.
+    """
+    num_experts = scores.shape[-1]
+    probs = scores if score_fn == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
+    counts = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32).sum(axis=(1, 2))  # [B, E]
+    f = counts / (expert_ids.shape[1] * expert_ids.shape[2])
+    p = jnp.mean(probs, axis=1)
+    return num_experts * jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+class MoE(nnx.Module):
+    """DeepSeekMoE feed-forward layer: router + routed experts + shared experts.
+
+    ``y = shared_experts(x) + sum_{i in top-k} gate_i * expert_i(x)``, summed in float32
+    and cast to this layer's ``policy.output_dtype`` (the only thing this container's own
+    policy decides; the children run in theirs).
+
+    Args:
+      d_model: width. num_experts: routed experts E. num_shared_experts: always-on experts.
+      top_k: routed experts per token. d_expert: width of each expert.
+      score_fn: ``"softmax"`` or ``"sigmoid"``. capacity_factor: see :class:`RoutedExperts`.
+      path: attribute path, e.g. ``blocks/2/moe``; children at ``path/router``,
+        ``path/experts``, ``path/shared_experts``.
+      rules: per-module precision rules. rngs: NNX rngs.
+      init_std / out_std: normal init std of input / output projections.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, num_shared_experts: int, top_k: int,
+                 d_expert: int, score_fn: str = "softmax", capacity_factor=None, *, path: str,
+                 rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.router = Router(d_model, num_experts, top_k, score_fn, path=f"{path}/router",
+                             rules=rules, rngs=rngs, init_std=init_std)
+        self.experts = RoutedExperts(num_experts, d_model, d_expert, capacity_factor,
+                                     path=f"{path}/experts", rules=rules, rngs=rngs,
+                                     init_std=init_std, out_std=out_std)
+        self.shared_experts = (
+            SwiGLU(d_model, num_shared_experts * d_expert, path=f"{path}/shared_experts",
+                   rules=rules, rngs=rngs, init_std=init_std, out_std=out_std)
+            if num_shared_experts > 0 else None)
+
+    def __call__(self, x: jax.Array):
+        """[B, T, d_model] -> ([B, T, d_model] in ``policy.output_dtype``, :class:`MoEStats`)."""
+        # No cast here: each child casts x to its own compute dtype, so a float32 router
+        # sees the un-rounded input even when this layer's default is bfloat16.
+        routing = self.router(x)
+        y, dropped = self.experts(x, routing.expert_ids, routing.gates)
+        y = y.astype(jnp.float32)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).astype(jnp.float32)
+        num_experts = routing.scores.shape[-1]
+        counts = jax.nn.one_hot(routing.expert_ids, num_experts, dtype=jnp.float32).sum(axis=(0, 1, 2))
+        stats = MoEStats(balance_loss(routing.scores, routing.expert_ids, self.router.score_fn),
+                         counts, dropped)
+        return self.policy.cast_to_output(y), stats
