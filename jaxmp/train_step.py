@@ -17,19 +17,26 @@ One step, top to bottom:
    step the parameters, every optimizer-state leaf and the router biases are selected
    back bitwise, and the loss scale backs off. Otherwise the router biases move by
    ``bias_update_rate`` toward balance.
+
+With ``grad_reduce_dtype`` other than float32 or ``grad_compression="topk"``, step 1
+runs per device inside ``jax.shard_map`` over the mesh's ``"data"`` axis and the
+gradients are averaged explicitly by :mod:`jaxmp.comm` (16-bit all-reduce, or top-k
+all-gather with an error-feedback residual kept in ``TrainState.comm_state``); each
+device's finiteness is combined with ``pmin`` before compression could hide it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
 
-from jaxmp import ops, optim
-from jaxmp.loss_scale import LossScale, all_finite
+from jaxmp import comm, ops, optim
+from jaxmp.loss_scale import LossScale, all_finite, select_tree
 from jaxmp.models import RouterBias, update_router_bias
 
 __all__ = ["TrainState", "split_model", "make_optimizer", "make_lr_schedule",
@@ -50,6 +57,9 @@ class TrainState:
       skipped_steps: int32 scalar, steps whose gradients were not finite.
       rng: uint32 [2] PRNG key data, split once per step for stochastic layers and
         sampling.
+      comm_state: None, or for top-k gradient compression ``{"residual": tree}`` of
+        float32 ``[num_devices, *param.shape]`` error-feedback residuals, sharded over
+        the data axis (:func:`jaxmp.comm.init_comm_state`).
     """
 
     step: jax.Array
@@ -60,6 +70,7 @@ class TrainState:
     loss_scale: LossScale
     skipped_steps: jax.Array
     rng: jax.Array
+    comm_state: Any = None
 
 
 def split_model(model: nnx.Module):
@@ -118,14 +129,17 @@ def make_optimizer(optim_config, total_steps: int) -> optax.GradientTransformati
 
 
 def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
-                       loss_scale: LossScale, seed: int):
-    """Builds the initial :class:`TrainState` and returns ``(graphdef, state)``."""
+                       loss_scale: LossScale, seed: int, comm_state: Any = None):
+    """Builds the initial :class:`TrainState` and returns ``(graphdef, state)``.
+
+    ``comm_state``: see :func:`jaxmp.comm.init_comm_state` (None without compression).
+    """
     graphdef, params, biases, rest = split_model(model)
     state = TrainState(
         step=jnp.zeros((), jnp.int32), params=params, biases=biases, rest=rest,
         opt_state=optimizer.init(params), loss_scale=loss_scale,
         skipped_steps=jnp.zeros((), jnp.int32),
-        rng=jax.random.key_data(jax.random.key(seed + 1)))
+        rng=jax.random.key_data(jax.random.key(seed + 1)), comm_state=comm_state)
     return graphdef, state
 
 
@@ -158,8 +172,106 @@ def _update_biases(biases, expert_counts, rate):
     return jax.tree_util.tree_map_with_path(update, biases)
 
 
+def _micro_batches(batch, n):
+    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+
+def _mean_aux(ces, auxes):
+    """Combines per-micro-batch losses and MoE statistics of one step."""
+    return ces.mean(), {"aux_loss": auxes["aux_loss"].mean(), "expert_counts": auxes["expert_counts"].sum(0),
+                        "dropped_fraction": auxes["dropped_fraction"].mean()}
+
+
+def _automatic_grads(grad_fn, graphdef, state, batch, grad_accum_steps):
+    """Unscaled float32 gradients of the global batch; XLA's partitioner inserts the
+    cross-device reduction. Returns ``(grads, finite, ce, aux)``."""
+    if grad_accum_steps == 1:
+        grads, (ce, aux) = grad_fn(graphdef, state.params, state.biases, state.rest,
+                                   state.loss_scale, batch)
+        grads = state.loss_scale.unscale(grads)
+        return grads, all_finite(grads), ce, aux
+
+    def body(acc, micro_batch):
+        g, (ce_m, aux_m) = grad_fn(graphdef, state.params, state.biases, state.rest,
+                                   state.loss_scale, micro_batch)
+        return optim.accumulate(acc, g, state.loss_scale), (ce_m, aux_m)
+
+    acc, (ces, auxes) = jax.lax.scan(body, optim.accumulator_init(state.params),
+                                     _micro_batches(batch, grad_accum_steps))
+    grads, finite = optim.accumulated_mean(acc)
+    return (grads, finite) + _mean_aux(ces, auxes)
+
+
+def _explicit_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh, comm_kwargs):
+    """Per-device gradients inside ``shard_map``, averaged by :func:`jaxmp.comm.exchange_gradients`.
+
+    Returns ``(grads, finite, ce, aux, new_comm_state)``: float32 unscaled mean
+    gradients (replicated), the verdict of every device's *local* gradients (``pmin``,
+    taken before compression), the cross-entropy and ``aux_loss`` averaged over devices
+    (the balance loss of each device's own batch), expert counts summed over devices.
+    """
+    axis = comm.DATA_AXIS
+    n = mesh.shape[axis]
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if rows % (n * grad_accum_steps):
+        raise ValueError(f"a batch of {rows} sequences does not split into {n} devices x "
+                         f"{grad_accum_steps} micro-batches; use a multiple of {n * grad_accum_steps}")
+    topk = comm_kwargs["grad_compression"] == "topk"
+    residual = state.comm_state["residual"] if topk and state.comm_state is not None else None
+    if topk:
+        if residual is None:
+            raise ValueError("grad_compression='topk' needs TrainState.comm_state from "
+                             "jaxmp.comm.init_comm_state(params, num_devices, 'topk'); it is None")
+        rows = {jnp.shape(r)[0] for r in jax.tree.leaves(residual)}
+        if rows != {n}:
+            raise ValueError(f"the top-k residual has leading dimension(s) {sorted(rows)} but the mesh's "
+                             f"{axis!r} axis has {n} devices; build it with num_devices={n}")
+
+    def varying(tree):
+        return jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
+
+    def per_device(params, biases, rest, loss_scale, residual, batch):
+        # Differentiate a device-varying copy of the params: the gradient of a replicated
+        # input would be psum-ed by shard_map's transpose, in float32, behind our back.
+        params = varying(params)
+        if grad_accum_steps == 1:
+            grads, (ce, aux) = grad_fn(graphdef, params, biases, rest, loss_scale, batch)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            local_finite = all_finite(grads)
+        else:
+            def body(acc, micro_batch):
+                g, (ce_m, aux_m) = grad_fn(graphdef, params, biases, rest, loss_scale, micro_batch)
+                # Still scaled: the loss scale stays on the wire (see comm.pmean_gradients).
+                return optim.accumulate(acc, g, loss_scale, grads_scaled=False), (ce_m, aux_m)
+
+            acc, (ces, auxes) = jax.lax.scan(body, varying(optim.accumulator_init(params)),
+                                             _micro_batches(batch, grad_accum_steps))
+            grads, local_finite = optim.accumulated_mean(acc)
+            local_finite = local_finite & all_finite(grads)
+            ce, aux = _mean_aux(ces, auxes)
+        local_state = None if residual is None else {"residual": jax.tree.map(lambda r: r[0], residual)}
+        grads, new_state = comm.exchange_gradients(grads, loss_scale, local_state, axis_name=axis,
+                                                   **comm_kwargs)
+        new_residual = None if new_state is None else jax.tree.map(lambda r: r[None], new_state["residual"])
+        finite = jax.lax.pmin(local_finite.astype(jnp.int32), axis).astype(jnp.bool_)
+        aux = {"aux_loss": jax.lax.pmean(jnp.asarray(aux["aux_loss"], jnp.float32), axis),
+               "expert_counts": jax.lax.psum(aux["expert_counts"], axis),
+               "dropped_fraction": jax.lax.pmean(jnp.asarray(aux["dropped_fraction"], jnp.float32), axis)}
+        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axis), aux, new_residual
+
+    rep, split = PartitionSpec(), PartitionSpec(axis)
+    grads, finite, ce, aux, new_residual = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(rep, rep, rep, rep, split, split),
+        out_specs=(rep, rep, rep, rep, split))(
+            state.params, state.biases, state.rest, state.loss_scale, residual, batch)
+    new_comm_state = {"residual": new_residual} if topk else state.comm_state
+    return grads, finite, ce, aux, new_comm_state
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_schedule: optax.Schedule,
-                    bias_update_rate: float = 0.0, grad_accum_steps: int = 1) -> Callable:
+                    bias_update_rate: float = 0.0, grad_accum_steps: int = 1,
+                    mesh: Optional[Mesh] = None, grad_reduce_dtype: Any = "float32",
+                    grad_compression: str = "none", topk_ratio: float = 0.3) -> Callable:
     """Returns the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -168,52 +280,67 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_sch
       lr_schedule: the learning-rate schedule, reported in the metrics at the count of
         applied (non-skipped) updates, which is what the optimizer's own count holds.
       bias_update_rate: gamma of auxiliary-loss-free balancing; 0 leaves biases fixed.
-      grad_accum_steps: micro-batches per step; the batch's leading dimension must be
-        divisible by it. Gradients accumulate in the master dtype under one loss scale.
+      grad_accum_steps: micro-batches per step; the batch's leading dimension (each
+        device's share of it, on the explicit path) must be divisible by it. Gradients
+        accumulate in the master dtype under one loss scale.
+      mesh: the device mesh with a ``"data"`` axis; needed (only) by the explicit path.
+      grad_reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the
+        dtype gradients are summed across devices in (:func:`jaxmp.comm.pmean_gradients`).
+      grad_compression: ``"none"`` or ``"topk"`` (:func:`jaxmp.comm.topk_compress`;
+        needs ``state.comm_state``).
+      topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
+
+    With the defaults (float32, no compression) the step is the automatic SPMD program:
+    XLA reduces the float32 gradients. Otherwise the forward/backward pass runs per
+    device in ``jax.shard_map`` and :func:`jaxmp.comm.exchange_gradients` does the
+    reduction; on a skipped step the top-k residual, like the params, stays bitwise.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``. Metrics (float32
     scalars unless noted): ``loss`` (cross-entropy), ``aux_loss``, ``grad_norm``
     (unscaled, float32), ``loss_scale`` (the scale used this step), ``grads_finite``
     (bool), ``skipped_steps`` (int32, cumulative), ``lr``, ``expert_counts`` (float32
     [num_moe_layers, num_experts]), ``dropped_fraction``.
+
+    Raises:
+      ValueError: ``grad_accum_steps`` < 1; bad communication settings (see
+        :func:`jaxmp.comm.check_comm_config`); the explicit path without a mesh with a
+        ``"data"`` axis. When tracing, on the explicit path: top-k without (or with a
+        mis-sized) ``state.comm_state``; a batch that the devices times
+        ``grad_accum_steps`` do not divide.
     """
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    comm.check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
+    explicit = comm.uses_explicit_reduce(grad_reduce_dtype, grad_compression)
+    if explicit and (mesh is None or comm.DATA_AXIS not in mesh.axis_names):
+        raise ValueError(f"grad_reduce_dtype={grad_reduce_dtype!r} / grad_compression={grad_compression!r} "
+                         f"reduce gradients explicitly and need mesh= a Mesh with a {comm.DATA_AXIS!r} "
+                         f"axis, got {mesh!r}")
+    comm_kwargs = dict(grad_reduce_dtype=grad_reduce_dtype, grad_compression=grad_compression,
+                       topk_ratio=topk_ratio)
     grad_fn = jax.grad(_loss_fn, argnums=1, has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         rng, _ = jax.random.split(jax.random.wrap_key_data(state.rng))
-        if grad_accum_steps == 1:
-            grads, (ce, aux) = grad_fn(graphdef, state.params, state.biases, state.rest,
-                                       state.loss_scale, batch)
-            grads = state.loss_scale.unscale(grads)
-            finite = all_finite(grads)
+        if explicit:
+            grads, finite, ce, aux, new_comm_state = _explicit_grads(
+                grad_fn, graphdef, state, batch, grad_accum_steps, mesh, comm_kwargs)
         else:
-            micro = jax.tree.map(
-                lambda x: x.reshape((grad_accum_steps, x.shape[0] // grad_accum_steps) + x.shape[1:]),
-                batch)
-
-            def body(acc, micro_batch):
-                g, (ce_m, aux_m) = grad_fn(graphdef, state.params, state.biases, state.rest,
-                                           state.loss_scale, micro_batch)
-                return optim.accumulate(acc, g, state.loss_scale), (ce_m, aux_m)
-
-            acc, (ces, auxes) = jax.lax.scan(body, optim.accumulator_init(state.params), micro)
-            grads, finite = optim.accumulated_mean(acc)
-            ce = ces.mean()
-            aux = {"aux_loss": auxes["aux_loss"].mean(), "expert_counts": auxes["expert_counts"].sum(0),
-                   "dropped_fraction": auxes["dropped_fraction"].mean()}
+            grads, finite, ce, aux = _automatic_grads(grad_fn, graphdef, state, batch, grad_accum_steps)
+            new_comm_state = state.comm_state
 
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
         update = optim.apply_gradients(
             optimizer, grads, state.opt_state, state.params, state.loss_scale,
             grads_scaled=False, grads_finite=finite, extra=state.biases, new_extra=new_biases)
+        if grad_compression == "topk":  # a skipped step leaves the residual bitwise, as the params
+            new_comm_state = select_tree(update.grads_finite, new_comm_state, state.comm_state)
         skipped = state.skipped_steps + (~update.grads_finite).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=update.extra,
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
-            rng=jax.random.key_data(rng))
+            rng=jax.random.key_data(rng), comm_state=new_comm_state)
         metrics = {
             "loss": ce.astype(jnp.float32),
             "aux_loss": jnp.asarray(aux["aux_loss"], jnp.float32),

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxmp import sharding
+from jaxmp import comm, sharding
 from jaxmp.checkpoint import Checkpointer
 from jaxmp.data import create_pipeline
 from jaxmp.loss_scale import get_loss_scale
@@ -29,12 +29,30 @@ from jaxmp.policy import get_policy_rules
 from jaxmp.train_step import (create_train_state, make_eval_step, make_lr_schedule,
                               make_optimizer, make_train_step)
 
-__all__ = ["train_and_evaluate", "validate_config", "build", "config_to_dict"]
+__all__ = ["train_and_evaluate", "validate_config", "build", "config_to_dict", "comm_settings",
+           "train_state_shardings"]
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict:
     """The config as plain JSON-compatible data (stored in checkpoints)."""
     return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def comm_settings(config: ml_collections.ConfigDict) -> dict:
+    """The gradient-communication keys of ``config.precision`` as ``make_train_step``
+    keyword arguments; configs without them get the defaults (float32, none, 0.3)."""
+    p = config.precision
+    return dict(grad_reduce_dtype=p.get("grad_reduce_dtype", "float32"),
+                grad_compression=p.get("grad_compression", "none"),
+                topk_ratio=p.get("topk_ratio", 0.3))
+
+
+def train_state_shardings(state, mesh, rules):
+    """:func:`jaxmp.sharding.state_shardings` of a train state, with the per-device
+    top-k residual (``state.comm_state``) split over the data axis by
+    :func:`jaxmp.comm.comm_state_shardings`."""
+    shardings = sharding.state_shardings(state, mesh, rules)
+    return shardings.replace(comm_state=comm.comm_state_shardings(state.comm_state, mesh, rules))
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -44,7 +62,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
       ValueError: a count that must be positive is not; the global batch cannot be
         split into ``grad_accum_steps`` micro-batches that the data axis of the mesh
         divides; a bad model shape (e.g. heads not dividing the width, top-k above the
-        number of experts), policy, loss scale or schedule. The message names the values.
+        number of experts), policy, loss scale, schedule or gradient communication
+        (``precision.grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``). The
+        message names the values.
     """
     t = config.train
     for key in ("steps", "batch_size", "log_every", "eval_every", "checkpoint_every",
@@ -66,19 +86,27 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
     ModelConfig.from_config(config.model)
     get_policy_rules(config.precision.policy)
     get_loss_scale(config.precision.loss_scale)
+    comm.check_comm_config(**comm_settings(config))
     make_lr_schedule(config.optim, t.steps)
 
 
-def build(config: ml_collections.ConfigDict):
+def build(config: ml_collections.ConfigDict, num_devices: Optional[int] = None):
     """Builds ``(model_config, rules, graphdef, state, optimizer, lr_schedule, param_counts)``
-    on the host; ``param_counts`` is ``(total, active_per_token)``."""
+    on the host; ``param_counts`` is ``(total, active_per_token)``.
+
+    ``num_devices`` (of the data axis; default ``config.train.num_devices`` or all
+    devices) sizes the per-device top-k residual in ``state.comm_state``.
+    """
     model_config = ModelConfig.from_config(config.model)
     rules = get_policy_rules(config.precision.policy)
     model = MoETransformer(model_config, rules, rngs=nnx.Rngs(config.seed))
     optimizer = make_optimizer(config.optim, config.train.steps)
     lr_schedule = make_lr_schedule(config.optim, config.train.steps)
+    num_devices = num_devices or config.train.get("num_devices") or jax.device_count()
+    comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), num_devices,
+                                      comm_settings(config)["grad_compression"])
     graphdef, state = create_train_state(model, optimizer, get_loss_scale(config.precision.loss_scale),
-                                         config.seed)
+                                         config.seed, comm_state=comm_state)
     # model.rules: the user's rules plus the model's float32 islands (router, norms).
     return model_config, model.rules, graphdef, state, optimizer, lr_schedule, count_params(model)
 
@@ -89,8 +117,11 @@ def _tree_bytes(tree) -> int:
 
 def _banner(config, mesh, model_config, rules, state, data, param_counts) -> str:
     total, active = param_counts
-    state_bytes = _tree_bytes(state)
+    n = len(mesh.devices.flat)
+    # The top-k residual is split over the devices: each holds one row of it.
+    state_bytes = _tree_bytes(state.replace(comm_state=None)) + _tree_bytes(state.comm_state) // n
     grad_bytes = _tree_bytes(state.params)
+    c = comm_settings(config)
     lines = [
         "jaxmp trainer",
         f"  devices     : {len(mesh.devices.flat)} x {jax.devices()[0].platform} "
@@ -101,6 +132,8 @@ def _banner(config, mesh, model_config, rules, state, data, param_counts) -> str
         f"  parameters  : {total:,} total, {active:,} active per token",
         f"  policy      : {rules}",
         f"  loss scale  : {state.loss_scale!r}",
+        f"  grad comm   : {c['grad_reduce_dtype']} reduce" + (
+            f", top-k {c['topk_ratio']:g} with error feedback" if c["grad_compression"] == "topk" else ""),
         f"  memory/dev  : train state {state_bytes / 2**20:.1f} MiB + gradients "
         f"{grad_bytes / 2**20:.1f} MiB (activations not included; see python -m jaxmp.report)",
         f"  data        : {data.num_documents} documents, {data.train_tokens:,} train / "
@@ -139,10 +172,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
                          f"tokenizer's {data.tokenizer.vocab_size}")
-    model_config, rules, graphdef, state, optimizer, lr_schedule, param_counts = build(config)
+    model_config, rules, graphdef, state, optimizer, lr_schedule, param_counts = build(
+        config, mesh.devices.size)
 
     logical_rules = sharding.DATA_PARALLEL_RULES
-    state_sh = sharding.state_shardings(state, mesh, logical_rules)
+    state_sh = train_state_shardings(state, mesh, logical_rules)
     batch_sh = sharding.batch_sharding(mesh, logical_rules)
     state = jax.device_put(state, state_sh)
 
@@ -159,7 +193,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     train_step = jax.jit(
         make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
                         bias_update_rate=model_config.bias_update_rate,
-                        grad_accum_steps=t.grad_accum_steps),
+                        grad_accum_steps=t.grad_accum_steps, mesh=mesh, **comm_settings(config)),
         in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(graphdef), in_shardings=(state_sh, batch_sh))
 
