@@ -283,17 +283,22 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_sch
       grad_accum_steps: micro-batches per step; the batch's leading dimension (each
         device's share of it, on the explicit path) must be divisible by it. Gradients
         accumulate in the master dtype under one loss scale.
-      mesh: the device mesh with a ``"data"`` axis; needed (only) by the explicit path.
+      mesh: the device mesh with a ``"data"`` axis: selects the explicit per-device path;
+        required when ``grad_reduce_dtype`` is not float32 or compression is on.
       grad_reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the
         dtype gradients are summed across devices in (:func:`jaxmp.comm.pmean_gradients`).
       grad_compression: ``"none"`` or ``"topk"`` (:func:`jaxmp.comm.topk_compress`;
         needs ``state.comm_state``).
       topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
 
-    With the defaults (float32, no compression) the step is the automatic SPMD program:
-    XLA reduces the float32 gradients. Otherwise the forward/backward pass runs per
-    device in ``jax.shard_map`` and :func:`jaxmp.comm.exchange_gradients` does the
-    reduction; on a skipped step the top-k residual, like the params, stays bitwise.
+    With a ``mesh`` (what the trainer does) the forward/backward pass runs per device in
+    ``jax.shard_map`` on that device's share of the batch, and
+    :func:`jaxmp.comm.exchange_gradients` all-reduces the gradients in
+    ``grad_reduce_dtype`` (or exchanges top-k values and indices); on a skipped step the
+    top-k residual, like the params, stays bitwise. Without a mesh (float32, no
+    compression only) the step is left to XLA's automatic SPMD partitioning, which is
+    right on one device but, for the dropless MoE, gathers all tokens onto every device
+    of a multi-device mesh.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``. Metrics (float32
     scalars unless noted): ``loss`` (cross-entropy), ``aux_loss``, ``grad_norm``
@@ -311,7 +316,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_sch
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
     comm.check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
-    explicit = comm.uses_explicit_reduce(grad_reduce_dtype, grad_compression)
+    # With a mesh, each device runs forward/backward on its own shard and gradients are
+    # reduced explicitly: XLA's automatic partitioning of the dropless MoE would gather
+    # every token onto every device, and would pick its own reduction dtype.
+    explicit = mesh is not None or comm.uses_explicit_reduce(grad_reduce_dtype, grad_compression)
     if explicit and (mesh is None or comm.DATA_AXIS not in mesh.axis_names):
         raise ValueError(f"grad_reduce_dtype={grad_reduce_dtype!r} / grad_compression={grad_compression!r} "
                          f"reduce gradients explicitly and need mesh= a Mesh with a {comm.DATA_AXIS!r} "

@@ -1,0 +1,712 @@
+"""Per-device memory and gradient traffic of the real train step, one row per precision mode.
+
+Every figure is read from the program JAX and XLA build for the config's model, under
+abstract evaluation (``jax.eval_shape``, ``jax.make_jaxpr``, ``Lowered.compile``), so no
+parameter or activation is ever allocated and a 24-layer model can be counted on a laptop.
+Per device, in bytes, for the data-parallel layout the trainer uses
+(:data:`jaxmp.sharding.DATA_PARALLEL_RULES`):
+
+``params_bytes``
+    the master weights ``TrainState.params`` as stored (float32 in every mixed mode).
+``grads_bytes``
+    the gradient buffer: one value per parameter in its master dtype (what
+    :func:`jaxmp.optim.apply_gradients` receives).
+``opt_state_bytes``
+    ``optimizer.init(params)`` of the real optimizer (moments in ``optim.mu_dtype`` /
+    ``nu_dtype`` plus the int32 step counts).
+``comm_state_bytes``
+    the top-k error-feedback residual (:func:`jaxmp.comm.init_comm_state`), one float32
+    row per device; 0 without compression.
+``activation_bytes``
+    the residuals that the forward pass of the train step's loss
+    (:func:`jaxmp.train_step._loss_fn`) saves for its backward pass at the per-device
+    micro-batch, listed by :func:`saved_residuals` from the traced ``jax.vjp``. Counted:
+    every array the forward computes and the backward reads, including the
+    compute-dtype casts of the parameters (a bf16 copy of a weight *is* a residual) and
+    integer/boolean arrays (routing indices, masks). Not counted: the arguments (master
+    params, router biases, loss scale, token batch), which exist whether or not a
+    backward pass follows, and literals and constants baked into the program. This is
+    the saving precision buys at the JAX level, identical on every backend; XLA may
+    later fuse, rematerialize or (XLA:CPU) widen some of them, which the compiled memory
+    analysis printed on a GPU shows.
+``grad_allreduce_bytes``
+    traffic of the gradient collectives per step: read from the train step lowered over
+    a ``"data"`` mesh and compiled, in the HLO module right after XLA's SPMD
+    partitioner (where the automatic path's collectives first exist, and before
+    backend passes such as XLA:CPU's ``all-reduce-promotion``, which widens 16-bit
+    all-reduces to float32 because the CPU runtime reduces 32-bit types only). Each
+    collective counts the size of its whole buffer: operand bytes of an ``all-reduce``
+    or ``reduce-scatter``, result bytes of an ``all-gather`` (times its loop trip count
+    inside a ``while``). See :func:`gradient_collective_bytes` for which operands are
+    gradients.
+``total_bytes``
+    the sum of the memory rows (params, grads, optimizer state, communication state,
+    activations); the all-reduce traffic is not memory and is not added.
+
+The modes (:data:`MODES`) are complete sets of config overrides, so each row describes
+the same model under one precision recipe whatever the config itself chose.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxmp import comm, sharding, train_step, trainer
+
+__all__ = [
+    "MODES",
+    "TOPK_RATIO",
+    "MEMORY_KEYS",
+    "mode_config",
+    "Residual",
+    "saved_residuals",
+    "residual_breakdown",
+    "HloArray",
+    "Collective",
+    "hlo_collectives",
+    "gradient_collective_bytes",
+    "data_mesh",
+    "account_mode",
+    "accounting_report",
+    "format_accounting",
+]
+
+# The seed article's top-k fraction (section 2.3), also jaxmp.comm's default.
+TOPK_RATIO = 0.3
+
+# One row per mode, every precision knob set, so that rows differ only where the table
+# says. Mixed modes keep the router and norms as float32 islands (DeepSeek-V3 report
+# 3.3); float16 needs a loss scale (Micikevicius et al. 2018, 3.2); bf16 moments follow
+# DeepSeek-V3 3.3.3; the 16-bit all-reduce and the top-k all-gather (bf16 values + int32
+# indices) are the seed article's section 2.3 proposals.
+_MODE_TABLE = (
+    # name             policy                                  loss scale           moments     reduce      compression
+    ("fp32",           "fp32",                                 "none",              "",         "float32",  "none"),
+    ("mixed_bf16",     "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "float32",  "none"),
+    ("mixed_fp16",     "mixed_fp16; router: fp32; norm: fp32", "dynamic:init=2**15", "",        "float32",  "none"),
+    ("bf16_moments",   "mixed_bf16; router: fp32; norm: fp32", "none",              "bfloat16", "float32",  "none"),
+    ("bf16_allreduce", "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "bfloat16", "none"),
+    ("topk_allreduce", "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "bfloat16", "topk"),
+)
+
+MODES: Mapping[str, Mapping[str, Any]] = {
+    name: {"precision.policy": policy, "precision.loss_scale": loss_scale,
+           "optim.mu_dtype": moments, "optim.nu_dtype": moments,
+           "precision.grad_reduce_dtype": reduce, "precision.grad_compression": compression,
+           "precision.topk_ratio": TOPK_RATIO}
+    for name, policy, loss_scale, moments, reduce, compression in _MODE_TABLE}
+
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "opt_state_bytes", "comm_state_bytes",
+               "activation_bytes")
+
+
+def mode_config(config: ml_collections.ConfigDict, mode: str) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with the overrides of ``MODES[mode]`` applied.
+
+    Raises:
+      ValueError: ``mode`` is not a key of :data:`MODES` (they are listed).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
+    out = ml_collections.ConfigDict(config.to_dict())
+    for key, value in MODES[mode].items():
+        section, name = key.split(".")
+        out[section][name] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- residuals
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One array the forward pass keeps for the backward pass.
+
+    Attributes:
+      shape: the array's shape.
+      dtype: its dtype name (``"bfloat16"``, ``"int32"``, ...).
+      nbytes: ``prod(shape) * itemsize``.
+      kind: ``"computed"`` (counted as activation memory), ``"argument"``, ``"literal"``
+        or ``"constant"``.
+      source: where it comes from, as JAX describes it, e.g. ``"output of exp from
+        jaxmp/ops.py:157:8 (_masked_softmax_f32)"``.
+    """
+
+    shape: Tuple[int, ...]
+    dtype: str
+    nbytes: int
+    kind: str
+    source: str
+
+
+def _kind(source: str) -> str:
+    if source.startswith("from the argument"):
+        return "argument"
+    if source == "from a literal":
+        return "literal"
+    if source == "from a constant":
+        return "constant"
+    return "computed"
+
+
+def saved_residuals(fn: Callable, *args, argnums: Any = 0) -> List[Residual]:
+    """The residuals ``jax.vjp`` of ``fn`` with respect to ``args[argnums]`` saves.
+
+    Like ``jax.ad_checkpoint.print_saved_residuals``, but only the ``argnums`` arguments
+    are differentiated (as ``jax.grad(fn, argnums)`` does): the others are traced as
+    plain inputs, so a residual that *is* one of them is reported as an argument, and
+    computations on them that need no derivative save nothing. Works on abstract
+    arguments (``jax.ShapeDtypeStruct`` leaves); nothing is allocated.
+
+    Args:
+      fn: a function of ``args`` returning a pytree of float arrays (e.g. a loss).
+      *args: pytrees of arrays or ``jax.ShapeDtypeStruct``.
+      argnums: int or sequence of ints, the arguments to differentiate.
+
+    Returns:
+      One :class:`Residual` per saved array, in the order JAX lists them.
+
+    Raises:
+      ValueError: an ``argnums`` entry outside ``[0, len(args))``.
+    """
+    # Private but documented by its public printer; no public call returns the list.
+    from jax._src.ad_checkpoint import _saved_residuals
+
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or any(not isinstance(i, int) or not 0 <= i < len(args) for i in nums):
+        raise ValueError(f"argnums={argnums!r} must name arguments in [0, {len(args)})")
+    flat, tree = jax.tree_util.tree_flatten_with_path(args)
+    leaves = [x for _, x in flat]
+    names = [jax.tree_util.keystr(p) for p, _ in flat]
+
+    def forward(*leaves_in):
+        full = list(jax.tree.unflatten(tree, leaves_in))
+
+        def of_diff(*diff):
+            call = list(full)
+            for i, d in zip(nums, diff):
+                call[i] = d
+            return fn(*call)
+
+        return jax.vjp(of_diff, *(full[i] for i in nums))
+
+    closed, shapes = jax.make_jaxpr(forward, return_shape=True)(*leaves)
+    num_res = len(jax.tree.leaves(shapes[1]))
+    jaxpr = closed.jaxpr
+    info = jaxpr.debug_info
+    jaxpr = jaxpr.replace(outvars=jaxpr.outvars[len(jaxpr.outvars) - num_res:],
+                          debug_info=info._replace(result_paths=None) if info is not None else None)
+    out = []
+    for aval, source in _saved_residuals(jaxpr, names):
+        shape = tuple(int(d) for d in aval.shape)
+        dtype = np.dtype(aval.dtype)
+        out.append(Residual(shape, dtype.name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                            _kind(source), source))
+    return out
+
+
+def residual_breakdown(residuals: Sequence[Residual], top: Optional[int] = None) -> List[dict]:
+    """Counted (``kind == "computed"``) residual bytes grouped by source and dtype.
+
+    Returns:
+      ``[{"source": str, "dtype": str, "count": int, "bytes": int}, ...]``, largest
+      ``bytes`` first, at most ``top`` rows (all when None). A source names the
+      primitive and the line that produced the array.
+    """
+    groups: Dict[Tuple[str, str], List[int]] = collections.defaultdict(lambda: [0, 0])
+    for r in residuals:
+        if r.kind == "computed":
+            g = groups[(r.source, r.dtype)]
+            g[0] += 1
+            g[1] += r.nbytes
+    rows = [{"source": s, "dtype": d, "count": c, "bytes": b} for (s, d), (c, b) in groups.items()]
+    rows.sort(key=lambda r: (-r["bytes"], r["source"]))
+    return rows if top is None else rows[:top]
+
+
+# ----------------------------------------------------------------------------- HLO collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class HloArray:
+    """An array type in HLO text, e.g. ``bf16[64,32]``.
+
+    Attributes:
+      dtype: the HLO element type (``f32``, ``bf16``, ``s32``, ``pred``, ...).
+      shape: the dimensions.
+    """
+
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes: ``pred`` is 1 byte, every other type its bit width / 8 (``bf16`` 2,
+        ``s32`` 4, ``c64`` 8, ``f8e4m3fn`` 1), rounded up for packed 4-bit types."""
+        bits = 8 if self.dtype == "pred" else int(re.search(r"\d+", self.dtype).group())
+        return -(-self.size * bits // 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of an HLO module.
+
+    Attributes:
+      name: the instruction name, e.g. ``all-reduce.3``.
+      op: ``all-reduce``, ``reduce-scatter``, ``all-gather``, ``all-to-all``,
+        ``collective-permute`` (``-start`` forms are reported without the suffix).
+      operands: the operand arrays, in order.
+      results: the result arrays, one per operand (for ``all-gather``, the gathered ones).
+      count: times it runs per execution of the module (the product of the known trip
+        counts of the ``while`` loops around it; 1 outside loops or when unknown).
+      op_name: the JAX ``op_name`` metadata, '' if none.
+    """
+
+    name: str
+    op: str
+    operands: Tuple[HloArray, ...]
+    results: Tuple[HloArray, ...]
+    count: int
+    op_name: str
+
+
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute",
+                "ragged-all-to-all")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*[\s(].*\{\s*$")
+_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _arrays(type_text: str) -> Tuple[HloArray, ...]:
+    return tuple(HloArray(t, tuple(int(d) for d in dims.split(",") if d))
+                 for t, dims in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", type_text)))
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the parenthesis closing the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    raise ValueError(f"unbalanced parentheses in HLO line: {text[:200]!r}")
+
+
+def _split_instruction(rest: str) -> Tuple[str, str, str, str]:
+    """``TYPE op(ARGS), ATTRS`` -> (type, op, args, attrs)."""
+    if rest.startswith("("):
+        end = _closing(rest, 0) + 1
+    else:
+        end = rest.index(" ") if " " in rest else len(rest)
+    type_text, tail = rest[:end], rest[end:].lstrip()
+    m = re.match(r"([\w\-]+)\(", tail)
+    if not m:
+        return type_text, "", "", tail
+    close = _closing(tail, m.end() - 1)
+    return type_text, m.group(1), tail[m.end():close], tail[close + 1:]
+
+
+def _operand_names(args: str) -> List[str]:
+    names, depth, token = [], 0, ""
+    for ch in re.sub(r"/\*.*?\*/", "", args) + ",":
+        depth += {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            if token.strip():
+                names.append(token.split()[-1].lstrip("%"))
+            token = ""
+        else:
+            token += ch
+    return names
+
+
+def hlo_collectives(hlo_text: str) -> List[Collective]:
+    """Parses the collective instructions of an HLO module's text.
+
+    Reads the text of ``compiled.as_text()`` or of an XLA HLO dump: computations,
+    instruction lines like ``%all-reduce.3 = (f32[64,32]{1,0}, bf16[8]{0})
+    all-reduce(%a, %b), ..., to_apply=%add``, and the ``while`` loops (``body=``,
+    ``backend_config={"known_trip_count":{"n":"4"}}``) and calls that decide how often
+    each computation runs. Operand types are looked up by operand name. ``*-done``
+    halves of async pairs are skipped; a ``*-start`` is reported as its collective, and
+    the operand copies in an async ``all-gather-start``'s result tuple are dropped.
+
+    Returns:
+      The :class:`Collective` s in text order.
+
+    Raises:
+      ValueError: a line with unbalanced parentheses.
+    """
+    types: Dict[str, str] = {}
+    order: List[str] = []
+    calls: Dict[str, List[Tuple[str, int]]] = collections.defaultdict(list)
+    found: List[Tuple[str, str, str, str, str, str]] = []  # computation, name, type, op, args, attrs
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if line.startswith("HloModule"):
+            continue
+        m = _INSTR.match(line)
+        if m is None or current is None:
+            h = _HEADER.match(line)
+            if h and " = " not in line.split("(")[0]:
+                current = h.group(1)
+                order.append(current)
+                if line.lstrip().startswith("ENTRY"):
+                    entry = current
+            continue
+        name, rest = m.groups()
+        type_text, op, args, attrs = _split_instruction(rest)
+        types[name] = type_text
+        trip = _TRIP.search(attrs)
+        for key, callee in _CALLEES.findall(attrs):
+            calls[current].append((callee, int(trip.group(1)) if key == "body" and trip else 1))
+        for group in _BRANCHES.findall(attrs):
+            calls[current].extend((b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip())
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if base in _COLLECTIVES:
+            found.append((current, name, type_text, op, args, attrs))
+
+    runs = collections.defaultdict(int)
+    runs[entry] = 1
+    for comp in reversed(order):  # XLA prints callees before callers
+        for callee, factor in calls.get(comp, ()):
+            runs[callee] += runs[comp] * factor
+
+    out = []
+    for comp, name, type_text, op, args, attrs in found:
+        operands = tuple(a for n in _operand_names(args) for a in _arrays(types.get(n, "")))
+        results = _arrays(type_text)
+        base = op[:-len("-start")] if op.endswith("-start") else op
+        if op.endswith("-start") and len(results) == 2 * len(operands) and results[:len(operands)] == operands:
+            results = results[len(operands):]
+        m = _OP_NAME.search(attrs)
+        out.append(Collective(name, base, operands, results, runs.get(comp) or 1, m.group(1) if m else ""))
+    return out
+
+
+def gradient_collective_bytes(collectives: Sequence[Collective], dense_sizes: Sequence[int],
+                              sparse_sizes: Sequence[int] = ()) -> int:
+    """Bytes of the gradient-path collectives, per device per step.
+
+    The rule, per operand, since XLA merges many leaves (and scalar metrics) into one
+    tuple collective:
+
+    * an ``all-reduce`` / ``reduce-scatter`` operand whose element count is that of a
+      gradient leaf on one device (``dense_sizes``) counts its operand bytes: the whole
+      buffer that is summed (XLA may transpose or reshape a leaf, never resize it);
+    * an ``all-gather`` operand whose element count is in ``sparse_sizes`` (the top-k
+      counts of the leaves, :func:`jaxmp.comm.topk_count`) counts its result bytes:
+      every device's values or indices, as each device receives them;
+    * anything else is not gradient traffic: the loss, finiteness flags and the other
+      metric reductions (scalars, ``[num_experts]`` counts), and activations the
+      partitioner moves (e.g. the tokens of a dropless MoE layer that XLA's automatic
+      partitioning gathers from all devices, and their cotangents).
+
+    Each counted operand is multiplied by :attr:`Collective.count`. An activation
+    whose element count happens to equal a gradient leaf's would be counted too;
+    :func:`hlo_collectives` lists every collective for a check by eye.
+
+    Args:
+      collectives: from :func:`hlo_collectives`.
+      dense_sizes: element counts of the per-device gradient leaves.
+      sparse_sizes: element counts sent per leaf under top-k (empty without it).
+
+    Returns:
+      Bytes as an int.
+    """
+    dense, sparse = set(int(s) for s in dense_sizes), set(int(s) for s in sparse_sizes)
+    total = 0
+    for c in collectives:
+        if c.op in ("all-reduce", "reduce-scatter"):
+            total += c.count * sum(a.nbytes for a in c.operands if a.size in dense)
+        elif c.op == "all-gather":
+            total += c.count * sum(r.nbytes for a, r in zip(c.operands, c.results) if a.size in sparse)
+    return total
+
+
+# ----------------------------------------------------------------------------- one mode
+
+
+def data_mesh(num_devices: int) -> Mesh:
+    """A 1-D ``"data"`` mesh of ``num_devices`` devices of the default backend, or of
+    the host CPU when the default backend has fewer (collectives are counted from the
+    partitioned program, which does not depend on the platform; set
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts to get N
+    CPU devices).
+
+    Raises:
+      ValueError: ``num_devices`` < 1 or more than either backend has.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        raise ValueError(f"num_devices={num_devices!r} must be an integer >= 1")
+    devices = jax.devices()
+    if len(devices) < num_devices:
+        devices = jax.devices("cpu")
+    if len(devices) < num_devices:
+        raise ValueError(f"num_devices={num_devices} but only {len(jax.devices())} "
+                         f"{jax.default_backend()} and {len(devices)} cpu devices exist; set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
+                         f"before JAX starts")
+    return Mesh(np.asarray(devices[:num_devices]), (comm.DATA_AXIS,))
+
+
+def _per_device_bytes(tree: Any, shardings: Any) -> int:
+    total = 0
+    for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        shape = s.shard_shape(tuple(x.shape)) if isinstance(s, NamedSharding) else x.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+# A CPU program compiled only to be read is never run: skip the costly code generation
+# (4-5x faster; the partitioner, which places the collectives, runs all the same).
+_CPU_READ_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                  "xla_cpu_use_fusion_emitters": False}
+
+
+def _partitioned_hlo(lowered, cpu: bool) -> Tuple[str, Any, str]:
+    """Compiles ``lowered`` and returns (HLO text after SPMD partitioning, compiled, note)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
+            "xla_dump_hlo_pass_re": "spmd-partitioning", **(_CPU_READ_ONLY if cpu else {})})
+        dumps = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+        if dumps:
+            with open(dumps[-1]) as f:
+                return f.read(), compiled, "HLO after SPMD partitioning"
+    # No dump (e.g. a persistent-cache hit): the final program, whose 16-bit reductions
+    # XLA:CPU may have widened.
+    return compiled.as_text(), compiled, "compiled HLO (no partitioner dump was written)"
+
+
+def _memory_analysis(compiled) -> Optional[dict]:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+            "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
+
+
+def _build(cfg: ml_collections.ConfigDict, num_devices: int):
+    """(abstract TrainState, trainer.build's other outputs) under ``jax.eval_shape``."""
+    built = {}
+
+    def init():
+        built["out"] = trainer.build(cfg, num_devices)
+        return built["out"][3]
+
+    state = jax.eval_shape(init)
+    return state, built["out"]
+
+
+def _lower_step(cfg: ml_collections.ConfigDict, mesh: Mesh, global_batch: int):
+    """The real jitted train step lowered over ``mesh`` with abstract inputs.
+
+    Returns ``(lowered, abstract state, state shardings, graphdef)``.
+    """
+    state, (model_config, _, graphdef, _, optimizer, lr_schedule, _) = _build(cfg, mesh.devices.size)
+    rules = sharding.DATA_PARALLEL_RULES
+    state_sh = trainer.train_state_shardings(state, mesh, rules)
+    step = train_step.make_train_step(
+        graphdef, optimizer, lr_schedule=lr_schedule, bias_update_rate=model_config.bias_update_rate,
+        grad_accum_steps=cfg.train.grad_accum_steps, mesh=mesh, **trainer.comm_settings(cfg))
+    batch = {k: jax.ShapeDtypeStruct((global_batch, cfg.data.seq_len), jnp.int32)
+             for k in ("inputs", "targets")}
+    lowered = jax.jit(step, in_shardings=(state_sh, sharding.batch_sharding(mesh, rules)),
+                      out_shardings=(state_sh, None)).lower(state, batch)
+    return lowered, state, state_sh, graphdef
+
+
+def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int = 8, *,
+                 breakdown: int = 0, mesh: Optional[Mesh] = None) -> dict:
+    """Accounts one precision mode of ``config``'s model, per device.
+
+    Builds the model, optimizer and train state of ``mode_config(config, mode)`` under
+    ``jax.eval_shape``; lists the loss's residuals at the per-device micro-batch
+    (``train.batch_size / train.grad_accum_steps / num_devices`` sequences of
+    ``data.seq_len`` tokens); lowers the real ``make_train_step`` over a ``"data"`` mesh
+    of ``num_devices`` with the trainer's shardings and abstract inputs, compiles it and
+    reads the gradient collectives (see the module docstring for every figure). When
+    the default backend is an accelerator, XLA's ``memory_analysis()`` of the step
+    compiled for it is added: on the mesh itself if it has the devices, else on one
+    device with that device's share of the batch.
+
+    Args:
+      config: a trainer config (e.g. ``configs/tiny_moe.py``'s ``get_config()``).
+      mode: a key of :data:`MODES`.
+      num_devices: data-parallel devices.
+      breakdown: also return the top ``breakdown`` residual groups (0 = none).
+      mesh: the mesh to lower over (default :func:`data_mesh` ``(num_devices)``).
+
+    Returns:
+      ``{"policy": str, "params_bytes": int, "grads_bytes": int, "opt_state_bytes": int,
+      "comm_state_bytes": int, "activation_bytes": int, "grad_allreduce_bytes": int,
+      "total_bytes": int}`` plus ``"xla_memory"`` (the ``memory_analysis()`` byte counts,
+      None on CPU), ``"hlo_source"`` (which HLO the collectives were read from) and,
+      if asked, ``"breakdown"`` (rows of :func:`residual_breakdown`).
+
+    Raises:
+      ValueError: an unknown mode, a config the trainer rejects (e.g. a micro-batch the
+        devices do not divide), or too few devices.
+    """
+    cfg = mode_config(config, mode)
+    mesh = data_mesh(num_devices) if mesh is None else mesh
+    n = mesh.devices.size
+    trainer.validate_config(cfg, n)
+    t = cfg.train
+
+    lowered, state, state_sh, graphdef = _lower_step(cfg, mesh, t.batch_size)
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    hlo, compiled, hlo_source = _partitioned_hlo(lowered, on_cpu)
+    settings = trainer.comm_settings(cfg)
+    dense = [int(np.prod(s.shard_shape(tuple(x.shape)), dtype=np.int64)) for x, s in
+             zip(jax.tree.leaves(state.params), jax.tree.leaves(state_sh.params))]
+    sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
+              if settings["grad_compression"] == "topk" else [])
+
+    micro = jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // n, cfg.data.seq_len), jnp.int32)
+
+    def loss(params, biases, rest, loss_scale, batch):
+        return train_step._loss_fn(graphdef, params, biases, rest, loss_scale, batch)[0]
+
+    residuals = saved_residuals(loss, state.params, state.biases, state.rest, state.loss_scale,
+                                {"inputs": micro, "targets": micro}, argnums=0)
+
+    params = _per_device_bytes(state.params, state_sh.params)
+    out = {
+        "policy": cfg.precision.policy,
+        "params_bytes": params,
+        "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
+        "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
+        "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state),
+        "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
+        "grad_allreduce_bytes": gradient_collective_bytes(hlo_collectives(hlo), dense, sparse),
+    }
+    out["total_bytes"] = sum(out[k] for k in MEMORY_KEYS)
+    out["xla_memory"] = None
+    if jax.default_backend() != "cpu":
+        if not on_cpu:
+            out["xla_memory"] = _memory_analysis(compiled)
+        else:
+            one = Mesh(np.asarray(jax.devices()[:1]), (comm.DATA_AXIS,))
+            out["xla_memory"] = _memory_analysis(_lower_step(cfg, one, t.batch_size // n)[0].compile())
+    out["hlo_source"] = hlo_source
+    if breakdown:
+        out["breakdown"] = residual_breakdown(residuals, breakdown)
+    return out
+
+
+# ----------------------------------------------------------------------------- all modes
+
+
+def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequence[str]] = None,
+                      num_devices: int = 8, *, breakdown: int = 0) -> dict:
+    """:func:`account_mode` for each mode, as the JSON of ``python -m jaxmp.report --config``.
+
+    Args:
+      config: a trainer config.
+      modes: keys of :data:`MODES` (default: all, in table order).
+      num_devices: data-parallel devices.
+      breakdown: top residual groups to keep per mode (0 = none).
+
+    Returns:
+      ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
+      {NAME: {"policy", "params_bytes", "grads_bytes", "opt_state_bytes",
+      "comm_state_bytes", "activation_bytes", "grad_allreduce_bytes", "total_bytes"}},
+      "details": {NAME: {"xla_memory", "hlo_source"[, "breakdown"]}}}``, bytes per device.
+
+    Raises:
+      ValueError: an unknown mode (before any work), or as :func:`account_mode`.
+    """
+    modes = list(MODES) if modes is None else list(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
+    mesh = data_mesh(num_devices)
+    trainer.validate_config(config, num_devices)
+    _, built = _build(config, num_devices)
+    total, active = built[6]
+    t = config.train
+    out = {
+        "model": {"params": int(total), "active_params": int(active)},
+        "setup": {"devices": num_devices, "platform": mesh.devices.flat[0].platform,
+                  "default_backend": jax.default_backend(),
+                  "micro_batch_per_device": t.batch_size // t.grad_accum_steps // num_devices,
+                  "grad_accum_steps": int(t.grad_accum_steps), "seq_len": int(config.data.seq_len)},
+        "modes": {},
+        "details": {},
+    }
+    for mode in modes:
+        row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        out["details"][mode] = {k: row.pop(k) for k in ("xla_memory", "hlo_source", "breakdown") if k in row}
+        out["modes"][mode] = row
+    return out
+
+
+def _mib(x: int) -> str:
+    return f"{x / 2**20:,.3f}"
+
+
+def format_accounting(report: dict, title: str = "") -> str:
+    """Formats :func:`accounting_report` for the terminal: one table per mode."""
+    s, params = report["setup"], report["model"]["params"]
+    lines = [f"Per-device memory and gradient traffic{': ' + title if title else ''}",
+             f"  model: {params:,} parameters ({report['model']['active_params']:,} active per "
+             f"token); {s['devices']} data-parallel devices; per-device micro-batch "
+             f"{s['micro_batch_per_device']} x {s['seq_len']} tokens"
+             f"{', ' + str(s['grad_accum_steps']) + ' micro-batches per step' if s['grad_accum_steps'] > 1 else ''}",
+             "  bytes per device (MiB = 2**20 bytes); 'vs fp32' divides by the fp32 mode's figure"]
+    base = report["modes"].get("fp32")
+    rows = (("params", "params_bytes", True), ("grads", "grads_bytes", True),
+            ("optimizer state", "opt_state_bytes", True), ("top-k residual", "comm_state_bytes", True),
+            ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
+            ("grad all-reduce", "grad_allreduce_bytes", True))
+    for mode, r in report["modes"].items():
+        o = MODES[mode]
+        lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale {o['precision.loss_scale']}; "
+                      f"Adam moments {o['optim.mu_dtype'] or 'in the master dtype'}; grad_reduce_dtype "
+                      f"{o['precision.grad_reduce_dtype']}; grad_compression {o['precision.grad_compression']}"
+                  + (f" (ratio {o['precision.topk_ratio']:g})" if o["precision.grad_compression"] == "topk" else ""),
+            f"  {'':18s}{'bytes':>19s}{'MiB':>14s}{'B/param':>10s}{'vs fp32':>9s}"]
+        for label, key, per_param in rows:
+            v = r[key]
+            ratio = f"{v / base[key]:9.3f}" if base and base[key] else f"{'-':>9s}"
+            bpp = f"{v / params:10.3f}" if per_param else f"{'-':>10s}"
+            note = "  (traffic per step, not memory)" if key == "grad_allreduce_bytes" else ""
+            lines.append(f"  {label:18s}{v:19,d}{_mib(v):>14s}{bpp}{ratio}{note}")
+        d = report.get("details", {}).get(mode, {})
+        if d.get("xla_memory"):
+            m = d["xla_memory"]
+            lines.append(f"  XLA memory_analysis ({s['default_backend']}): temp "
+                         f"{_mib(m.get('temp_size_in_bytes', 0))} MiB (activations and scratch), "
+                         f"arguments {_mib(m.get('argument_size_in_bytes', 0))} MiB, outputs "
+                         f"{_mib(m.get('output_size_in_bytes', 0))} MiB")
+        for b in d.get("breakdown", []):
+            lines.append(f"    {b['bytes']:>19,d} B {b['count']:4d} x {b['dtype']:9s} {b['source']}")
+    lines += ["", "activations: residuals the loss's forward pass saves for the backward pass, "
+                  "counted from the traced jax.vjp (arguments, literals and constants excluded)."]
+    if s["default_backend"] == "cpu":
+        lines.append("XLA memory_analysis skipped on CPU: XLA:CPU computes bfloat16 in float32 "
+                     "internally, so its buffer sizes would hide the saving.")
+    lines.append("grad all-reduce: gradient collectives in the HLO after SPMD partitioning "
+                 "(whole buffers: all-reduce operands, all-gather results).")
+    return "\n".join(lines)
