@@ -1,0 +1,58 @@
+"""Pieces shared by the train-step benchmarks (overhead.py, train_step.py).
+
+Both scripts take a trainer config file (``--config configs/NAME.py``, overridden as in
+``train.py``: ``--config.model.num_layers=4``), time whole jitted train steps on one
+device over a ring of random token batches placed on the device beforehand, and
+write JSON.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Dict, List
+
+import jax
+import numpy as np
+
+__all__ = ["ROOT", "DEFAULT_CONFIG", "random_batches", "device_info", "write_json"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_moe.py")
+
+
+def random_batches(vocab_size: int, batch_size: int, seq_len: int, count: int, seed: int = 0,
+                   device: Any = None) -> List[Dict[str, jax.Array]]:
+    """``count`` batches ``{"inputs", "targets"}`` of int32 [batch_size, seq_len] on ``device``.
+
+    Tokens are uniform in ``[0, vocab_size)`` (NumPy, seeded); targets are the inputs
+    shifted by one, as in language-model training. Random tokens cost the same FLOPs as
+    text; only the routing (which experts get how many tokens) depends on the data.
+
+    Raises:
+      ValueError: a size or count below 1.
+    """
+    for name, value in (("vocab_size", vocab_size), ("batch_size", batch_size),
+                        ("seq_len", seq_len), ("count", count)):
+        if int(value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    rng = np.random.default_rng(seed)
+    device = device or jax.devices()[0]
+    batches = []
+    for _ in range(count):
+        tokens = rng.integers(0, vocab_size, size=(batch_size, seq_len + 1), dtype=np.int32)
+        batches.append(jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, device))
+    return batches
+
+
+def device_info(device: Any = None) -> Dict[str, Any]:
+    """``{"platform", "device_kind", "devices_used", "devices_present"}`` of the timed device."""
+    device = device or jax.devices()[0]
+    return {"platform": device.platform, "device_kind": device.device_kind, "devices_used": 1,
+            "devices_present": jax.device_count()}
+
+
+def write_json(path: str, report: Dict[str, Any]) -> None:
+    """Writes ``report`` as indented JSON to ``path``, creating parent folders."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,38 @@
+"""A MoE Transformer sized to fill one H200 for benchmarks/train_step.py.
+
+    python benchmarks/train_step.py --config configs/bench_h200.py --json train_step_h200.json
+
+12 layers, d_model 1024, 16 heads, the first layer dense (d_ff 4096), then 8 routed
+experts (top-2) plus 1 shared expert of width 1024 per layer; vocabulary 32768 (the
+benchmark feeds random tokens, so the byte tokenizer's 257 is not needed); batch 16 x
+1024 tokens. 0.44B parameters, 0.23B active per token (count_params), so 2.4e13 model
+FLOPs per step (6 N per token plus attention, jaxmp.cost.training_flops): about 60 ms per
+step at 40% of the H200's dense BF16 peak, 120 ms at 40% of its TF32 peak. The memory
+(7 GB of train state, float32 logits, and [B, heads, T, T] attention scores kept for
+the backward pass, ~2-4 GB per layer) stays well under the H200's 141 GB.
+
+Not yet run on an H200 (no GPU was lent when it was written); the estimate for the
+command above (three precisions, 55 steps each after a compile each) is a few minutes,
+inside a 10-minute limit.
+"""
+import importlib.util
+import pathlib
+
+import ml_collections
+
+# Loaded by path: config files are run by path (config_flags), not imported as a package.
+_spec = importlib.util.spec_from_file_location("tiny_moe", pathlib.Path(__file__).with_name("tiny_moe.py"))
+tiny_moe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tiny_moe)
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = tiny_moe.get_config()
+    config.model.update(dict(
+        vocab_size=32768, num_layers=12, d_model=1024, num_heads=16, d_ff=4096, max_len=1024,
+        num_experts=8, num_shared_experts=1, top_k=2, d_expert=1024, first_dense_layers=1,
+        score_fn="softmax", aux_loss_weight=0.01, bias_update_rate=0.001, capacity_factor=0.0))
+    config.optim.update(dict(learning_rate=3e-4, warmup_steps=10))
+    config.data.seq_len = 1024
+    config.train.update(dict(batch_size=16, steps=1000))
+    return config
