@@ -75,6 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
         eval_every=50,
         checkpoint_every=100,
         keep_checkpoints=2,
+        max_consecutive_skips=100,  # stop with an error when this many steps in a row are skipped
         sample_prompt="def ",
         sample_tokens=80,
         sample_temperature=0.8,

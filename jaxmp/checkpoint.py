@@ -24,12 +24,16 @@ from typing import Any, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS"]
+__all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
+           "config_differences"]
 
 # Config sections that must match between a checkpoint and the run resuming it; the
 # rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
 INCOMPATIBLE_KEYS = ("model", "precision", "optim", "data.seq_len", "data.path",
-                     "train.batch_size", "train.grad_accum_steps", "seed")
+                     "data.max_tokens", "train.batch_size", "train.grad_accum_steps", "seed")
+# Keys inside those sections that may still change on resume: the decay horizon, so a
+# run can be extended on a schedule the user chooses.
+MAY_CHANGE_KEYS = ("optim.decay_steps",)
 
 
 class CheckpointError(RuntimeError):
@@ -43,6 +47,27 @@ def _lookup(config: dict, dotted: str):
             return None
         node = node[key]
     return node
+
+
+def _flatten(node, prefix: str) -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}.{key}"))
+        return out
+    return {prefix: node}
+
+
+def config_differences(saved: dict, current: dict) -> list:
+    """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
+    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`."""
+    diffs = []
+    for section in INCOMPATIBLE_KEYS:
+        a, b = _flatten(_lookup(saved, section), section), _flatten(_lookup(current, section), section)
+        for key in sorted(set(a) | set(b)):
+            if key not in MAY_CHANGE_KEYS and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str):
+                diffs.append((key, a.get(key), b.get(key)))
+    return diffs
 
 
 class Checkpointer:
@@ -60,6 +85,7 @@ class Checkpointer:
         if keep < 1:
             raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+        self.saved_config: Optional[dict] = None  # the config of the last restored checkpoint
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
@@ -101,15 +127,15 @@ class Checkpointer:
             saved_config = self.manager.restore(step, args=ocp.args.Composite(
                 config=ocp.args.JsonRestore()))["config"]
         except Exception as e:  # orbax raises many types for a damaged directory
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} is unreadable (config item): {e}") from e
-        diffs = [key for key in INCOMPATIBLE_KEYS
-                 if json.dumps(_lookup(saved_config, key), sort_keys=True, default=str)
-                 != json.dumps(_lookup(config, key), sort_keys=True, default=str)]
+            raise CheckpointError(self._damaged(step, "its config item is unreadable", e)) from None
+        diffs = config_differences(saved_config, config)
         if diffs:
+            listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} was written with a different "
-                f"{', '.join(diffs)}; resume with the same settings or use a new --workdir")
+                f"checkpoint step {step} in {self.directory} was written with different settings "
+                f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
+                f"use a new --workdir")
+        self.saved_config = saved_config
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             template)
@@ -117,10 +143,19 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         except Exception as e:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} is corrupt or does not match this "
-                f"model's state: {e}") from e
+            raise CheckpointError(self._damaged(
+                step, "it is corrupt or does not match this model's state", e)) from None
         return step, restored["state"], restored["data"]
+
+    def _damaged(self, step: int, what: str, error: Exception) -> str:
+        """The message for an unreadable checkpoint: the cause in one line, and a way out."""
+        cause = " ".join(str(error).split())[:300]
+        others = [s for s in self.manager.all_steps() if s != step]
+        hint = (f"the other checkpoints here are at steps {others}: move {self.directory / str(step)} "
+                f"away to resume from step {max(others)}, or use a new --workdir" if others
+                else "use a new --workdir to start afresh")
+        return (f"checkpoint step {step} in {self.directory} cannot be restored: {what} "
+                f"({type(error).__name__}: {cause}); {hint}")
 
     def close(self) -> None:
         """Waits for pending writes and releases the manager."""

@@ -158,7 +158,7 @@ class LossScale(_PytreeMixin):
           tree: scaled gradients (any floating dtypes).
           dtype: dtype of the result; float32 by default, because a true gradient can
             exceed float16's range (case LS-3: 5e4 * 2 = 1e5 > 65504). ``None`` keeps
-            each leaf's dtype (jmp's behaviour).
+            each leaf's dtype (so a float16 leaf can overflow again).
         """
         return jax.tree.map(lambda x: _unscale_leaf(x, self.loss_scale, dtype), tree)
 
@@ -199,6 +199,8 @@ class StaticLossScale(LossScale):
     _fields = ("loss_scale",)
 
     def __init__(self, loss_scale: Union[float, jax.Array]):
+        if np.ndim(loss_scale) != 0:
+            raise ValueError(f"loss_scale must be a scalar, got shape {np.shape(loss_scale)}")
         value = _concrete(loss_scale)
         if value is not None and not (np.isfinite(value) and 0 < value <= _F32_MAX):
             raise ValueError(f"loss_scale must be a positive finite float32, got {value}")
@@ -341,7 +343,9 @@ def all_finite(tree: Any, axis_name: Optional[Union[str, Sequence[str]]] = None)
     Returns:
       A bool scalar; True for a tree with no floating-point leaves.
     """
-    leaves = [x for x in jax.tree.leaves(tree) if _is_float_array(x)]
+    # Python floats count too: a NaN loss returned as a float must not pass.
+    leaves = [jnp.asarray(x) if isinstance(x, float) else x for x in jax.tree.leaves(tree)]
+    leaves = [x for x in leaves if _is_float_array(x)]
     verdict = jnp.array(True)
     for x in leaves:
         verdict = verdict & jnp.all(jnp.isfinite(x))
@@ -399,12 +403,20 @@ def get_loss_scale(spec: Union[str, LossScale]) -> LossScale:
     def number(token):
         token = token.strip()
         m = re.fullmatch(r"2\s*\*\*\s*(-?\d+)", token)
-        if m:
-            return 2.0 ** int(m.group(1))
+        out_of_range = ValueError(f"loss scale value {token!r} in {spec!r} is outside float32's range")
+        if m and not -149 <= int(m.group(1)) <= 127:  # float32's powers of two
+            raise out_of_range
         try:
-            return float(token)
+            value = 2.0 ** int(m.group(1)) if m else float(token)
+        except OverflowError:
+            raise out_of_range from None
         except ValueError:
             raise ValueError(f"loss scale value {token!r} in {spec!r} is not a number") from None
+        with np.errstate(over="ignore", under="ignore"):
+            f32 = np.float32(value)
+        if np.isfinite(value) and value != 0 and (not np.isfinite(f32) or f32 == 0):
+            raise out_of_range
+        return value
 
     if kind in ("none", "noop", "no_op", ""):
         if args.strip():

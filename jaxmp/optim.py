@@ -206,9 +206,12 @@ class MixedPrecisionUpdate(NamedTuple):
       opt_state: new optimizer state (old one, bitwise, on a skipped step).
       loss_scale: ``loss_scale.adjust(grads_finite)``.
       extra: ``new_extra`` if the step was applied, else ``extra`` (None if not given).
-      grads_finite: bool scalar, True when the step was applied.
+      grads_finite: bool scalar, the gradient verdict that drives the loss scale.
       grad_norm: float32 scalar, global L2 norm of the unscaled gradients, computed in
         float32 before any clipping (inf/NaN on a skipped step).
+      applied: bool scalar, True when the step was applied: the gradients were finite
+        AND the new params, optimizer state and extra state are all finite (an update
+        can overflow on finite gradients: a huge learning rate, float16 moments).
     """
 
     params: Any
@@ -217,6 +220,7 @@ class MixedPrecisionUpdate(NamedTuple):
     extra: Any
     grads_finite: jax.Array
     grad_norm: jax.Array
+    applied: jax.Array
 
 
 def _check_scalar_bool(name: str, value: Any) -> jax.Array:
@@ -266,9 +270,10 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
     4. ``finite = all_finite(grads) & grads_finite``; one verdict for all devices;
     5. ``optimizer.update`` and ``optax.apply_updates``;
     6. keep the new params, optimizer state (every leaf, counts included) and
-       ``new_extra`` only if ``finite``, by a leafwise select (case LS-6): a skipped
-       step is bitwise a no-op, whatever NaN the optimizer produced internally;
-    7. ``loss_scale.adjust(finite)``.
+       ``new_extra`` only if ``finite`` and they are all finite themselves, by a
+       leafwise select (case LS-6): a skipped step is bitwise a no-op, whatever NaN the
+       optimizer produced, so a non-finite value never reaches the state;
+    7. ``loss_scale.adjust(finite)``: the scale reacts to gradient overflow only.
 
     Args:
       optimizer: any optax ``GradientTransformation`` (also ``optax.MultiSteps``).
@@ -311,12 +316,14 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
 
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    params, opt_state = select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+    applied = finite & all_finite((new_params, new_opt_state, new_extra))
+    params, opt_state = select_tree(applied, (new_params, new_opt_state), (params, opt_state))
     if extra is not None:
-        extra = select_tree(finite, new_extra, extra)
+        extra = select_tree(applied, new_extra, extra)
     return MixedPrecisionUpdate(params=params, opt_state=opt_state,
                                 loss_scale=loss_scale.adjust(finite), extra=extra,
-                                grads_finite=finite, grad_norm=grad_norm.astype(jnp.float32))
+                                grads_finite=finite, grad_norm=grad_norm.astype(jnp.float32),
+                                applied=applied)
 
 
 class GradAccumulator(NamedTuple):

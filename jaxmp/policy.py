@@ -130,6 +130,9 @@ class Policy:
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, canonical_dtype(getattr(self, field)))
+            if getattr(self, field) == jnp.float64 and not jax.config.read("jax_enable_x64"):
+                raise ValueError(f"{field}=float64 needs jax_enable_x64 (JAX would silently use "
+                                 f"float32); enable it with jax.config.update('jax_enable_x64', True)")
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating-point leaves of ``tree`` to ``param_dtype``; ints, bools pass through."""
@@ -327,7 +330,8 @@ def with_float32_islands(rules: PolicyRules, patterns: Sequence[str]) -> PolicyR
     Modules that none of the user's rules match but one of ``patterns`` does compute in
     float32, with the default policy's parameter dtype and output dtype (an island: the
     result goes back to the caller's dtype). A user's rule that matches such a module
-    still wins, so ``"mixed_bf16; router: bf16"`` really puts the router in bfloat16.
+    still wins, so ``"mixed_bf16; router: p=f32,c=bf16,o=f32"`` really computes the router in
+    bfloat16 (a bare ``router: bf16`` would store its parameters in bfloat16 too).
     DeepSeek-V3 (report section 3.3) keeps the MoE gating and normalization in higher
     precision; Micikevicius et al. 2018 (section 3.3) do reductions in float32.
 

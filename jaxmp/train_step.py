@@ -303,7 +303,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_sch
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``. Metrics (float32
     scalars unless noted): ``loss`` (cross-entropy), ``aux_loss``, ``grad_norm``
     (unscaled, float32), ``loss_scale`` (the scale used this step), ``grads_finite``
-    (bool), ``skipped_steps`` (int32, cumulative), ``lr``, ``expert_counts`` (float32
+    (bool), ``applied`` (bool: finite gradients and a finite new state), ``skipped_steps`` (int32, cumulative), ``lr``, ``expert_counts`` (float32
     [num_moe_layers, num_experts]), ``dropped_fraction``.
 
     Raises:
@@ -343,8 +343,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_sch
             optimizer, grads, state.opt_state, state.params, state.loss_scale,
             grads_scaled=False, grads_finite=finite, extra=state.biases, new_extra=new_biases)
         if grad_compression == "topk":  # a skipped step leaves the residual bitwise, as the params
-            new_comm_state = select_tree(update.grads_finite, new_comm_state, state.comm_state)
-        skipped = state.skipped_steps + (~update.grads_finite).astype(jnp.int32)
+            new_comm_state = select_tree(update.applied, new_comm_state, state.comm_state)
+        skipped = state.skipped_steps + (~update.applied).astype(jnp.int32)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=update.extra,
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
@@ -355,6 +355,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, lr_sch
             "grad_norm": update.grad_norm,
             "loss_scale": state.loss_scale.loss_scale,
             "grads_finite": update.grads_finite,
+            "applied": update.applied,
             "skipped_steps": skipped,
             # The lr the optimizer applied this step: its count excludes skipped steps.
             "lr": jnp.asarray(lr_schedule(state.step - state.skipped_steps), jnp.float32),

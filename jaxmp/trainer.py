@@ -8,7 +8,9 @@ checkpoints, and finish with a generated sample.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import re
 import time
 from typing import Any, Dict, Optional
 
@@ -20,17 +22,21 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxmp import comm, sharding
-from jaxmp.checkpoint import Checkpointer
-from jaxmp.data import create_pipeline
-from jaxmp.loss_scale import get_loss_scale
+from jaxmp.checkpoint import CheckpointError, Checkpointer
+from jaxmp.data import ByteTokenizer, create_pipeline
+from jaxmp.loss_scale import NoOpLossScale, get_loss_scale
 from jaxmp.metrics_log import MetricsWriter, expert_load_stats
 from jaxmp.models import ModelConfig, MoETransformer, count_params, generate
-from jaxmp.policy import get_policy_rules
+from jaxmp.policy import canonical_dtype, get_policy_rules
 from jaxmp.train_step import (create_train_state, make_eval_step, make_lr_schedule,
                               make_optimizer, make_train_step)
 
 __all__ = ["train_and_evaluate", "validate_config", "build", "config_to_dict", "comm_settings",
-           "train_state_shardings"]
+           "train_state_shardings", "TrainingStalled", "module_paths", "check_rules_match"]
+
+
+class TrainingStalled(RuntimeError):
+    """Every step for ``train.max_consecutive_skips`` steps in a row was skipped."""
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict:
@@ -55,11 +61,58 @@ def train_state_shardings(state, mesh, rules):
     return shardings.replace(comm_state=comm.comm_state_shardings(state.comm_state, mesh, rules))
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _validate_optim(o) -> None:
+    """Checks the optimizer settings (numbers the optax pieces would take silently)."""
+    checks = (
+        ("learning_rate", lambda v: 0 < v <= _F32_MAX, "a number > 0 that float32 can hold"),
+        ("warmup_steps", lambda v: v >= 0 and v == int(v), "an integer >= 0"),
+        ("decay_steps", lambda v: v >= 0 and v == int(v), "an integer >= 0 (0 = train.steps)"),
+        ("final_lr_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+        ("weight_decay", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+        ("grad_clip", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = off)"),
+        ("b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("eps", lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    )
+    for key, ok, allowed in checks:
+        value = o.get(key, 0)
+        if not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"optim.{key}={value!r} is not allowed; it must be {allowed}")
+    for key in ("mu_dtype", "nu_dtype"):
+        if o.get(key):
+            try:
+                canonical_dtype(o[key])
+            except ValueError as e:
+                raise ValueError(f"optim.{key}: {e}") from None
+
+
+def module_paths(model: nnx.Module) -> list:
+    """The ``/``-joined paths of a model's modules that have a policy: what policy rules
+    match against."""
+    return ["/".join(str(k) for k in path) for path, m in nnx.iter_modules(model)
+            if path and hasattr(m, "policy")]
+
+
+def check_rules_match(rules, paths) -> None:
+    """Raises ValueError naming any rule pattern that matches no module path (a typo such
+    as ``rooter: fp32`` would otherwise be silently ignored)."""
+    for pattern, _ in rules.rules:
+        if not any(re.search(pattern, p) for p in paths):
+            kinds = {re.sub(r"\d+", "{i}", p): None for p in paths}  # one example per kind
+            examples = ", ".join(list(kinds)[:10])
+            raise ValueError(f"precision.policy rule {pattern!r} matches no module of this model; "
+                             f"module paths look like: {examples}, ...")
+
+
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     """Checks the trainer's settings before any work is done.
 
     Raises:
-      ValueError: a count that must be positive is not; the global batch cannot be
+      ValueError: a count that must be positive is not; an optimizer setting out of
+        range; a policy rule that matches no module; the global batch cannot be
         split into ``grad_accum_steps`` micro-batches that the data axis of the mesh
         divides; a bad model shape (e.g. heads not dividing the width, top-k above the
         number of experts), policy, loss scale, schedule or gradient communication
@@ -82,9 +135,21 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             f"{num_devices} devices of the mesh's 'data' axis; use a multiple of {num_devices}")
     if config.data.seq_len > config.model.max_len:
         raise ValueError(f"data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}")
+    if config.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the byte "
+                         f"tokenizer's {ByteTokenizer.vocab_size} (256 bytes + end-of-document)")
+    for key, ok, allowed in (
+            ("sample_tokens", lambda v: v >= 0, ">= 0"),
+            ("sample_temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
+            ("max_consecutive_skips", lambda v: v >= 1, ">= 1")):
+        if not ok(t.get(key, 1)):
+            raise ValueError(f"train.{key}={t[key]!r} is not allowed; it must be {allowed}")
+    _validate_optim(config.optim)
     # Parse everything that can be wrong in the config now, before data is read.
-    ModelConfig.from_config(config.model)
-    get_policy_rules(config.precision.policy)
+    model_config = ModelConfig.from_config(config.model)
+    rules = get_policy_rules(config.precision.policy)
+    check_rules_match(rules, module_paths(
+        nnx.eval_shape(lambda: MoETransformer(model_config, rules, rngs=nnx.Rngs(0)))))
     get_loss_scale(config.precision.loss_scale)
     comm.check_comm_config(**comm_settings(config))
     make_lr_schedule(config.optim, t.steps)
@@ -163,15 +228,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         was written for another setup.
     """
     workdir = pathlib.Path(workdir)
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"--workdir {workdir} exists and is not a directory")
     num_devices = num_devices or config.train.get("num_devices") or None
     mesh = sharding.make_mesh(num_devices)
     validate_config(config, mesh.devices.size)
     t = config.train
     data = create_pipeline(config.data, global_batch_size=t.batch_size, seed=config.seed,
                            process_index=jax.process_index(), process_count=jax.process_count())
-    if data.tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                         f"tokenizer's {data.tokenizer.vocab_size}")
     model_config, rules, graphdef, state, optimizer, lr_schedule, param_counts = build(
         config, mesh.devices.size)
 
@@ -185,10 +249,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     config_dict = config_to_dict(config)
     start = 0
     if ckpt.latest_step() is not None:
-        start, state, data_state = ckpt.restore(state, config_dict)
-        data.set_state(data_state)
-        writer.truncate_after(start)
+        try:
+            start, state, data_state = ckpt.restore(state, config_dict)
+            data.set_state(data_state)
+        except (CheckpointError, ValueError) as e:
+            ckpt.close()  # stop orbax's threads before the error unwinds the program
+            writer.close()
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"the data-iterator state in {ckpt.directory} does not fit this "
+                                  f"run's data: {e}") from None
         print(f"resumed from {ckpt.directory} at step {start}")
+        for line in _resume_warnings(ckpt.saved_config, config, start):
+            print(f"warning: {line}")
+    writer.truncate_after(start)  # a fresh run (start 0) drops an old run's records
 
     train_step = jax.jit(
         make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
@@ -209,13 +283,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     if jax.process_index() == 0:
         print(_banner(config, mesh, model_config, rules, state, data, param_counts))
+        for line in _precision_warnings(rules, state.loss_scale):
+            print(f"warning: {line}")
 
     tokens_per_step = t.batch_size * config.data.seq_len
     summary = {"train_losses": [], "eval_loss": None}
     last_log_time, last_log_step = time.perf_counter(), start
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="train",
                disable=jax.process_index() != 0, dynamic_ncols=True)
-    metrics = None
+    max_skips = int(t.get("max_consecutive_skips", 100))
+    consecutive_skips, last_skipped = 0, int(jax.device_get(state.skipped_steps))
+    last_logged = start
     for step in bar:
         batch = to_device(next(data.train_iter))
         state, metrics = train_step(state, batch)
@@ -230,13 +308,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             tps = (tokens_per_step * (done - last_log_step) / (now - last_log_time)
                    if done > last_log_step else None)
             last_log_time, last_log_step = now, done
-            record = {k: float(v) for k, v in m.items() if np.ndim(v) == 0 and k != "grads_finite"}
-            record.update(grads_finite=bool(m["grads_finite"]), skipped_steps=int(m["skipped_steps"]),
-                          tokens_per_s=tps, **expert_load_stats(m["expert_counts"]))
+            record = {k: float(v) for k, v in m.items()
+                      if np.ndim(v) == 0 and k not in ("grads_finite", "applied")}
+            record.update(grads_finite=bool(m["grads_finite"]), applied=bool(m["applied"]),
+                          skipped_steps=int(m["skipped_steps"]), tokens_per_s=tps,
+                          **expert_load_stats(m["expert_counts"]))
+            interval, last_logged = done - last_logged, done
+            newly_skipped = record["skipped_steps"] - last_skipped
+            last_skipped = record["skipped_steps"]
+            if newly_skipped:
+                bar.write(f"step {done}: {newly_skipped} of the last {interval} steps skipped "
+                          f"(non-finite gradients or update); loss scale now "
+                          f"{float(jax.device_get(state.loss_scale.loss_scale)):g}")
+            # A lower bound on the current run of skipped steps, from what the logs saw.
+            consecutive_skips = (0 if record["applied"] else
+                                 consecutive_skips + interval if newly_skipped == interval else 1)
             writer.write(done, "train", record)
             summary["train_losses"].append(record["loss"])
             bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record['loss_scale']:g}",
                             tok_s="-" if tps is None else f"{tps:,.0f}", skipped=record["skipped_steps"])
+            if consecutive_skips >= max_skips:
+                bar.close()
+                ckpt.close()
+                writer.close()
+                raise TrainingStalled(
+                    f"the last {consecutive_skips} steps (to step {done}) were all skipped: "
+                    f"gradients or updates were not finite and the parameters have not changed "
+                    f"since; loss scale {float(jax.device_get(state.loss_scale.loss_scale)):g} "
+                    f"({type(state.loss_scale).__name__}). Lower optim.learning_rate, use "
+                    f"precision.loss_scale=dynamic for float16, or a wider compute dtype. The "
+                    f"last checkpoint in {ckpt.directory} is from before the stall.")
         if done % t.eval_every == 0 or done == t.steps:
             summary["eval_loss"] = evaluate(state)
             writer.write(done, "eval", {"loss": summary["eval_loss"]})
@@ -256,9 +357,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     ids = generate(model, prompt, max_new_tokens=t.sample_tokens, temperature=t.sample_temperature,
                    rng=jax.random.wrap_key_data(jax.device_get(state.rng)))
     sample = data.tokenizer.decode(ids)
+    final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if jax.process_index() == 0:
         (workdir / "sample.txt").write_text(sample)
-        print(f"sample after {t.steps} steps:\n{sample}")
-    summary.update(step=int(jax.device_get(state.step)), skipped_steps=int(jax.device_get(state.skipped_steps)),
-                   sample=sample)
+        print(f"done: step {final_step}, eval loss {summary['eval_loss']:.4f}, {skipped} of "
+              f"{final_step} steps skipped")
+        print(f"sample after {final_step} steps:\n{sample}")
+    summary.update(step=final_step, skipped_steps=skipped, sample=sample)
     return summary
+
+
+def _precision_warnings(rules, loss_scale) -> list:
+    """Risky precision settings that are allowed but rarely meant."""
+    policies = [rules.default] + [p for _, p in rules.rules]
+    if any(p.needs_loss_scale for p in policies) and isinstance(loss_scale, NoOpLossScale):
+        return ["float16 compute without a loss scale: gradients below 2**-24 flush to zero and "
+                "large ones overflow (Micikevicius et al. 2018, section 3.2); set "
+                "precision.loss_scale=dynamic"]
+    return []
+
+
+def _resume_warnings(saved: Optional[dict], config, start: int) -> list:
+    """What changed on resume that the user may not expect."""
+    lines = []
+    saved_steps = (saved or {}).get("train", {}).get("steps")
+    if saved_steps is not None and saved_steps != config.train.steps and not config.optim.get("decay_steps"):
+        lines.append(f"train.steps changed from {saved_steps} to {config.train.steps} with "
+                     f"optim.decay_steps=0: the learning-rate schedule now decays over "
+                     f"{config.train.steps} steps (set optim.decay_steps to choose the horizon)")
+    if start >= config.train.steps:
+        lines.append(f"the checkpoint is at step {start}, at or past train.steps="
+                     f"{config.train.steps}: nothing to train")
+    return lines

@@ -2,6 +2,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -696,3 +697,20 @@ def test_matches_megatron_reference(seq, cfg):
     for i, (s, c, h) in enumerate(ref):
         assert (float(scales[i]), int(counters[i]), int(hysts[i])) == (s, c, h), (i, seq[:i + 1])
         assert cfg["lo"] <= float(scales[i]) <= cfg["hi"]
+
+
+@pytest.mark.parametrize("spec", ["dynamic:init=2**2000", "dynamic:init=2**-2000", "static:1e39"])
+def test_loss_scale_values_outside_float32_are_rejected_by_name(spec):
+    token = spec.split("=")[-1] if "=" in spec else spec.split(":")[1]
+    with pytest.raises(ValueError, match=re.escape(token)):
+        jaxmp.get_loss_scale(spec)
+
+
+def test_static_loss_scale_must_be_a_scalar():
+    with pytest.raises(ValueError, match=r"scalar.*\(2,\)"):
+        StaticLossScale(np.array([1.0, 2.0]))
+
+
+def test_all_finite_sees_python_float_leaves():
+    assert not bool(jaxmp.all_finite({"a": float("nan"), "b": jnp.ones(2)}))
+    assert bool(jaxmp.all_finite({"a": 1.5, "b": jnp.ones(2)}))

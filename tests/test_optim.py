@@ -432,3 +432,20 @@ def test_apply_gradients_rejects_bad_input():
         optim.accumulated_mean(optim.accumulator_init(params))
     with pytest.raises(ValueError, match="accumulator"):
         optim.accumulate(optim.accumulator_init(params), {"w": jnp.ones((4,), F32)}, NoOpLossScale())
+
+
+def test_an_update_that_overflows_on_finite_gradients_is_skipped_too():
+    """A finite gradient can still produce a non-finite state (here float16 second moments:
+    (1 - b2) * 1e4**2 = 1e5 > 65504). The step is skipped bitwise; the loss scale does not back off, since
+    the gradients did not overflow."""
+    params = {"w": jnp.ones((3,), jnp.float32)}
+    opt = optim.adamw(1e-3, mu_dtype=jnp.float16, nu_dtype=jnp.float16)
+    state = opt.init(params)
+    scale = jaxmp.DynamicLossScale(loss_scale=4.0, growth_interval=100)
+    grads = {"w": jnp.full((3,), 1e4 * 4.0, jnp.float32)}  # scaled by 4
+    out = optim.apply_gradients(opt, grads, state, params, scale)
+    assert bool(out.grads_finite) and not bool(out.applied)
+    np.testing.assert_array_equal(np.asarray(out.params["w"]), np.ones(3, np.float32))
+    for a, b in zip(jax.tree.leaves(out.opt_state), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(out.loss_scale.loss_scale) == 4.0 and int(out.loss_scale.counter) == 1

@@ -291,3 +291,8 @@ def test_rules_errors(spec, tokens):
 def test_rules_reject_malformed_pairs():
     with pytest.raises(ValueError, match="pattern, policy"):
         jaxmp.PolicyRules("fp32", rules=("router",))
+
+
+def test_float64_policy_without_x64_is_an_error_not_a_silent_float32():
+    with pytest.raises(ValueError, match="jax_enable_x64"):
+        jaxmp.get_policy("f64")

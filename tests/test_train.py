@@ -203,6 +203,11 @@ def test_every_config_builds_and_traces_under_eval_shape(name):
     (dict(data=dict(path="/nonexistent/dir/*.txt")), r"/nonexistent/dir/\*\.txt"),
     (dict(data=dict(seq_len=64)), r"seq_len=64 exceeds model.max_len=32"),
     (dict(train=dict(steps=0)), r"train.steps must be >= 1"),
+    (dict(optim=dict(learning_rate=-1.0)), r"optim.learning_rate=-1.0"),
+    (dict(optim=dict(warmup_steps=-3)), r"optim.warmup_steps=-3"),
+    (dict(optim=dict(mu_dtype="bfloat17")), r"optim.mu_dtype.*bfloat17"),
+    (dict(precision=dict(policy="mixed_bf16; rooter: fp32")), r"'rooter' matches no module"),
+    (dict(model=dict(vocab_size=200)), r"vocab_size=200 is smaller"),
 ])
 def test_bad_input_is_a_clear_error_before_training(tmp_path, overrides, match):
     config = small_config()
@@ -227,13 +232,13 @@ def test_corrupt_or_incompatible_checkpoint_is_an_error_not_a_fresh_start(tmp_pa
     # Another model shape in the same workdir.
     other = small_config(steps=4)
     other.model.d_model = 64
-    with pytest.raises(CheckpointError, match="model"):
+    with pytest.raises(CheckpointError, match=r"model\.d_model: saved 32, now 64"):
         train_and_evaluate(other, str(tmp_path))
     # Damage every file of the saved state.
     for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\x00garbage")
-    with pytest.raises(CheckpointError, match="corrupt"):
+    with pytest.raises(CheckpointError, match="step 2 .* cannot be restored.*corrupt.*new --workdir"):
         train_and_evaluate(small_config(steps=4), str(tmp_path))
     assert read_metrics(tmp_path)[-1]["step"] == 2  # nothing was trained past the checkpoint
 
@@ -254,3 +259,24 @@ def test_command_line_trains_and_resumes(tmp_path):
     bad = subprocess.run(cmd + ["--config.precision.policy=mixed_fp17"], capture_output=True,
                          text=True, cwd=tmp_path, env=env)
     assert bad.returncode != 0 and "mixed_fp17" in bad.stderr
+
+
+def test_a_run_whose_every_step_is_skipped_stops_with_a_clear_error(tmp_path):
+    """Learning rate 1e30: the first update makes the weights huge (still finite), after
+    which every gradient overflows; those steps are skipped and the trainer stops
+    instead of idling."""
+    from jaxmp.trainer import TrainingStalled
+    config = small_config(steps=20, max_consecutive_skips=3, checkpoint_every=1)
+    config.optim.update(dict(learning_rate=1e30, warmup_steps=0, grad_clip=0.0))
+    with pytest.raises(TrainingStalled, match="last 3 steps .* were all skipped"):
+        train_and_evaluate(config, str(tmp_path))
+    records = read_metrics(tmp_path)
+    assert [r["skipped_steps"] for r in records[-3:]] == [1, 2, 3]
+    assert not any(r["applied"] for r in records[-3:])
+    assert len(records) == 4 and records[0]["applied"]
+
+
+def test_fresh_run_does_not_append_to_an_old_runs_metrics(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7, "split": "train", "loss": 1.0}\n')
+    train_and_evaluate(small_config(steps=2), str(tmp_path))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
