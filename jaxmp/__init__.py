@@ -18,3 +18,4 @@ from jaxmp.loss_scale import (
 __version__ = "0.1.0"
 
 from jaxmp import diagnostics, ops, optim  # noqa: E402  (submodules as jaxmp.ops, ...)
+from jaxmp import comm  # noqa: E402
