@@ -16,19 +16,37 @@ mantissa than 8 (bfloat16) or 11 (float16) bits:
   logits, and bfloat16 cannot tell 2.000 from 2.004 (case OP-3).
 
 Every function here takes low-precision inputs, upcasts them to float32, computes in
-float32 and casts the result back (to the input dtype, or to ``dtype``). Because the
-upcast is an ordinary ``astype``, JAX differentiates through it: the backward pass of
-each island also runs in float32, and only the final cotangent is cast back to the
-input dtype.
+float32 and casts the result back (to the input dtype, or to ``dtype``); the backward
+pass of each island runs in float32 too, and only the final cotangent is cast back to
+the input dtype.
+
+Activation memory. Differentiated naively, a float32 island keeps its float32
+intermediates for the backward pass, so a bfloat16 model would save float32 copies of
+its largest activations. The norms and the softmaxes here are ``jax.custom_vjp``
+functions that save only what their backward pass needs, without widening it: a
+norm's input and a softmax's output, the arrays Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", section 4.1) count as their
+activations; everything else is recomputed, as FlashAttention (Dao et al. 2022,
+section 3.1) recomputes the softmax from saved statistics:
+
+* :func:`rms_norm` / :func:`layer_norm`: the input ``x`` in its own dtype and the
+  per-row float32 ``rsqrt`` (and mean); the normalized value is recomputed.
+* :func:`softmax` / :func:`masked_softmax`: the output probabilities in the output
+  dtype (``dx = p * (g - sum(g * p))`` needs nothing else; masked entries of ``p`` are
+  exactly 0, so the mask is not kept either).
+
+:func:`cast_matmul` does the same for weights: ``x @ w.astype(x.dtype)`` that recasts
+the (float32 master) weight in the backward pass instead of keeping its low-precision
+copy alive between the passes.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 __all__ = [
     "rms_norm",
@@ -39,6 +57,7 @@ __all__ = [
     "cross_entropy",
     "causal_mask",
     "router_logits",
+    "cast_matmul",
 ]
 
 _F32 = jnp.float32
@@ -74,7 +93,8 @@ def _check_eps(eps: float) -> None:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
 
 
-def rms_norm(x: jax.Array, scale: Optional[jax.Array] = None, eps: float = 1e-6) -> jax.Array:
+def rms_norm(x: jax.Array, scale: Optional[jax.Array] = None, eps: float = 1e-6,
+             dtype: Any = None) -> jax.Array:
     """RMS normalization (Zhang & Sennrich 2019) with float32 statistics.
 
     ``y = x / sqrt(mean(x**2, -1) + eps) * scale``, every step in float32: the mean
@@ -83,32 +103,72 @@ def rms_norm(x: jax.Array, scale: Optional[jax.Array] = None, eps: float = 1e-6)
     multiplication by ``scale``. Case OP-1: float16 ``[300., 300.]`` gives ``[1., 1.]``
     where a float16 mean of squares is ``inf``.
 
+    The backward pass (float32) keeps only ``x`` as given and the float32 per-row
+    ``rsqrt``: pass a bfloat16 ``x`` with ``dtype=jnp.float32`` rather than upcasting
+    it first, and no float32 copy of ``x`` is kept.
+
     Args:
-      x: ``[..., D]`` array of any floating dtype (the compute dtype).
+      x: ``[..., D]`` array of any floating dtype.
       scale: ``[D]`` gain of any floating dtype (typically the float32 master
         parameter), or None for no gain.
       eps: non-negative constant added to the mean square, in float32.
+      dtype: dtype of the result; default ``x.dtype``.
 
     Returns:
-      ``[..., D]`` array of ``x.dtype``.
+      ``[..., D]`` array of ``dtype``.
 
     Raises:
       ValueError: ``x`` or ``scale`` is not floating point, ``scale`` is not ``[D]``,
-        or ``eps`` is negative or not finite.
+        ``eps`` is negative or not finite, or ``dtype`` is not floating.
     """
     _check_float("x", x)
     _check_feature_param("scale", scale, x)
     _check_eps(eps)
-    x32 = jnp.asarray(x).astype(_F32)
-    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(mean_square + jnp.asarray(eps, _F32))
+    out = _out_dtype(x, dtype)
+    return _rms_norm(jnp.asarray(x), None if scale is None else jnp.asarray(scale), float(eps), out)
+
+
+def _leading_sum(a: jax.Array) -> jax.Array:
+    """Sum over every axis but the last: the gradient of a per-feature ``[D]`` parameter."""
+    return jnp.sum(a, axis=tuple(range(a.ndim - 1)))
+
+
+def _param_grad(a: Optional[jax.Array], like: Optional[jax.Array]) -> Optional[jax.Array]:
+    return None if like is None else _leading_sum(a).astype(like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, scale, eps, out):
+    return _rms_norm_fwd(x, scale, eps, out)[0]
+
+
+def _rms_norm_fwd(x, scale, eps, out):
+    x32 = x.astype(_F32)
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + jnp.asarray(eps, _F32))
+    y = x32 * inv
     if scale is not None:
-        y = y * jnp.asarray(scale).astype(_F32)
-    return y.astype(jnp.result_type(x))
+        y = y * scale.astype(_F32)
+    # x in its own dtype and one float32 scalar per row: x32, x32**2 and y are recomputed.
+    return y.astype(out), (x, scale, inv)
+
+
+def _rms_norm_bwd(eps, out, res, g):
+    # y = xhat * s with xhat = x * r, r = (mean(x**2) + eps)**-1/2, dr/dx = -r**3 x / D:
+    # dx = r * (u - xhat * mean(u * xhat)) with u = g * s; ds = sum(g * xhat). All float32.
+    x, scale, inv = res
+    g32 = g.astype(_F32)
+    xhat = x.astype(_F32) * inv
+    u = g32 if scale is None else g32 * scale.astype(_F32)
+    dx = inv * (u - xhat * jnp.mean(u * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), _param_grad(g32 * xhat, scale)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def layer_norm(x: jax.Array, scale: Optional[jax.Array] = None,
-               bias: Optional[jax.Array] = None, eps: float = 1e-5) -> jax.Array:
+               bias: Optional[jax.Array] = None, eps: float = 1e-5,
+               dtype: Any = None) -> jax.Array:
     """Layer normalization (Ba et al. 2016) with float32 statistics.
 
     ``y = (x - mean) / sqrt(var + eps) * scale + bias`` over the last axis, computed in
@@ -116,32 +176,65 @@ def layer_norm(x: jax.Array, scale: Optional[jax.Array] = None,
     of ``E[x**2] - E[x]**2``). Case OP-1: float16 ``[300., -300.]`` gives ``[1., -1.]``;
     a float16 variance is ``inf`` (``300**2`` overflows float16's 65504).
 
+    The backward pass (float32) keeps only ``x`` as given and the float32 per-row mean
+    and ``rsqrt``.
+
     Args:
       x: ``[..., D]`` array of any floating dtype.
       scale: ``[D]`` gain of any floating dtype, or None.
       bias: ``[D]`` offset of any floating dtype, or None.
       eps: non-negative constant added to the variance, in float32. The default 1e-5
         is ``torch.nn.LayerNorm``'s and ``flax.nnx.LayerNorm``'s.
+      dtype: dtype of the result; default ``x.dtype``.
 
     Returns:
-      ``[..., D]`` array of ``x.dtype``.
+      ``[..., D]`` array of ``dtype``.
 
     Raises:
-      ValueError: a non-floating input, ``scale``/``bias`` not ``[D]``, or a bad ``eps``.
+      ValueError: a non-floating input, ``scale``/``bias`` not ``[D]``, a bad ``eps``,
+        or a non-floating ``dtype``.
     """
     _check_float("x", x)
     _check_feature_param("scale", scale, x)
     _check_feature_param("bias", bias, x)
     _check_eps(eps)
-    x32 = jnp.asarray(x).astype(_F32)
-    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
-    y = centered * jax.lax.rsqrt(var + jnp.asarray(eps, _F32))
+    out = _out_dtype(x, dtype)
+    as_array = lambda p: None if p is None else jnp.asarray(p)  # noqa: E731
+    return _layer_norm(jnp.asarray(x), as_array(scale), as_array(bias), float(eps), out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _layer_norm(x, scale, bias, eps, out):
+    return _layer_norm_fwd(x, scale, bias, eps, out)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, eps, out):
+    x32 = x.astype(_F32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centered = x32 - mean
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True) + jnp.asarray(eps, _F32))
+    y = centered * inv
     if scale is not None:
-        y = y * jnp.asarray(scale).astype(_F32)
+        y = y * scale.astype(_F32)
     if bias is not None:
-        y = y + jnp.asarray(bias).astype(_F32)
-    return y.astype(jnp.result_type(x))
+        y = y + bias.astype(_F32)
+    # bias ([D]) only tells the backward pass its dtype; its value is not used.
+    return y.astype(out), (x, scale, bias, mean, inv)
+
+
+def _layer_norm_bwd(eps, out, res, g):
+    # Standard layer-norm backward (Ba et al. 2016), float32:
+    # dx = r * (u - mean(u) - xhat * mean(u * xhat)), u = g * s; ds = sum(g * xhat); db = sum(g).
+    x, scale, bias, mean, inv = res
+    g32 = g.astype(_F32)
+    xhat = (x.astype(_F32) - mean) * inv
+    u = g32 if scale is None else g32 * scale.astype(_F32)
+    dx = inv * (u - jnp.mean(u, axis=-1, keepdims=True)
+                - xhat * jnp.mean(u * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), _param_grad(g32 * xhat, scale), _param_grad(g32, bias)
+
+
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
 def _masked_softmax_f32(s: jax.Array, mask: jax.Array, axis: Any) -> jax.Array:
@@ -199,11 +292,45 @@ def softmax(x: jax.Array, axis: Any = -1, where: Optional[jax.Array] = None,
     """
     _check_float("x", x)
     out = _out_dtype(x, dtype)
-    x32 = jnp.asarray(x).astype(_F32)
-    if where is None:
-        return jax.nn.softmax(x32, axis=axis).astype(out)
-    mask = _broadcast_mask(where, x32.shape, "where")
-    return _masked_softmax_f32(x32, mask, axis).astype(out)
+    x = jnp.asarray(x)
+    mask = None if where is None else _broadcast_mask(where, x.shape, "where")
+    return _softmax(x, mask, _axes(axis, x.ndim), out, x.dtype)
+
+
+def _axes(axis: Any, ndim: int) -> tuple:
+    """``axis`` as a sorted tuple of non-negative ints (hashable, for ``nondiff_argnums``)."""
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    ok = axes and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+                      and -ndim <= a < ndim for a in axes)
+    if not ok:
+        raise ValueError(f"axis={axis!r} must be an int or a non-empty tuple of ints in "
+                         f"[-{ndim}, {ndim}) for an array of rank {ndim}")
+    return tuple(sorted({int(a) % ndim for a in axes}))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _softmax(x, mask, axis, out, in_dtype):
+    return _softmax_fwd(x, mask, axis, out, in_dtype)[0]
+
+
+def _softmax_fwd(x, mask, axis, out, in_dtype):
+    x32 = x.astype(_F32)
+    p32 = jax.nn.softmax(x32, axis=axis) if mask is None else _masked_softmax_f32(x32, mask, axis)
+    p = p32.astype(out)
+    # Only p, in the output dtype: the float32 exponentials, the row sums and the mask
+    # are not kept for the backward pass.
+    return p, p
+
+
+def _softmax_bwd(axis, out, in_dtype, p, g):
+    # d softmax: dx = p * (g - sum(g * p)) over `axis`, a reduction: float32. Masked
+    # entries have p == 0 and get exactly 0; a fully masked row gets all zeros.
+    p32, g32 = p.astype(_F32), g.astype(_F32)
+    dx = p32 * (g32 - jnp.sum(g32 * p32, axis=axis, keepdims=True))
+    return dx.astype(in_dtype), None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def log_softmax(x: jax.Array, axis: Any = -1, dtype: Any = None) -> jax.Array:
@@ -254,20 +381,27 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, axis: Any = -1,
     """
     _check_float("scores", scores)
     out = _out_dtype(scores, dtype)
-    s32 = jnp.asarray(scores).astype(_F32)
-    m = _broadcast_mask(mask, s32.shape, "mask")
-    return _masked_softmax_f32(s32, m, axis).astype(out)
+    scores = jnp.asarray(scores)
+    m = _broadcast_mask(mask, scores.shape, "mask")
+    return _softmax(scores, m, _axes(axis, scores.ndim), out, scores.dtype)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array,
                   mask: Optional[jax.Array] = None) -> jax.Array:
-    """Mean token cross-entropy with the log-softmax in float32.
+    """Mean token cross-entropy with the log-softmax in float32, forward and backward.
 
     ``sum(mask * nll) / max(sum(mask), 1)`` with ``nll = logsumexp(logits) -
-    logits[label]`` from ``optax.softmax_cross_entropy_with_integer_labels`` on the
-    float32 upcast of ``logits``. Tokens with weight 0 contribute exactly 0 to the
-    loss and to the gradient, even if their logits are non-finite (padding cannot make
-    a loss-scaled step skip); an all-masked batch gives 0.
+    logits[label]`` computed on the float32 upcast of ``logits``. Tokens with weight 0
+    contribute exactly 0 to the loss and to the gradient, even if their logits are
+    non-finite (padding cannot make a loss-scaled step skip); an all-masked batch
+    gives 0.
+
+    The gradient ``dlogits = g * (softmax(logits) - onehot(label))`` is computed in
+    float32 (a vocabulary-wide reduction feeds it, case OP-2) and cast to ``logits``'
+    dtype. For it the forward pass keeps only ``logits`` as given (bfloat16 logits stay
+    bfloat16) and the float32 per-token logsumexp; the float32 upcast and its
+    exponentials are recomputed (Dao et al. 2022, FlashAttention, section 3.1, does the
+    same for attention: keep the logsumexp, recompute the probabilities).
 
     Args:
       logits: ``[..., V]`` array of any floating dtype.
@@ -295,17 +429,47 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
                          f"{jnp.shape(logits)[:-1]}")
     if mask is not None and jnp.shape(mask) != jnp.shape(labels):
         raise ValueError(f"mask shape {jnp.shape(mask)} must equal labels shape {jnp.shape(labels)}")
-    logits32 = jnp.asarray(logits).astype(_F32)
-    labels = jnp.asarray(labels)
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if mask is None:
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits32, labels))
+        return jnp.mean(_token_nll(logits, labels, None))
     w = jnp.asarray(mask).astype(_F32)
     keep = w != 0
-    # Select, never multiply: 0 * inf = NaN. Masked logits are replaced *before* the
-    # log-softmax too, or a NaN there would still reach the gradient (0 * NaN).
-    logits32 = jnp.where(keep[..., None], logits32, 0.0)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits32, labels)
+    nll = _token_nll(logits, labels, keep)
+    # Select, never multiply: 0 * inf = NaN.
     return jnp.sum(jnp.where(keep, w * nll, 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def _masked_logits32(logits, keep):
+    """float32 logits; rows of dropped tokens zeroed *before* any exp, so that a NaN or
+    inf there never reaches the loss or the gradient."""
+    z = logits.astype(_F32)
+    return z if keep is None else jnp.where(keep[..., None], z, 0.0)
+
+
+@jax.custom_vjp
+def _token_nll(logits, labels, keep):
+    return _token_nll_fwd(logits, labels, keep)[0]
+
+
+def _token_nll_fwd(logits, labels, keep):
+    z = _masked_logits32(logits, keep)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    nll = lse - jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+    nll = nll if keep is None else jnp.where(keep, nll, 0.0)
+    return nll, (logits, labels, keep, lse)
+
+
+def _token_nll_bwd(res, g):
+    logits, labels, keep, lse = res
+    p = jnp.exp(_masked_logits32(logits, keep) - lse[..., None])  # softmax, float32
+    onehot = labels[..., None] == jnp.arange(logits.shape[-1], dtype=labels.dtype)
+    d = g.astype(_F32)[..., None] * (p - onehot.astype(_F32))
+    if keep is not None:
+        d = jnp.where(keep[..., None], d, 0.0)
+    return d.astype(logits.dtype), None, None
+
+
+_token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
 
 
 def causal_mask(q_len: int, kv_len: Optional[int] = None) -> jax.Array:
@@ -359,3 +523,63 @@ def router_logits(x: jax.Array, w: jax.Array) -> jax.Array:
                          f"(w shape {jnp.shape(w)})")
     return jnp.matmul(jnp.asarray(x).astype(_F32), jnp.asarray(w).astype(_F32),
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def _product(x, w, spec, group_sizes):
+    if group_sizes is not None:
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    if spec is not None:
+        return jnp.einsum(spec, x, w)
+    return jnp.matmul(x, w)
+
+
+def cast_matmul(x: jax.Array, w: jax.Array, spec: Optional[str] = None, *,
+                group_sizes: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ w.astype(x.dtype)`` whose backward pass recasts ``w`` instead of saving the cast.
+
+    A mixed-precision layer multiplies its compute-dtype input by a low-precision copy
+    of its float32 master weight. Differentiated naively, that copy is an activation:
+    the backward pass needs it for ``dx = g @ w_c.T``, so it stays alive from the
+    forward to the backward pass: one more parameter-sized array per weight (the
+    "fp16 parameters" of Rajbhandari et al. 2020, ZeRO, section 3.1, held as
+    activations). Here the cast and the product run
+    under ``jax.checkpoint`` with the ``nothing_saveable`` policy: the backward pass
+    keeps only the inputs (``x``, already in the compute dtype, which ``dw`` needs
+    anyway, and the master ``w``, which exists regardless) and redoes the cheap cast;
+    the product itself is not recomputed (each cotangent is one product, as without
+    the checkpoint). Values and gradients are bitwise those of the plain expression.
+    When ``w`` already has ``x``'s dtype (a float32 policy) there is no cast and no
+    checkpoint.
+
+    Also used the other way round, to upcast a low-precision operand into a float32
+    product (``x`` float32 gates, ``w`` bfloat16 expert outputs): the float32 copy is
+    recomputed, the bfloat16 original saved.
+
+    Args:
+      x: the activation, ``[..., K]`` (any floating dtype; its dtype is the compute
+        dtype).
+      w: the weight, any floating dtype (typically the float32 master), ``[K, N]`` for
+        ``x @ w``, shaped for ``spec``, or ``[G, K, N]`` with ``group_sizes``.
+      spec: an ``einsum`` subscript string ``"x_axes,w_axes->out"``; default a matmul.
+      group_sizes: int ``[G]`` rows of ``x`` per group: a grouped matmul
+        (``jax.lax.ragged_dot``, the sorted-token MoE layout); excludes ``spec``.
+
+    Returns:
+      The product in ``x.dtype``.
+
+    Raises:
+      ValueError: a non-floating ``x`` or ``w``, or both ``spec`` and ``group_sizes``.
+    """
+    _check_float("x", x)
+    _check_float("w", w)
+    if spec is not None and group_sizes is not None:
+        raise ValueError(f"give spec ({spec!r}) or group_sizes, not both")
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if w.dtype == x.dtype:
+        return _product(x, w, spec, group_sizes)
+
+    def cast_then_multiply(x, w, group_sizes):
+        return _product(x, w.astype(x.dtype), spec, group_sizes)
+
+    return jax.checkpoint(cast_then_multiply, policy=jax.checkpoint_policies.nothing_saveable)(
+        x, w, group_sizes)

@@ -32,7 +32,7 @@ from jaxmp.train_step import (create_train_state, make_eval_step, make_lr_schedu
                               make_optimizer, make_train_step)
 
 __all__ = ["train_and_evaluate", "validate_config", "build", "config_to_dict", "comm_settings",
-           "train_state_shardings", "TrainingStalled", "module_paths", "check_rules_match"]
+           "train_state_shardings", "TrainingStalled", "module_paths", "unmatched_rules"]
 
 
 class TrainingStalled(RuntimeError):
@@ -96,15 +96,15 @@ def module_paths(model: nnx.Module) -> list:
             if path and hasattr(m, "policy")]
 
 
-def check_rules_match(rules, paths) -> None:
-    """Raises ValueError naming any rule pattern that matches no module path (a typo such
-    as ``rooter: fp32`` would otherwise be silently ignored)."""
-    for pattern, _ in rules.rules:
-        if not any(re.search(pattern, p) for p in paths):
-            kinds = {re.sub(r"\d+", "{i}", p): None for p in paths}  # one example per kind
-            examples = ", ".join(list(kinds)[:10])
-            raise ValueError(f"precision.policy rule {pattern!r} matches no module of this model; "
-                             f"module paths look like: {examples}, ...")
+def unmatched_rules(rules, paths) -> list:
+    """Warnings, one per rule pattern that matches no module path: a typo such as
+    ``rooter: fp32`` would otherwise be ignored in silence. (Not an error: a shared rule
+    string may name modules that one model lacks, e.g. ``router`` in a dense model.)"""
+    kinds = {re.sub(r"\d+", "{i}", p): None for p in paths}  # one example per kind
+    examples = ", ".join(list(kinds)[:10])
+    return [f"precision.policy rule {pattern!r} matches no module of this model; module paths "
+            f"look like: {examples}, ..." for pattern, _ in rules.rules
+            if not any(re.search(pattern, p) for p in paths)]
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -112,7 +112,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
 
     Raises:
       ValueError: a count that must be positive is not; an optimizer setting out of
-        range; a policy rule that matches no module; the global batch cannot be
+        range; the global batch cannot be
         split into ``grad_accum_steps`` micro-batches that the data axis of the mesh
         divides; a bad model shape (e.g. heads not dividing the width, top-k above the
         number of experts), policy, loss scale, schedule or gradient communication
@@ -135,9 +135,6 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             f"{num_devices} devices of the mesh's 'data' axis; use a multiple of {num_devices}")
     if config.data.seq_len > config.model.max_len:
         raise ValueError(f"data.seq_len={config.data.seq_len} exceeds model.max_len={config.model.max_len}")
-    if config.model.vocab_size < ByteTokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the byte "
-                         f"tokenizer's {ByteTokenizer.vocab_size} (256 bytes + end-of-document)")
     for key, ok, allowed in (
             ("sample_tokens", lambda v: v >= 0, ">= 0"),
             ("sample_temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
@@ -146,10 +143,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> None
             raise ValueError(f"train.{key}={t[key]!r} is not allowed; it must be {allowed}")
     _validate_optim(config.optim)
     # Parse everything that can be wrong in the config now, before data is read.
-    model_config = ModelConfig.from_config(config.model)
-    rules = get_policy_rules(config.precision.policy)
-    check_rules_match(rules, module_paths(
-        nnx.eval_shape(lambda: MoETransformer(model_config, rules, rngs=nnx.Rngs(0)))))
+    ModelConfig.from_config(config.model)
+    get_policy_rules(config.precision.policy)
     get_loss_scale(config.precision.loss_scale)
     comm.check_comm_config(**comm_settings(config))
     make_lr_schedule(config.optim, t.steps)
@@ -233,6 +228,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     num_devices = num_devices or config.train.get("num_devices") or None
     mesh = sharding.make_mesh(num_devices)
     validate_config(config, mesh.devices.size)
+    if config.model.vocab_size < ByteTokenizer.vocab_size:  # the trainer's tokenizer
+        raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the byte "
+                         f"tokenizer's {ByteTokenizer.vocab_size} (256 bytes + end-of-document)")
     t = config.train
     data = create_pipeline(config.data, global_batch_size=t.batch_size, seed=config.seed,
                            process_index=jax.process_index(), process_count=jax.process_count())
@@ -283,7 +281,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     if jax.process_index() == 0:
         print(_banner(config, mesh, model_config, rules, state, data, param_counts))
-        for line in _precision_warnings(rules, state.loss_scale):
+        user_rules = get_policy_rules(config.precision.policy)
+        paths = module_paths(nnx.eval_shape(lambda: MoETransformer(model_config, user_rules,
+                                                                   rngs=nnx.Rngs(0))))
+        for line in _precision_warnings(rules, state.loss_scale) + unmatched_rules(user_rules, paths):
             print(f"warning: {line}")
 
     tokens_per_step = t.batch_size * config.data.seq_len

@@ -268,7 +268,7 @@ for m in names:
 ## Takeaways
 
 * Mixed precision with Adam does not shrink the *static* training state: float32 master weights and moments stay, and 16-bit copies come on top (section 1). DeepSeek-V3's bfloat16 moments cut it by a quarter.
-* The saving is in activations, and it is less than half: routers, norms, softmax and the float32 logits stay in float32, and integer routing state does not shrink (section 4 measures the share).
+* The saving is in activations: jaxmp's float32 islands (routers, norms, softmax, the loss) compute in float32 but save only compute-dtype tensors plus per-row float32 statistics, and the backward pass re-casts weights from the float32 masters instead of keeping 16-bit copies; integer routing state does not shrink (section 4 measures the share).
 * 16-bit gradients halve the bytes of a ring all-reduce; top-k sparsification with indices does not cut traffic to 30%, and gathered across devices it grows with their number (section 2). The measured collectives of the tiny model (section 4) are what XLA's partitioned program actually sends; see `jaxmp.accounting` for how they are counted.
 * DeepSeek-V3's published hours imply a utilization in the tens of percent of the dense peak (section 3); the cost model with an assumed MFU lands in the same range."""),
 ]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from jaxmp.models import (MoE, ModelConfig, MoETransformer, Router, RouterBias, apply_rope,
                           count_params, generate, update_router_bias)
+from jaxmp import accounting, ops
 from jaxmp.policy import get_policy_rules
 
 SEED_RULES = "mixed_fp16; router: fp32; experts: p=f32,c=f16,o=f32"
@@ -200,13 +201,15 @@ def test_seed_rules_run_experts_in_float16_router_in_float32():
     for e in router:
         assert [v.aval.dtype for v in e.invars] == [jnp.float32] * 2
     logits, aux = closed.out_avals[0], closed.out_avals[1:]
-    assert logits.dtype == jnp.float32 and logits.shape == (2, 8, 64)
+    # The head's compute dtype: ops.cross_entropy upcasts inside its float32 island.
+    assert logits.dtype == jnp.float16 and logits.shape == (2, 8, 64)
 
 
-@pytest.mark.parametrize("rules", ["bf16", SEED_RULES])
-def test_forward_output_dtypes(rules):
+@pytest.mark.parametrize("rules, logits_dtype", [
+    ("bf16", jnp.bfloat16), (SEED_RULES, jnp.float16), ("mixed_bf16; head: fp32", jnp.float32)])
+def test_forward_output_dtypes(rules, logits_dtype):
     logits, aux = forward(MoETransformer(tiny_config(), rules, rngs=nnx.Rngs(0)), tokens())
-    assert logits.dtype == jnp.float32 and logits.shape == (2, 8, 64)
+    assert logits.dtype == logits_dtype and logits.shape == (2, 8, 64)
     assert np.isfinite(np.asarray(logits)).all()
     assert {k: (v.dtype, v.shape) for k, v in aux.items()} == {
         "aux_loss": (jnp.float32, ()), "expert_counts": (jnp.float32, (2, 4)),
@@ -476,3 +479,62 @@ def test_from_config():
 def test_too_long_sequence_is_rejected(fp32_model):
     with pytest.raises(ValueError, match="sequence length 17 exceeds max_len=16"):
         fp32_model(tokens(t=17))
+
+
+# ----------------------------------------------------------------------------- activation memory
+
+def _model_loss(graphdef):
+    def loss(params, rest, toks):
+        logits, aux = nnx.merge(graphdef, params, rest)(toks)
+        return ops.cross_entropy(logits, jnp.roll(toks, -1, axis=1)) + aux["aux_loss"]
+    return loss
+
+
+@pytest.mark.parametrize("rules", ["mixed_bf16", SEED_RULES, "fp32"])
+def test_no_weight_copy_is_kept_for_the_backward_pass(rules):
+    # Shapes chosen so that no activation has a parameter's shape: every residual of a
+    # parameter's shape would be a cast copy of a weight.
+    model = nnx.eval_shape(lambda: MoETransformer(
+        tiny_config(vocab_size=40, d_ff=48, d_expert=24), rules, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    param_shapes = {tuple(p.shape) for p in jax.tree.leaves(params)}
+    toks = jax.ShapeDtypeStruct((1, 5), jnp.int32)
+    res = accounting.saved_residuals(_model_loss(graphdef), params, rest, toks, argnums=0)
+    computed = [r for r in res if r.kind == "computed"]
+    assert computed and not [r for r in computed if r.shape in param_shapes]
+    # The weights the backward pass needs are read from the float32 masters themselves.
+    assert {r.shape for r in res if r.kind == "argument"} <= param_shapes
+    assert {r.dtype for r in res if r.kind == "argument"} == {"float32"}
+    # No float32 [B, T, vocab] array: the logits are kept in the head's compute dtype.
+    logits_res = [r for r in computed if r.shape[-1:] == (40,)]
+    assert [r.dtype for r in logits_res] == ["float32" if rules == "fp32" else
+                                             model.head.policy.compute_dtype.name]
+
+
+def test_low_precision_logits_train_like_float32_logits():
+    """Gradients of the loss on the head's bfloat16 logits (upcast inside ops.cross_entropy)
+    equal those through an explicit float32 upcast and optax's float32 cross-entropy."""
+    import optax
+
+    model = MoETransformer(tiny_config(num_layers=2), "mixed_bf16", rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    toks = tokens(seed=13)
+    targets = jnp.roll(toks, -1, axis=1)
+
+    def ours(params):
+        logits, _ = nnx.merge(graphdef, params, rest)(toks)
+        assert logits.dtype == jnp.bfloat16
+        return ops.cross_entropy(logits, targets)
+
+    def upcast(params):
+        logits, _ = nnx.merge(graphdef, params, rest)(toks)
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+    (l1, g1), (l2, g2) = jax.jit(jax.value_and_grad(ours))(params), jax.jit(jax.value_and_grad(upcast))(params)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        assert a.dtype == b.dtype == jnp.float32
+        # The float32 cotangents may differ in their last bits, and then round to a
+        # neighbouring bfloat16 value at the head's output: a few bfloat16 ulps.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -6,
+                                   atol=2 ** -6 * float(jnp.abs(b).max()))

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxmp import ops
+from jaxmp import accounting, ops
 
 LOW = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Relative error of one rounding to each dtype (2**-mantissa bits), with a 2x margin.
@@ -363,3 +363,277 @@ def test_router_logits_uses_highest_precision():
 def test_router_logits_bad_shapes(x, w):
     with pytest.raises(ValueError, match=r"shape"):
         ops.router_logits(x, w)
+
+
+# ---------------------------------------------------------------- custom VJPs: gradients
+
+
+def fd_grads(f, *args, h=1e-6):
+    """Central-difference gradients of a scalar float64 NumPy function, one per argument."""
+    args = [np.array(a, np.float64) for a in args]
+    grads = []
+    for i, a in enumerate(args):
+        g = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            plus, minus = [x.copy() for x in args], [x.copy() for x in args]
+            plus[i][idx] += h
+            minus[i][idx] -= h
+            g[idx] = (f(*plus) - f(*minus)) / (2 * h)
+        grads.append(g)
+    return grads
+
+
+def np_rms_norm(x, s=None, eps=1e-6):
+    y = x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + eps)
+    return y if s is None else y * s
+
+
+def np_layer_norm(x, s=None, b=None, eps=1e-5):
+    c = x - x.mean(-1, keepdims=True)
+    y = c / np.sqrt((c ** 2).mean(-1, keepdims=True) + eps)
+    y = y if s is None else y * s
+    return y if b is None else y + b
+
+
+def np_masked_softmax(x, mask, axis=-1):
+    z = np.where(mask, x, -np.inf)
+    m = np.max(z, axis=axis, keepdims=True)
+    e = np.where(mask, np.exp(z - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    d = e.sum(axis=axis, keepdims=True)
+    return e / np.where(d > 0, d, 1.0)
+
+
+def assert_close_to(got, ref, tol):
+    """Elementwise within ``tol`` relative, or ``tol`` of the largest reference entry."""
+    np.testing.assert_allclose(f64(got), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+# Tolerance on gradients: a few roundings to the dtype (the cotangent is cast back to it).
+GRAD_TOL = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 2 ** -6, jnp.dtype(jnp.float16): 2 ** -9}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("params", [True, False], ids=["params", "no_params"])
+def test_norm_gradients_match_float64_finite_differences(dtype, norm, params):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(2, 3, 6)) * 2 + 0.5, dtype)
+    w = rng.normal(size=(2, 3, 6))
+    if norm == "rms":
+        fn, ref_fn, num_params = ops.rms_norm, np_rms_norm, 1
+    else:
+        fn, ref_fn, num_params = ops.layer_norm, np_layer_norm, 2
+    inputs = [x] + [jnp.asarray(rng.normal(size=6), jnp.float32) for _ in range(num_params if params else 0)]
+
+    def loss(*a):
+        return jnp.sum(jnp.asarray(w, jnp.float32) * fn(*a, dtype=jnp.float32))
+
+    got = jax.grad(loss, argnums=tuple(range(len(inputs))))(*inputs)
+    ref = fd_grads(lambda *a: np.sum(w * ref_fn(*a)), *map(f64, inputs))
+    assert got[0].dtype == jnp.dtype(dtype)
+    for g, r in zip(got, ref):
+        assert_close_to(g, r, GRAD_TOL[jnp.dtype(dtype)])
+    for g in got[1:]:  # parameter gradients in the parameter's dtype, summed over [2, 3]
+        assert g.dtype == jnp.float32 and g.shape == (6,)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("out", [None, jnp.float32], ids=["out_in_dtype", "out_float32"])
+def test_softmax_gradients_match_float64_finite_differences(dtype, out):
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 2, 5)) * 3, dtype)
+    w = rng.normal(size=(3, 2, 5))
+    # A causal-like mask with one fully masked row ([0, 1]) and garbage under the mask.
+    mask = np.tril(np.ones((2, 5), bool), k=2)[None].repeat(3, 0)
+    mask[0, 1] = False
+    garbage = jnp.where(jnp.asarray(mask), x, jnp.asarray(6e4, dtype))
+    # Rounding p to the output dtype before the backward adds one rounding of p.
+    tol = GRAD_TOL[jnp.dtype(out or dtype)] + GRAD_TOL[jnp.dtype(dtype)]
+    cases = [
+        (lambda x: ops.softmax(x, axis=-1, dtype=out), x,
+         lambda x: np_masked_softmax(x, np.ones(x.shape, bool), -1)),
+        (lambda x: ops.softmax(x, axis=(0, 2), dtype=out), x,
+         lambda x: np_masked_softmax(x, np.ones(x.shape, bool), (0, 2))),
+        (lambda x: ops.masked_softmax(x, jnp.asarray(mask), dtype=out), garbage,
+         lambda x: np_masked_softmax(x, mask, -1)),
+    ]
+    for fn, arg, ref_fn in cases:
+        g = jax.grad(lambda a: jnp.sum(jnp.asarray(w, jnp.float32) * fn(a).astype(jnp.float32)))(arg)
+        (ref,) = fd_grads(lambda a: np.sum(w * ref_fn(a)), f64(arg))
+        assert g.dtype == jnp.dtype(dtype) and np.all(np.isfinite(f64(g)))
+        assert_close_to(g, ref, tol)
+    masked_grad = jax.grad(lambda a: jnp.sum(ops.masked_softmax(a, jnp.asarray(mask), dtype=out)
+                                             .astype(jnp.float32) * w))(garbage)
+    assert np.all(f64(masked_grad)[~mask] == 0.0)  # exactly 0, garbage or not
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "weights"])
+def test_cross_entropy_gradients_match_float64_finite_differences(dtype, mask_kind):
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 7)) * 3, dtype)
+    labels = rng.integers(0, 7, size=(2, 3))
+    weights = {"none": np.ones((2, 3)), "bool": np.array([[1, 0, 1], [0, 1, 1]], np.float64),
+               "weights": np.array([[0.5, 0.0, 2.0], [1.0, 0.25, 0.0]])}[mask_kind]
+    mask = {"none": None, "bool": jnp.asarray(weights, bool),
+            "weights": jnp.asarray(weights, jnp.float32)}[mask_kind]
+
+    def ref(z):
+        nll = -np.take_along_axis(ref_log_softmax(z), labels[..., None], -1)[..., 0]
+        return np.sum(weights * nll) / max(weights.sum(), 1.0)
+
+    g = jax.grad(ops.cross_entropy)(logits, jnp.asarray(labels, jnp.int32), mask)
+    (want,) = fd_grads(ref, f64(logits))
+    assert g.dtype == jnp.dtype(dtype)
+    assert_close_to(g, want, GRAD_TOL[jnp.dtype(dtype)])
+    assert np.all(f64(g)[weights == 0] == 0.0)
+
+
+def test_custom_vjps_pass_check_grads_in_float32():
+    from jax.test_util import check_grads
+
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    s, b = jnp.asarray(rng.normal(size=5), jnp.float32), jnp.asarray(rng.normal(size=5), jnp.float32)
+    labels = jnp.asarray([0, 4, 2])
+    mask = ops.causal_mask(3, 5)
+    kw = dict(order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+    check_grads(lambda x, s: ops.rms_norm(x, s), (x, s), **kw)
+    check_grads(lambda x, s, b: ops.layer_norm(x, s, b), (x, s, b), **kw)
+    check_grads(lambda x: ops.softmax(x, axis=-1), (x,), **kw)
+    check_grads(lambda x: ops.masked_softmax(x, mask), (x,), **kw)
+    check_grads(lambda x: ops.cross_entropy(x, labels), (x,), **kw)
+
+
+def test_norm_statistics_are_float32_in_rms_backward_too():
+    x = jnp.linspace(-3, 3, 8, dtype=jnp.float16)
+    scale = jnp.ones(8, jnp.float32)
+    assert_math_in_f32(jax.grad(lambda x: jnp.sum(ops.rms_norm(x, scale).astype(jnp.float32) ** 3)), x,
+                      required=("reduce_sum", "rsqrt"))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.softmax(jnp.ones((2, 3)), axis=2), "axis=2"),
+    (lambda: ops.masked_softmax(jnp.ones((2, 3)), jnp.ones((2, 3), bool), axis=()), "axis"),
+    (lambda: ops.rms_norm(jnp.ones(4), dtype=jnp.int32), "dtype"),
+    (lambda: ops.layer_norm(jnp.ones(4), dtype=jnp.int8), "dtype"),
+])
+def test_bad_axis_or_dtype(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ---------------------------------------------------------------- custom VJPs: what is saved
+
+
+def computed_residuals(fn, *args, argnums=0):
+    """(shape, dtype) of the arrays ``fn``'s forward pass keeps for its backward pass,
+    arguments excluded (jaxmp.accounting's definition of activation memory)."""
+    res = accounting.saved_residuals(fn, *args, argnums=argnums)
+    return sorted((r.shape, r.dtype) for r in res if r.kind == "computed")
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lin(y):
+    """A loss linear in y (fixed NumPy weights: a constant), so it keeps nothing itself."""
+    w = np.linspace(-1.0, 1.0, y.size, dtype=np.float32).reshape(y.shape)
+    return jnp.sum(y.astype(jnp.float32) * w)
+
+
+def test_norms_save_only_x_and_row_statistics():
+    x, s, b = sds((4, 16), jnp.bfloat16), sds((16,), jnp.float32), sds((16,), jnp.float32)
+    # x is an argument here: only the float32 per-row rsqrt (and mean) is computed and kept.
+    assert computed_residuals(lambda x, s: lin(ops.rms_norm(x, s, dtype=jnp.float32)), x, s,
+                              argnums=(0, 1)) == [((4, 1), "float32")]
+    assert computed_residuals(lambda x, s, b: lin(ops.layer_norm(x, s, b)), x, s, b,
+                              argnums=(0, 1, 2)) == [((4, 1), "float32")] * 2
+    # A computed bfloat16 x is kept as it is: no float32 copy of it.
+    upcast_first = computed_residuals(lambda a: lin(ops.rms_norm(a.astype(jnp.bfloat16) * 2, dtype=jnp.float32)),
+                                      sds((4, 16), jnp.float32))
+    assert upcast_first == [((4, 1), "float32"), ((4, 16), "bfloat16")]
+
+
+@pytest.mark.parametrize("dtype, out", [(jnp.bfloat16, None), (jnp.float16, jnp.float32),
+                                        (jnp.float32, jnp.bfloat16)])
+def test_softmaxes_save_only_the_probabilities(dtype, out):
+    x = sds((2, 3, 5), dtype)
+    out_name = jnp.dtype(out or dtype).name
+    assert computed_residuals(lambda x: lin(ops.softmax(x, dtype=out)), x) == [((2, 3, 5), out_name)]
+    # No float32 exponentials, no broadcast boolean mask.
+    assert computed_residuals(lambda x: lin(ops.masked_softmax(x, ops.causal_mask(3, 5), dtype=out)), x) \
+        == [((2, 3, 5), out_name)]
+
+
+def test_cross_entropy_saves_logits_as_given_and_logsumexp():
+    a, w = sds((6, 4), jnp.float32), sds((4, 9), jnp.float32)
+    labels = jnp.zeros((6,), jnp.int32)
+    # bfloat16 logits computed in the function: kept in bfloat16 ([6, 9], the
+    # cross-entropy's) next to the matmul's own bfloat16 operands and the float32 [6]
+    # logsumexp; no float32 [6, 9] array.
+    got = computed_residuals(lambda a, w: ops.cross_entropy(
+        a.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16), labels), a, w, argnums=(0, 1))
+    assert got == sorted([((6,), "float32"), ((6, 9), "bfloat16"), ((6, 4), "bfloat16"),
+                          ((4, 9), "bfloat16")])
+
+
+# ---------------------------------------------------------------- cast_matmul
+
+CAST_CASES = {
+    "matmul": (None, (5, 8), (8, 3), None),
+    "einsum": ("btd,dhk->bthk", (2, 5, 8), (8, 2, 3), None),
+    "ragged": (None, (6, 8), (2, 8, 3), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(CAST_CASES))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_cast_matmul_equals_plain_cast_and_saves_no_weight_copy(case, dtype):
+    spec, x_shape, w_shape, groups = CAST_CASES[case]
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=w_shape), jnp.float32)
+    gs = None if groups is None else jnp.asarray(groups, jnp.int32)
+
+    def plain(w, x):
+        xc, wc = x.astype(dtype), w.astype(dtype)
+        if gs is not None:
+            return jax.lax.ragged_dot(xc, wc, gs)
+        return jnp.einsum(spec, xc, wc) if spec else xc @ wc
+
+    def ours(w, x):
+        return ops.cast_matmul(x.astype(dtype), w, spec, group_sizes=gs)
+
+    def loss(f):
+        return lambda w, x: jnp.sum(jnp.tanh(f(w, x).astype(jnp.float32)))
+
+    y, y_ref = ours(w, x), plain(w, x)
+    assert y.dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(f64(y), f64(y_ref))
+    for g, g_ref in zip(jax.grad(loss(ours), (0, 1))(w, x), jax.grad(loss(plain), (0, 1))(w, x)):
+        assert g.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
+    name = jnp.dtype(dtype).name
+    kept = computed_residuals(loss(ours), w, x, argnums=(0, 1))
+    kept_plain = computed_residuals(loss(plain), w, x, argnums=(0, 1))
+    assert (tuple(w_shape), name) in kept_plain  # the copy the plain expression keeps ...
+    assert (tuple(w_shape), name) not in kept   # ... and cast_matmul does not
+    assert (tuple(x_shape), name) in kept       # x in the compute dtype, for dw
+
+
+def test_cast_matmul_same_dtype_is_a_plain_matmul():
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 2))
+    prims = {e.primitive.name for e in eqns(jax.make_jaxpr(ops.cast_matmul)(x, w).jaxpr)}
+    assert "dot_general" in prims and not prims & {"checkpoint", "remat", "remat2", "convert_element_type"}
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ops.cast_matmul(jnp.ones((2, 3), jnp.int32), jnp.ones((3, 2))), "floating"),
+    (lambda: ops.cast_matmul(jnp.ones((2, 3)), jnp.ones((1, 3, 2)), "ab,gbc->ac",
+                             group_sizes=jnp.array([2])), "not both"),
+])
+def test_cast_matmul_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

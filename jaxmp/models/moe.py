@@ -117,8 +117,12 @@ def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: Sequence
 
 
 def _swiglu(x, w_gate, w_up, w_down):
-    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd.
+
+    x in the compute dtype; the (master) weights are cast to it by ``ops.cast_matmul``.
+    """
+    h = jax.nn.silu(ops.cast_matmul(x, w_gate)) * ops.cast_matmul(x, w_up)
+    return ops.cast_matmul(h, w_down)
 
 
 class SwiGLU(nnx.Module):
@@ -149,8 +153,8 @@ class SwiGLU(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., d_model] -> [..., d_model] in ``policy.output_dtype``."""
         p = self.policy
-        w = p.cast_to_compute((self.w_gate[...], self.w_up[...], self.w_down[...]))
-        return p.cast_to_output(_swiglu(p.cast_to_compute(x), *w))
+        return p.cast_to_output(_swiglu(p.cast_to_compute(x), self.w_gate[...], self.w_up[...],
+                                        self.w_down[...]))
 
 
 class Routing(NamedTuple):
@@ -240,7 +244,8 @@ def expert_capacity(capacity_factor: float, group_size: int, top_k: int, num_exp
 def _dropless(x, expert_ids, gates, w_gate, w_up, w_down):
     """Every assignment computed: sort by expert, grouped matmuls with ``lax.ragged_dot``.
 
-    x [N, D] (compute dtype), expert_ids/gates [N, k]. Returns float32 [N, D].
+    x [N, D] (compute dtype), expert_ids/gates [N, k], weights in any dtype (cast to the
+    compute dtype by ``ops.cast_matmul``). Returns float32 [N, D].
     """
     n, k = expert_ids.shape
     num_experts = w_gate.shape[0]
@@ -248,10 +253,12 @@ def _dropless(x, expert_ids, gates, w_gate, w_up, w_down):
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[order // k]  # token of each sorted assignment
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(xs, w_up, group_sizes)
-    ys = jax.lax.ragged_dot(h, w_down, group_sizes)
+    h = (jax.nn.silu(ops.cast_matmul(xs, w_gate, group_sizes=group_sizes))
+         * ops.cast_matmul(xs, w_up, group_sizes=group_sizes))
+    ys = ops.cast_matmul(h, w_down, group_sizes=group_sizes)
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
-    return jnp.einsum("nk,nkd->nd", gates, ys.astype(jnp.float32))
+    # Gate-weighted sum in float32; the float32 copy of ys is recomputed, not saved.
+    return ops.cast_matmul(gates, ys, "nk,nkd->nd")
 
 
 def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity):
@@ -274,9 +281,10 @@ def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity):
     dispatch = jnp.einsum("btke,btkc->btec", expert, slots)
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
     xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
-    h = jax.nn.silu(jnp.einsum("becd,edf->becf", xe, w_gate)) * jnp.einsum("becd,edf->becf", xe, w_up)
-    ye = jnp.einsum("becf,efd->becd", h, w_down)
-    y = jnp.einsum("btec,becd->btd", combine, ye.astype(jnp.float32))
+    h = (jax.nn.silu(ops.cast_matmul(xe, w_gate, "becd,edf->becf"))
+         * ops.cast_matmul(xe, w_up, "becd,edf->becf"))
+    ye = ops.cast_matmul(h, w_down, "becf,efd->becd")
+    y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
     dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
     return y, dropped
 
@@ -334,7 +342,7 @@ class RoutedExperts(nnx.Module):
         """
         p = self.policy
         x = p.cast_to_compute(x)
-        w = p.cast_to_compute((self.w_gate[...], self.w_up[...], self.w_down[...]))
+        w = (self.w_gate[...], self.w_up[...], self.w_down[...])  # cast by ops.cast_matmul
         gates = gates.astype(jnp.float32)
         b, t, d = x.shape
         if self.capacity_factor > 0:

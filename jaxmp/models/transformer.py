@@ -1,7 +1,8 @@
 """Decoder-only MoE Transformer (DeepSeekMoE style) in Flax NNX with per-module precision.
 
 Architecture: token embedding -> ``num_layers`` pre-norm blocks -> final RMSNorm ->
-untied output head; logits are returned in float32. Block ``i``::
+untied output head; logits are returned in the head's compute dtype, for
+:func:`jaxmp.ops.cross_entropy` (a float32 island) to upcast. Block ``i``::
 
     h = h + attn(attn_norm(h))      # causal multi-head attention with RoPE
     h = h + ffn(ffn_norm(h))        # SwiGLU for i < first_dense_layers, else MoE
@@ -25,10 +26,16 @@ policy once, at construction)::
 Routers and norms compute in float32 by default (:data:`FLOAT32_ISLANDS`, appended after
 the user's rules by :func:`jaxmp.policy.with_float32_islands`): ``"mixed_bf16"`` alone
 already runs routers and all three kinds of norm in float32 with float32 parameters, and a
-user rule that matches them first (``"mixed_bf16; router: bf16"``) overrides that; and ``experts`` matches both routed and shared experts. Each module creates its
+user rule that matches them first (``"mixed_bf16; router: p=f32,c=bf16,o=f32"``) overrides
+that; and ``experts`` matches both routed and shared experts. Each module creates its
 parameters in ``policy.param_dtype``, casts parameters and inputs to
-``policy.compute_dtype`` and returns ``policy.output_dtype``. The residual stream keeps
-the embedding's output dtype.
+``policy.compute_dtype`` and returns ``policy.output_dtype`` (the head excepted, see
+:class:`Head`). The residual stream keeps the embedding's output dtype.
+
+Activation memory: weights are cast to the compute dtype inside
+:func:`jaxmp.ops.cast_matmul`, so the backward pass recasts the float32 masters instead
+of keeping low-precision copies; norms and softmaxes save only their input / output
+(:mod:`jaxmp.ops`); RoPE recomputes its tables in the backward pass.
 
 Logical axis names of parameters (``out_sharding`` metadata; mapped to mesh axes only in
 :mod:`jaxmp.sharding`): ``vocab``, ``embed`` (model width), ``heads``, ``head_dim``,
@@ -39,6 +46,7 @@ Activations ``[B, T, d_model]`` are annotated ``("batch", None, None)`` through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Optional
 
@@ -183,6 +191,8 @@ def _std(config: ModelConfig):
 class RMSNorm(nnx.Module):
     """RMSNorm (Zhang & Sennrich 2019) via ``ops.rms_norm`` (float32 statistics).
 
+    The result is computed in ``policy.compute_dtype`` from ``x`` rounded to it, or
+    from ``x`` itself when the compute dtype holds every value of ``x``'s dtype.
     Parameter ``scale`` [dim] (``embed``), ones, in ``policy.param_dtype``.
     """
 
@@ -195,7 +205,14 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., dim] -> [..., dim] in ``policy.output_dtype``."""
         p = self.policy
-        return p.cast_to_output(ops.rms_norm(p.cast_to_compute(x), p.cast_to_compute(self.scale[...]), self.eps))
+        x = jnp.asarray(x)
+        # ops.rms_norm computes in float32 whatever x's dtype, so a widening cast (a
+        # bfloat16 stream into a float32 norm) would change no value, only keep a wider
+        # copy of x for the backward pass. A narrowing one rounds x, as the policy says.
+        if jnp.promote_types(x.dtype, p.compute_dtype) != p.compute_dtype:
+            x = p.cast_to_compute(x)
+        y = ops.rms_norm(x, p.cast_to_compute(self.scale[...]), self.eps, dtype=p.compute_dtype)
+        return p.cast_to_output(y)
 
 
 class Embed(nnx.Module):
@@ -221,7 +238,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
 
     Dimension ``i < h/2`` is paired with ``i + h/2`` (GPT-NeoX / LLaMA layout) and the
     pair is rotated by ``position * theta ** (-2 i / h)`` radians. Angles and the
-    rotation are computed in float32; the result has ``x``'s dtype.
+    rotation are computed in float32; the result has ``x``'s dtype. The backward pass
+    (a rotation by the opposite angles) recomputes the float32 ``cos``/``sin`` tables
+    from ``positions`` (``jax.checkpoint``) instead of keeping them between the passes.
 
     Args:
       x: [..., T, H, h] queries or keys, h even.
@@ -231,6 +250,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
     Returns:
       Rotated ``x``, same shape and dtype.
     """
+    return jax.checkpoint(functools.partial(_rope, theta=theta),
+                          policy=jax.checkpoint_policies.nothing_saveable)(x, positions)
+
+
+def _rope(x, positions, theta):
     h = x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2.0 / h)
     angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, h/2]
@@ -267,21 +291,28 @@ class Attention(nnx.Module):
         """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``."""
         p = self.policy
         x = p.cast_to_compute(x)
-        wq, wk, wv, wo = p.cast_to_compute((self.wq[...], self.wk[...], self.wv[...], self.wo[...]))
         t = x.shape[1]
         positions = jnp.arange(t)
-        q = apply_rope(jnp.einsum("btd,dhk->bthk", x, wq), positions, self.rope_theta)
-        k = apply_rope(jnp.einsum("btd,dhk->bthk", x, wk), positions, self.rope_theta)
-        v = jnp.einsum("btd,dhk->bthk", x, wv)
+        # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for backward).
+        q = apply_rope(ops.cast_matmul(x, self.wq[...], "btd,dhk->bthk"), positions, self.rope_theta)
+        k = apply_rope(ops.cast_matmul(x, self.wk[...], "btd,dhk->bthk"), positions, self.rope_theta)
+        v = ops.cast_matmul(x, self.wv[...], "btd,dhk->bthk")
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(q.shape[-1])
         probs = ops.masked_softmax(scores, ops.causal_mask(t), axis=-1, dtype=p.compute_dtype)
         out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return p.cast_to_output(jnp.einsum("bthk,hkd->btd", out, wo))
+        return p.cast_to_output(ops.cast_matmul(out, self.wo[...], "bthk,hkd->btd"))
 
 
 class Head(nnx.Module):
-    """Untied output projection: kernel [d_model, vocab] (``embed``, ``vocab``)."""
+    """Untied output projection: kernel [d_model, vocab] (``embed``, ``vocab``).
+
+    Returns the logits in ``policy.compute_dtype``; ``policy.output_dtype`` is not used
+    (as for the router). The loss, :func:`jaxmp.ops.cross_entropy`, upcasts them to
+    float32 inside its island, so the values and gradients are those of a float32 cast
+    here, but the ``[B, T, vocab]`` array kept for the backward pass is not a float32
+    copy.
+    """
 
     def __init__(self, d_model: int, vocab_size: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
         self.path = path
@@ -290,9 +321,9 @@ class Head(nnx.Module):
                                  self.policy.param_dtype, ("embed", "vocab"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """[..., d_model] -> [..., vocab] in ``policy.output_dtype``."""
+        """[..., d_model] -> [..., vocab] in ``policy.compute_dtype``."""
         p = self.policy
-        return p.cast_to_output(p.cast_to_compute(x) @ p.cast_to_compute(self.kernel[...]))
+        return ops.cast_matmul(p.cast_to_compute(x), self.kernel[...])
 
 
 class Block(nnx.Module):
@@ -352,7 +383,9 @@ class MoETransformer(nnx.Module):
           tokens: int [B, T] token ids, T <= max_len.
 
         Returns:
-          ``(logits, aux)``: logits float32 [B, T, vocab_size]; aux a dict of float32
+          ``(logits, aux)``: logits [B, T, vocab_size] in the head's compute dtype
+          (bfloat16 under ``mixed_bf16``; pass them to :func:`jaxmp.ops.cross_entropy`,
+          which computes in float32, or upcast them); aux a dict of float32
           ``aux_loss`` (scalar, ``aux_loss_weight * sum`` of the MoE layers' balance
           losses), ``expert_counts`` ([num_moe_layers, num_experts], token-expert
           assignments per expert over the whole batch, rows in block order; [0, 0]
@@ -375,7 +408,7 @@ class MoETransformer(nnx.Module):
             h = constrain(h, _ACT_AXES)
             if s is not None:
                 stats.append(s)
-        logits = self.head(self.final_norm(h)).astype(jnp.float32)
+        logits = self.head(self.final_norm(h))
         if stats:
             balance = jnp.sum(jnp.stack([s.balance_loss for s in stats]))
             counts = jnp.stack([s.expert_counts for s in stats])
@@ -415,7 +448,7 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
 @nnx.jit
 def _last_logits(model, tokens, last):
     logits, _ = model(tokens)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
 
 
 def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
