@@ -167,7 +167,7 @@ def test_router_biases_move_toward_balance_on_a_finite_step():
     np.testing.assert_array_equal(bias, expected.astype(np.float32))
 
 
-@pytest.mark.parametrize("name", ["tiny_moe", "seed_moe"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
 def test_every_config_builds_and_traces_under_eval_shape(name):
     config = load_config(name)
     model_config = ModelConfig.from_config(config.model)
