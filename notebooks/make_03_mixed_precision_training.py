@@ -7,8 +7,7 @@ notebook with JAXMP_NOTEBOOK_SMALL=1.
 """
 from pathlib import Path
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from _nbgen import write
 
 CELLS = [
     ("md", """\
@@ -259,20 +258,5 @@ shutil.rmtree(WORKDIR, ignore_errors=True)"""),
 ]
 
 
-def build() -> nbformat.NotebookNode:
-    """The notebook, cells in order, no outputs."""
-    cells = [new_markdown_cell(src) if kind == "md" else new_code_cell(src) for kind, src in CELLS]
-    for i, cell in enumerate(cells):
-        cell.id = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
-    nb = new_notebook(cells=cells)
-    nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
-                   "language_info": {"name": "python"}}
-    return nb
-
-
 if __name__ == "__main__":
-    out = Path(__file__).resolve().with_name("03_mixed_precision_training.ipynb")
-    nb = build()
-    nbformat.validate(nb)
-    nbformat.write(nb, out)
-    print(f"wrote {out}")
+    write(CELLS, Path(__file__).resolve().with_name("03_mixed_precision_training.ipynb"))

@@ -86,7 +86,9 @@ def test_tiny_moe_config_loss_falls_over_40_steps(tmp_path):
     assert np.mean(losses[-5:]) < 0.85 * losses[0], losses
 
 
-def _steps_on_mesh(config, num_devices, batches):
+def _steps_on_mesh(config, num_devices, batches, explicit=True):
+    """Runs the train step on a mesh: with the mesh passed in (per-device shard_map and an
+    explicit all-reduce, as the trainer does) or left to XLA's automatic partitioning."""
     mesh = sharding.make_mesh(num_devices)
     _, _, graphdef, state, optimizer, lr_schedule, _ = build(config)
     rules = sharding.DATA_PARALLEL_RULES
@@ -94,7 +96,8 @@ def _steps_on_mesh(config, num_devices, batches):
     batch_sh = sharding.batch_sharding(mesh, rules)
     step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
                                    bias_update_rate=config.model.bias_update_rate,
-                                   grad_accum_steps=config.train.grad_accum_steps),
+                                   grad_accum_steps=config.train.grad_accum_steps,
+                                   mesh=mesh if explicit else None),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
     state = jax.device_put(state, state_sh)
     losses = []
@@ -109,15 +112,20 @@ def _batches(config, n):
     return [next(data.train_iter) for _ in range(n)]
 
 
-def test_one_device_and_eight_devices_give_the_same_losses():
+def _assert_same_params(state_a, state_b):
+    for a, b in zip(jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit_reduce", "xla_auto"])
+def test_one_device_and_eight_devices_give_the_same_losses(explicit):
     config = small_config()
     config.precision.policy = "fp32"
     batches = _batches(config, 3)
-    one, state1 = _steps_on_mesh(config, 1, batches)
-    eight, state8 = _steps_on_mesh(config, 8, batches)
+    one, state1 = _steps_on_mesh(config, 1, batches, explicit)
+    eight, state8 = _steps_on_mesh(config, 8, batches, explicit)
     np.testing.assert_allclose(eight, one, rtol=2e-5)
-    for a, b in zip(jax.tree.leaves(state1.params), jax.tree.leaves(state8.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    _assert_same_params(state1, state8)
 
 
 def test_gradient_accumulation_matches_the_full_batch():
@@ -131,8 +139,7 @@ def test_gradient_accumulation_matches_the_full_batch():
     accum, state_accum = _steps_on_mesh(config, 8, batches)
     # The first loss is the same forward pass; the second follows one identical update.
     np.testing.assert_allclose(accum, full, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(state_full.params), jax.tree.leaves(state_accum.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    _assert_same_params(state_full, state_accum)
 
 
 def test_overflowing_step_never_reaches_params_optimizer_state_or_router_biases():
