@@ -17,5 +17,11 @@ from jaxmp.loss_scale import (
 
 __version__ = "0.1.0"
 
+__all__ = [
+    "Policy", "PolicyRules", "PRESETS", "get_policy", "get_policy_rules",
+    "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "get_loss_scale",
+    "all_finite", "select_tree", "ops", "optim", "diagnostics", "comm",
+]
+
 from jaxmp import diagnostics, ops, optim  # noqa: E402  (submodules as jaxmp.ops, ...)
 from jaxmp import comm  # noqa: E402

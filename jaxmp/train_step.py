@@ -26,7 +26,7 @@ device's finiteness is combined with ``pmin`` before compression could hide it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import flax
 import jax

@@ -15,7 +15,6 @@ import time
 from typing import Any, Dict, Optional
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx

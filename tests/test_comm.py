@@ -1,7 +1,5 @@
 """Gradient communication on the 8-device CPU mesh: 16-bit reduction, top-k with error
 feedback, what the compiled program exchanges, skipped steps, training and checkpoints."""
-import importlib.util
-import pathlib
 import re
 
 import jax
@@ -14,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 
+from _configs import small_config as _small_config
 from jaxmp import comm, sharding
 from jaxmp.checkpoint import Checkpointer
 from jaxmp.data import create_pipeline
@@ -22,7 +21,6 @@ from jaxmp.train_step import create_train_state, make_train_step
 from jaxmp.trainer import (build, comm_settings, config_to_dict, train_and_evaluate,
                            train_state_shardings, validate_config)
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def mesh_of(n):
@@ -345,19 +343,8 @@ def test_toy_dense_16bit_reduce_matches_the_float64_mean(dtype, loss_scale, accu
 
 
 def small_config(**train):
-    spec = importlib.util.spec_from_file_location("tiny_moe", ROOT / "configs" / "tiny_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config()
     # One MoE layer: fewer leaves, faster compiles; the exchange does not depend on depth.
-    config.model.update(dict(num_layers=1, first_dense_layers=0, d_model=32, num_heads=2, d_ff=64,
-                             d_expert=32, max_len=32))
-    config.data.update(dict(seq_len=32, max_tokens=60_000, num_eval_batches=1))
-    config.train.update(dict(steps=4, batch_size=16, log_every=1, eval_every=1000,
-                             checkpoint_every=1000, sample_tokens=4))
-    config.optim.decay_steps = 40
-    config.train.update(train)
-    return config
+    return _small_config(model=dict(num_layers=1, first_dense_layers=0), **train)
 
 
 MODES = {"bfloat16": dict(grad_reduce_dtype="bfloat16"),

@@ -127,7 +127,7 @@ def test_load_jsonl(tmp_path):
 def test_load_jsonl_bad_line_names_file_and_line(tmp_path, bad_line):
     f = tmp_path / "bad.jsonl"
     f.write_text('{"text": "ok"}\n' + bad_line + "\n")
-    with pytest.raises(ValueError, match=rf"bad\.jsonl, line 2"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2"):
         data.load_documents(str(f))
 
 

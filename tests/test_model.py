@@ -200,7 +200,7 @@ def test_seed_rules_run_experts_in_float16_router_in_float32():
     assert len(router) == 2
     for e in router:
         assert [v.aval.dtype for v in e.invars] == [jnp.float32] * 2
-    logits, aux = closed.out_avals[0], closed.out_avals[1:]
+    logits = closed.out_avals[0]
     # The head's compute dtype: ops.cross_entropy upcasts inside its float32 island.
     assert logits.dtype == jnp.float16 and logits.shape == (2, 8, 64)
 
@@ -422,7 +422,6 @@ def test_aux_loss_is_weighted_sum_of_layer_losses(fp32_model):
 
 
 def test_count_params_by_hand():
-    cfg = tiny_config()
     v, d, f, fe = 64, 32, 64, 16
     attn, norms = 4 * d * d, 2 * d
     dense_ffn, router, expert, shared = 3 * d * f, d * 4, 3 * d * fe, 3 * d * fe

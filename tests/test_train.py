@@ -1,6 +1,5 @@
 """The trainer end to end on 8 CPU devices: training, resume, device-count invariance,
 skipped steps, configs, the command line, and bad input."""
-import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _configs import ROOT, load_config, small_config
 from jaxmp import sharding
 from jaxmp.checkpoint import CheckpointError
 from jaxmp.data import create_pipeline
@@ -22,28 +22,6 @@ from jaxmp.policy import get_policy_rules
 from jaxmp.train_step import (create_train_state, make_lr_schedule, make_optimizer, make_train_step,
                               split_model)
 from jaxmp.trainer import build, train_and_evaluate
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_config(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
-def small_config(**train):
-    """tiny_moe shrunk further so that a step compiles and runs in moments."""
-    config = load_config("tiny_moe")
-    config.model.update(dict(num_layers=2, d_model=32, num_heads=2, d_ff=64, d_expert=32, max_len=32))
-    config.data.update(dict(seq_len=32, max_tokens=60_000, num_eval_batches=1))
-    config.train.update(dict(steps=4, batch_size=16, log_every=1, eval_every=1000,
-                             checkpoint_every=1000, sample_tokens=4))
-    config.optim.decay_steps = 40
-    config.train.update(train)
-    return config
-
 
 def read_metrics(workdir, split="train"):
     lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
