@@ -281,8 +281,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if jax.process_index() == 0:
         print(_banner(config, mesh, model_config, rules, state, data, param_counts))
         user_rules = get_policy_rules(config.precision.policy)
-        paths = module_paths(nnx.eval_shape(lambda: MoETransformer(model_config, user_rules,
-                                                                   rngs=nnx.Rngs(0))))
+        paths = module_paths(nnx.merge(graphdef, state.params, state.biases, state.rest))
         for line in _precision_warnings(rules, state.loss_scale) + unmatched_rules(user_rules, paths):
             print(f"warning: {line}")
 
