@@ -2,18 +2,34 @@
 
     python train.py --config configs/tiny_moe.py --workdir runs/tiny [--config.train.steps=100]
 
-Rerunning the same command resumes from the newest checkpoint in --workdir.
+Rerunning the same command resumes from the newest checkpoint in --workdir. Ctrl-C or
+SIGTERM saves a checkpoint at the current step and exits with status 130 or 143.
 """
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxmp.checkpoint import CheckpointError
-from jaxmp.trainer import TrainingStalled, train_and_evaluate
+from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
+from jaxmp.train.config import check_override_keys, load_config
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_moe.py", "Path to a config file.")
+_DEFAULT_CONFIG = "configs/tiny_moe.py"
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Path to a config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Directory for checkpoints and logs.")
+
+
+def _parse_flags(argv):
+    """absl's flag parsing, with config-key typos and bad files as one-line errors."""
+    config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if config_path is None and "--config" in argv[:-1]:
+        config_path = argv[argv.index("--config") + 1]
+    try:
+        check_override_keys(load_config(config_path or _DEFAULT_CONFIG), argv[1:])
+        return flags.FLAGS(argv)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        sys.exit(f"train.py: error: {e}")
+    except flags.Error as e:
+        sys.exit(f"train.py: error: {e}")
 
 
 def main(argv):
@@ -23,10 +39,16 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     try:
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except (ValueError, CheckpointError, TrainingStalled) as e:
-        # A user's mistake or a stalled run: the message says what and why; no traceback.
+    except (ValueError, CheckpointError, TrainingStalled, OSError) as e:
+        # A user's mistake, a stalled run or a full disk: the message says what and why.
         sys.exit(f"train.py: error: {e}")
+    except Interrupted as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:  # before the trainer's own handler is installed (start-up)
+        print("train.py: interrupted during start-up; nothing was trained", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

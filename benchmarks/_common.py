@@ -1,9 +1,10 @@
 """Pieces shared by the train-step benchmarks (overhead.py, train_step.py).
 
 Both scripts take a trainer config file (``--config configs/NAME.py``, overridden as in
-``train.py``: ``--config.model.num_layers=4``), time whole jitted train steps on one
-device over a ring of random token batches placed on the device beforehand, and
-write JSON.
+``train.py``: ``--config.model.num_layers=4``), build the trainer's own
+:class:`~jaxmp.train.experiment.Experiment` on a 1-device mesh (:func:`experiment`), time
+its jitted train step over a ring of random token batches placed on the device
+beforehand, and write JSON.
 """
 from __future__ import annotations
 
@@ -14,15 +15,28 @@ from typing import Any, Dict, List
 import jax
 import numpy as np
 
-__all__ = ["ROOT", "DEFAULT_CONFIG", "random_batches", "device_info", "write_json"]
+from jaxmp.train import Experiment
+
+__all__ = ["ROOT", "DEFAULT_CONFIG", "experiment", "random_batches", "device_info", "write_json"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_moe.py")
 
 
+def experiment(config) -> Experiment:
+    """The trainer's :class:`~jaxmp.train.experiment.Experiment` of ``config`` on a 1-device
+    mesh: the same object ``train.py`` builds, so the step timed is the step trained.
+
+    Raises:
+      ValueError: a bad config value (as the trainer's).
+    """
+    return Experiment.create(config, num_devices=1)
+
+
 def random_batches(vocab_size: int, batch_size: int, seq_len: int, count: int, seed: int = 0,
                    device: Any = None) -> List[Dict[str, jax.Array]]:
-    """``count`` batches ``{"inputs", "targets"}`` of int32 [batch_size, seq_len] on ``device``.
+    """``count`` batches ``{"inputs", "targets"}`` of int32 [batch_size, seq_len] on ``device``
+    (a ``jax.Device`` or a ``Sharding``, e.g. an experiment's ``batch_sharding``).
 
     Tokens are uniform in ``[0, vocab_size)`` (NumPy, seeded); targets are the inputs
     shifted by one, as in language-model training. Random tokens cost the same FLOPs as

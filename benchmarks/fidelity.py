@@ -7,7 +7,7 @@ Usage::
 
 Trains the model of ``--config`` (default ``configs/tiny_moe.py``, on the embedded
 corpus: the Python standard library's source) with the same seed, data and number of
-steps in each of these modes, through :func:`jaxmp.trainer.train_and_evaluate`:
+steps in each of these modes, through :func:`jaxmp.train.train_and_evaluate`:
 
 ======================== ================ ==============================================
 run                      default policy   loss scale
@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import numbers
@@ -86,13 +85,11 @@ import numpy as np
 from flax import nnx
 
 from jaxmp import ops
-from jaxmp.checkpoint import Checkpointer
-from jaxmp.data import create_pipeline
 from jaxmp.diagnostics import LeafReport, summarize, underflow_report
-from jaxmp.loss_scale import get_loss_scale
-from jaxmp.models.transformer import FLOAT32_ISLANDS
-from jaxmp.policy import get_policy_rules, with_float32_islands
-from jaxmp.trainer import build, config_to_dict, train_and_evaluate, validate_config
+from jaxmp.precision.loss_scale import get_loss_scale
+from jaxmp.precision.policy import get_policy_rules
+from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
+from jaxmp.train.config import config_to_dict, load_config as _load_config, validate_config
 
 __all__ = [
     "ROOT",
@@ -157,20 +154,13 @@ class RunSpec:
 
 
 def load_config(path: str | os.PathLike) -> ml_collections.ConfigDict:
-    """Loads ``get_config()`` from a config file such as configs/tiny_moe.py.
+    """Loads ``get_config()`` from a config file such as configs/tiny_moe.py
+    (:func:`jaxmp.train.config.load_config`).
 
     Raises:
-      ValueError: the file does not exist or has no ``get_config``.
+      ValueError: the file does not exist, has no ``get_config``, or an unknown key.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_fidelity_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"config file {str(path)!r} defines no get_config()")
-    return module.get_config()
+    return _load_config(path)
 
 
 def with_default_policy(policy: str, preset: str) -> str:
@@ -315,29 +305,28 @@ def gradient_underflow(config: ml_collections.ConfigDict, workdir: str | os.Path
 
     Raises:
       ValueError: the config has no eval batches.
-      jaxmp.checkpoint.CheckpointError: an unreadable checkpoint.
+      jaxmp.train.CheckpointError: an unreadable checkpoint.
     """
     if int(config.data.num_eval_batches) < 1:
         raise ValueError("gradient_underflow needs data.num_eval_batches >= 1")
-    data = create_pipeline(config.data, global_batch_size=config.train.batch_size, seed=config.seed)
-    batch = {k: jnp.asarray(v) for k, v in data.eval_batches[0].items()}
-    _, _, graphdef, init_state, *_ = build(config, num_devices)
+    exp = Experiment.create(config, num_devices=num_devices)
+    batch = {k: jnp.asarray(v) for k, v in exp.data.eval_batches[0].items()}
+    graphdef = exp.graphdef
 
     def loss_fn(params, biases, rest):
         logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
         return ops.cross_entropy(logits, batch["targets"]) + aux["aux_loss"]
 
     grad_fn = jax.jit(jax.grad(loss_fn))
-    states = [(0, init_state)]
-    ckpt = Checkpointer(workdir, keep=max(1, int(config.train.keep_checkpoints)))
-    try:
-        config_dict = config_to_dict(config)
-        for step in sorted(ckpt.manager.all_steps()):
-            states.append(ckpt.restore(init_state, config_dict, step=step)[:2])
-    finally:
-        ckpt.close()
+    states = [(0, exp.init_state())]
+    with Checkpointer(workdir, keep=max(1, int(config.train.keep_checkpoints))) as ckpt:
+        config_dict = config_to_dict(exp.config)
+        for step in ckpt.all_steps():
+            states.append(ckpt.restore(exp.abstract_state, config_dict, step=step)[:2])
 
-    rules = with_float32_islands(get_policy_rules(fp16_policy), FLOAT32_ISLANDS)
+    # The modules' compute dtypes in the float16 run: its rules plus the model's islands.
+    fp16 = Experiment.create(_with_policy(config, fp16_policy), num_devices=num_devices)
+    rules = fp16.rules
     checkpoints, modules = [], {}
     for step, state in states:
         grads = grad_fn(state.params, state.biases, state.rest)
@@ -352,6 +341,12 @@ def gradient_underflow(config: ml_collections.ConfigDict, workdir: str | os.Path
     return {"source": "true float32 gradients of the fp32 run's checkpoints, first eval batch",
             "dtype": jnp.dtype(dtype).name, "loss_scale": 1.0, "scaled_loss_scale": scaled_loss_scale,
             "modules": modules, "checkpoints": checkpoints}
+
+
+def _with_policy(config: ml_collections.ConfigDict, policy: str) -> ml_collections.ConfigDict:
+    out = ml_collections.ConfigDict(config.to_dict())
+    out.precision.policy = policy
+    return out
 
 
 def _curves(metrics: Dict[str, List[dict]]) -> Dict[str, list]:
@@ -409,7 +404,7 @@ def plan(config: ml_collections.ConfigDict, *, steps: int = DEFAULT_STEPS,
 
     Raises:
       ValueError: bad counts or loss scale, more devices than exist, no eval batches,
-        or a config the trainer rejects (:func:`jaxmp.trainer.validate_config`).
+        or a config the trainer rejects (:func:`jaxmp.train.config.validate_config`).
     """
     steps = _check_positive_int("steps", steps)
     log_every = _check_positive_int("log_every", log_every)

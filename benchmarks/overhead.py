@@ -14,8 +14,9 @@ warm-up + cosine schedule with weight decay on matrices only; parameters, optimi
 state and router biases selected back on a non-finite step; router biases moved toward
 balance (DeepSeek-V3 section 2.1.2) when ``model.bias_update_rate > 0``.
 
-* **jaxmp**: :func:`jaxmp.trainer.build` and :func:`jaxmp.train_step.make_train_step`,
-  exactly what ``train.py`` runs (plus its metrics: grad norm, lr, expert counts, ...).
+* **jaxmp**: ``Experiment.train_step`` of :class:`jaxmp.train.Experiment` on a 1-device
+  mesh, exactly what ``train.py`` runs (the per-device ``shard_map`` step with its
+  explicit gradient all-reduce, and its metrics: grad norm, lr, expert counts, ...).
 * **baseline**: :func:`make_baseline_step` below, written plainly with Flax NNX, optax
   and jmp: ``jmp.Policy`` for the master/output dtypes, ``optax.adamw``,
   ``jmp.DynamicLossScale`` (or ``NoOpLossScale``/``StaticLossScale``), ``jmp.all_finite``
@@ -52,12 +53,11 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from benchmarks._common import DEFAULT_CONFIG, device_info, random_batches, write_json
+from benchmarks._common import DEFAULT_CONFIG, device_info, experiment, random_batches, write_json
 from benchmarks._timing import MIN_REPEATS, check_repeats
-from jaxmp import loss_scale as jaxmp_ls
 from jaxmp.models import ModelConfig, MoETransformer, RouterBias, update_router_bias
-from jaxmp.train_step import make_train_step
-from jaxmp.trainer import build, config_to_dict
+from jaxmp.precision import loss_scale as jaxmp_ls
+from jaxmp.train.config import config_to_dict
 
 __all__ = ["TARGET_RATIO", "jmp_loss_scale", "make_baseline_optimizer", "make_baseline_step",
            "build_sides", "compile_side", "time_interleaved", "run"]
@@ -170,44 +170,50 @@ def build_sides(config) -> Dict[str, Dict[str, Any]]:
       ValueError: bad config values (as the trainer's, and see :func:`jmp_loss_scale`,
         :func:`make_baseline_optimizer`).
     """
-    total = config.train.steps
-    model_config, rules, graphdef, state, optimizer, lr_schedule, _ = build(config, num_devices=1)
-    jaxmp_step = make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
-                                 bias_update_rate=model_config.bias_update_rate,
-                                 grad_accum_steps=config.train.grad_accum_steps)
+    exp = experiment(config)
+    cfg, model_config = exp.config, exp.model_config
+    state = exp.init_state()
 
-    model = MoETransformer(ModelConfig.from_config(config.model), config.precision.policy,
-                           rngs=nnx.Rngs(config.seed))
-    b_graphdef, params, biases, rest = nnx.split(model, nnx.Param, RouterBias, ...)
-    b_optimizer = make_baseline_optimizer(config.optim, total)
-    policy = jmp.get_policy(str(rules.default))  # jaxmp prints policies in jmp's grammar
+    model = MoETransformer(ModelConfig.from_config(cfg.model), cfg.precision.policy,
+                           rngs=nnx.Rngs(cfg.seed))
+    b_graphdef, _, biases, rest = nnx.split(model, nnx.Param, RouterBias, ...)
+    # The trainer's initial weights, copied (each side's donation must not free the other's).
+    params = jax.tree.map(jnp.copy, state.params)
+    b_optimizer = make_baseline_optimizer(cfg.optim, cfg.train.steps)
+    policy = jmp.get_policy(str(exp.rules.default))  # jaxmp prints policies in jmp's grammar
     b_state = (params, biases, rest, b_optimizer.init(params), jmp_loss_scale(state.loss_scale))
     b_step = make_baseline_step(b_graphdef, b_optimizer, policy, model_config.bias_update_rate)
-    return {"jaxmp": {"step": jaxmp_step, "state": state},
-            "baseline": {"step": b_step, "state": b_state}}
+    return {"jaxmp": {"step": exp.train_step, "state": state, "jitted": True,
+                      "batch_sharding": exp.batch_sharding},
+            "baseline": {"step": b_step, "state": b_state, "jitted": False}}
 
 
-def compile_side(step: Callable, state: Any, batch: Any):
-    """``step`` jitted with the state donated, compiled ahead of time for ``(state, batch)``.
+def compile_side(step: Callable, state: Any, batch: Any, jitted: bool = False):
+    """Compiles a side's step ahead of time for ``(state, batch)``, the state donated.
 
-    The compiled function takes the state's leaves (a list) rather than the state:
-    jax builds its ahead-of-time argument info by rebuilding each argument pytree around
-    placeholder objects, and ``jmp.DynamicLossScale.__post_init__`` (jmp 0.0.4) calls
-    ``jax.eval_shape`` on its fields, which fails on them. Both sides are called the same
-    way, so the harness costs them the same.
+    ``jitted=True`` (jaxmp): ``step`` is the trainer's own ``jax.jit`` (its shardings and
+    donation), lowered and compiled as it is. Otherwise (the baseline) ``step`` is
+    jitted here with the state donated, and the compiled function takes the state's
+    leaves (a list) rather than the state: jax builds its ahead-of-time argument info
+    by rebuilding each argument pytree around placeholder objects, and
+    ``jmp.DynamicLossScale.__post_init__`` (jmp 0.0.4) calls ``jax.eval_shape`` on its
+    fields, which fails on them. Both calls flatten the state once per step.
 
     Returns:
       ``(call, seconds_to_compile, {"flops", "bytes_accessed"})``: ``call(state, batch)
       -> (state, metrics)``; the costs from XLA's cost analysis of the compiled step
       (None where the backend gives none).
     """
-    treedef = jax.tree.structure(state)
-
-    def flat_step(leaves, batch):
-        return step(jax.tree.unflatten(treedef, leaves), batch)
-
     start = time.perf_counter()
-    compiled = jax.jit(flat_step, donate_argnums=0).lower(jax.tree.leaves(state), batch).compile()
+    if jitted:
+        compiled = step.lower(state, batch).compile()
+    else:
+        treedef = jax.tree.structure(state)
+
+        def flat_step(leaves, batch):
+            return step(jax.tree.unflatten(treedef, leaves), batch)
+
+        compiled = jax.jit(flat_step, donate_argnums=0).lower(jax.tree.leaves(state), batch).compile()
     seconds = time.perf_counter() - start
     analysis = compiled.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
@@ -215,6 +221,9 @@ def compile_side(step: Callable, state: Any, batch: Any):
     analysis = analysis or {}
     cost = {key: (float(analysis[name]) if name in analysis else None)
             for key, name in (("flops", "flops"), ("bytes_accessed", "bytes accessed"))}
+
+    if jitted:
+        return compiled, seconds, cost
 
     def call(state, batch):
         return compiled(jax.tree.leaves(state), batch)
@@ -307,14 +316,16 @@ def run(config, steps: int, repeats: int, warmup: int = 2, ring: int = 4,
                          f"has no accumulation; use 1")
     device = jax.devices()[0]
     sides = build_sides(config)
+    # Placed as the trainer places them: the batch sharding of its 1-device mesh.
     batches = random_batches(config.model.vocab_size, config.train.batch_size, config.data.seq_len,
-                             ring, seed=config.seed, device=device)
+                             ring, seed=config.seed, device=sides["jaxmp"]["batch_sharding"])
     report: Dict[str, Any] = {"compile_s": {}, "cost_analysis": {}, "state_leaves": {}}
     for name, side in sides.items():
-        side["state"] = jax.device_put(side["state"], device)
+        if not side["jitted"]:  # the trainer's state is created on its mesh already
+            side["state"] = jax.device_put(side["state"], device)
         report["state_leaves"][name] = len(jax.tree.leaves(side["state"]))
         side["compiled"], report["compile_s"][name], report["cost_analysis"][name] = compile_side(
-            side["step"], side["state"], batches[0])
+            side["step"], side["state"], batches[0], side["jitted"])
     samples = time_interleaved(sides, batches, steps, repeats, warmup)
     if profile_dir:
         for name, side in sides.items():

@@ -5,9 +5,9 @@ Usage::
     python benchmarks/train_step.py --json train_step.json                 # tiny model, CPU
     python benchmarks/train_step.py --config configs/bench_h200.py --json train_step_h200.json
 
-For each precision the trainer's own step (:func:`jaxmp.trainer.build`,
-:func:`jaxmp.train_step.make_train_step`, ``jax.jit`` with the state donated) is compiled,
-warmed up, then timed: ``--repeats`` samples of ``--steps`` consecutive steps, each sample
+For each precision the trainer's own step (``Experiment.train_step`` of
+:class:`jaxmp.train.Experiment` on a 1-device mesh: the function ``train.py`` runs, jitted
+with the trainer's shardings and the state donated) is compiled, warmed up, then timed: ``--repeats`` samples of ``--steps`` consecutive steps, each sample
 ending with ``jax.block_until_ready``, on one device, over a ring of random token
 batches already on the device. The precisions set ``precision.policy`` to the preset
 (routers and norms stay float32 islands, as always in :class:`~jaxmp.models.MoETransformer`)
@@ -15,7 +15,7 @@ and ``precision.loss_scale`` to ``none`` (fp32, mixed_bf16) or ``--fp16_loss_sca
 
 MFU ("model FLOPs utilization", PaLM, Chowdhery et al. 2022, appendix B)::
 
-    model FLOPs per step = jaxmp.cost.training_flops(active_params, batch * seq_len,
+    model FLOPs per step = jaxmp.analysis.cost.training_flops(active_params, batch * seq_len,
                                num_layers, seq_len, num_heads * head_dim)
                          = tokens * (6 * active_params + 6 * num_layers * seq_len * width)
     achieved TFLOP/s     = model FLOPs per step / median seconds per step / 1e12
@@ -25,7 +25,7 @@ MFU ("model FLOPs utilization", PaLM, Chowdhery et al. 2022, appendix B)::
 head included, as DeepSeek-V3 counts its 37B). Model FLOPs exclude recomputation, the
 router, norms, softmax and the optimizer, so MFU is below the hardware utilization.
 
-The peak: on NVIDIA GPUs, the dense datasheet peak from :data:`jaxmp.cost.HARDWARE` for
+The peak: on NVIDIA GPUs, the dense datasheet peak from :data:`jaxmp.analysis.cost.HARDWARE` for
 the math the matmuls really run (:func:`benchmarks.matmul.math_mode`: float32 matmuls run
 as TF32 on Ampere and newer at JAX's default precision, so fp32 is measured against the
 TF32 peak); the chip is read from ``device_kind`` (H100, H200, H800, A100) or given with
@@ -49,13 +49,12 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from benchmarks import matmul
-from benchmarks._common import DEFAULT_CONFIG, device_info, random_batches, write_json
+from benchmarks._common import DEFAULT_CONFIG, device_info, experiment, random_batches, write_json
 from benchmarks._timing import MIN_REPEATS, check_repeats
-from jaxmp import cost
-from jaxmp.loss_scale import get_loss_scale
-from jaxmp.policy import get_policy
-from jaxmp.train_step import make_train_step
-from jaxmp.trainer import build, config_to_dict
+from jaxmp.analysis import cost
+from jaxmp.precision.loss_scale import get_loss_scale
+from jaxmp.precision.policy import get_policy
+from jaxmp.train.config import config_to_dict
 
 __all__ = ["PRECISIONS", "DEFAULT_FP16_LOSS_SCALE", "detect_hardware", "resolve_peak",
            "model_flops_per_step", "time_steps", "run"]
@@ -65,12 +64,12 @@ PRECISIONS = ("fp32", "mixed_bf16", "mixed_fp16")
 # (Micikevicius et al. 2018, section 3.2; the scale PyTorch's GradScaler starts at).
 DEFAULT_FP16_LOSS_SCALE = "dynamic:init=2**16"
 
-# jaxmp.cost names its peaks by math mode; benchmarks.matmul.math_mode names them so too.
+# jaxmp.analysis.cost names its peaks by math mode; benchmarks.matmul.math_mode names them so too.
 _MODE_TO_COST = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def detect_hardware(device_kind: str) -> Optional[str]:
-    """The :data:`jaxmp.cost.HARDWARE` key named in a device kind, or None.
+    """The :data:`jaxmp.analysis.cost.HARDWARE` key named in a device kind, or None.
 
     ``"NVIDIA H200"`` -> ``"H200"``, ``"NVIDIA A100-SXM4-80GB"`` -> ``"A100"``. The table
     holds SXM figures; PCIe/NVL boards run lower clocks, so their MFU is understated.
@@ -89,7 +88,7 @@ def resolve_peak(device: Any, compute_dtype: Any, hardware: Optional[str],
     Args:
       device: the timed ``jax.Device``.
       compute_dtype: the policy's compute dtype (float32, bfloat16, float16).
-      hardware: a :data:`jaxmp.cost.HARDWARE` key; None to detect it on GPUs.
+      hardware: a :data:`jaxmp.analysis.cost.HARDWARE` key; None to detect it on GPUs.
       peak_size: matmul size of the measured peak (used off GPU without ``hardware``);
         measured anew on each call, so that on a shared machine the peak and the step
         it divides are timed under the same load.
@@ -106,14 +105,14 @@ def resolve_peak(device: Any, compute_dtype: Any, hardware: Optional[str],
     if hardware is None and device.platform == "gpu":
         hardware = detect_hardware(device.device_kind)
         if hardware is None:
-            raise ValueError(f"GPU {device.device_kind!r} is not in jaxmp.cost.HARDWARE; pass "
+            raise ValueError(f"GPU {device.device_kind!r} is not in jaxmp.analysis.cost.HARDWARE; pass "
                              f"--hardware with one of {', '.join(cost.HARDWARE)}")
     if hardware is not None:
         key = _MODE_TO_COST[mode]
         board = device.device_kind.upper()
         note = " (SXM figure; this board is not SXM)" if "PCIE" in board or "NVL" in board else ""
         return {"peak_tflops": cost.peak_tflops(hardware, key), "peak_kind": "datasheet",
-                "peak_source": f"{hardware} dense {key} peak, jaxmp.cost.HARDWARE{note}",
+                "peak_source": f"{hardware} dense {key} peak, jaxmp.analysis.cost.HARDWARE{note}",
                 "math_mode": mode}
     return {"peak_tflops": matmul.measure_peak_tflops("float32", peak_size, device=device),
             "peak_kind": "measured",
@@ -124,7 +123,7 @@ def resolve_peak(device: Any, compute_dtype: Any, hardware: Optional[str],
 
 def model_flops_per_step(active_params: int, tokens: int, num_layers: int, seq_len: int,
                          width: int) -> float:
-    """Model FLOPs of one train step: :func:`jaxmp.cost.training_flops` (6N + attention)."""
+    """Model FLOPs of one train step: :func:`jaxmp.analysis.cost.training_flops` (6N + attention)."""
     return cost.training_flops(active_params, tokens, num_layers=num_layers, seq_len=seq_len,
                                d_model=width)
 
@@ -168,7 +167,7 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
       warmup: untimed samples after compiling, >= 0.
       ring: distinct random batches cycled, >= 1.
       fp16_loss_scale: the ``mixed_fp16`` loss scale (:func:`jaxmp.get_loss_scale` grammar).
-      hardware: a :data:`jaxmp.cost.HARDWARE` key; None = detect on GPUs, measure elsewhere.
+      hardware: a :data:`jaxmp.analysis.cost.HARDWARE` key; None = detect on GPUs, measure elsewhere.
       peak_size: matrix size of the measured peak, >= 1.
       log: where progress lines go.
 
@@ -199,25 +198,24 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
     get_loss_scale(fp16_loss_scale)
     device = jax.devices()[0]
     if hardware is None and device.platform == "gpu" and detect_hardware(device.device_kind) is None:
-        raise ValueError(f"GPU {device.device_kind!r} is not in jaxmp.cost.HARDWARE; pass "
+        raise ValueError(f"GPU {device.device_kind!r} is not in jaxmp.analysis.cost.HARDWARE; pass "
                          f"--hardware with one of {', '.join(cost.HARDWARE)}")
 
     batch, seq_len = int(config.train.batch_size), int(config.data.seq_len)
-    batches = random_batches(config.model.vocab_size, batch, seq_len, ring, seed=config.seed,
-                             device=device)
     report: Dict[str, Any] = {"device": device_info(device), "results": []}
+    batches = None
     for precision in precisions:
         cfg = config.copy_and_resolve_references()
         cfg.precision.policy = precision
         cfg.precision.loss_scale = fp16_loss_scale if precision == "mixed_fp16" else "none"
-        model_config, _, graphdef, state, optimizer, lr_schedule, (total, active) = build(
-            cfg, num_devices=1)
-        step = make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
-                               bias_update_rate=model_config.bias_update_rate,
-                               grad_accum_steps=cfg.train.grad_accum_steps)
-        state = jax.device_put(state, device)
+        exp = experiment(cfg)
+        model_config, (total, active) = exp.model_config, exp.param_counts
+        if batches is None:
+            batches = random_batches(model_config.vocab_size, batch, seq_len, ring, seed=config.seed,
+                                     device=exp.batch_sharding)
+        state = exp.init_state()
         start = time.perf_counter()
-        compiled = jax.jit(step, donate_argnums=0).lower(state, batches[0]).compile()
+        compiled = exp.train_step.lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - start
         samples, state, metrics = time_steps(compiled, state, batches, steps, repeats, warmup)
         del state, compiled  # free the device memory before the next precision

@@ -6,7 +6,7 @@
 experts (top-2) plus 1 shared expert of width 1024 per layer; vocabulary 32768 (the
 benchmark feeds random tokens, so the byte tokenizer's 257 is not needed); batch 16 x
 1024 tokens. 0.44B parameters, 0.23B active per token (count_params), so 2.4e13 model
-FLOPs per step (6 N per token plus attention, jaxmp.cost.training_flops): about 60 ms per
+FLOPs per step (6 N per token plus attention, jaxmp.analysis.cost.training_flops): about 60 ms per
 step at 40% of the H200's dense BF16 peak, 120 ms at 40% of its TF32 peak. The memory
 (7 GB of train state, float32 logits, and [B, heads, T, T] attention scores kept for
 the backward pass, ~2-4 GB per layer) stays well under the H200's 141 GB.

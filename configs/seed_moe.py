@@ -1,4 +1,4 @@
-"""The seed article's MoE example, as a config.
+"""The MoE example of the DeepSeek mixed-precision article this project started from.
 
 24 layers, d_model 2048, 32 heads, max_length 4096, batch 64, AdamW lr 1e-4 with weight
 decay 0.01, 4 experts computed in float16 with the gate (router) in float32, and a

@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0
 
     config.model = ml_collections.ConfigDict(dict(
-        vocab_size=257,            # bytes + end-of-document (jaxmp.data.ByteTokenizer)
+        vocab_size=257,            # bytes + end-of-document (jaxmp.train.data.ByteTokenizer)
         num_layers=2,
         d_model=64,
         num_heads=4,
@@ -41,8 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
         policy="mixed_bf16; router: fp32; norm: fp32",
         # bfloat16 has float32's range: no loss scale needed. Use dynamic[:...] for fp16.
         loss_scale="none",
-        # Dtype of the cross-device gradient sum: float32 (exact; XLA's own all-reduce),
-        # bfloat16 or float16 (half the bytes, seed article section 2.3; jaxmp.comm).
+        # Dtype of the cross-device gradient sum (jaxmp.comm, an explicit all-reduce):
+        # float32 (exact), bfloat16 or float16 (half the bytes; the DeepSeek
+        # mixed-precision article, section 2.3).
         grad_reduce_dtype="float32",
         # "none" or "topk": send each leaf's topk_ratio largest |g| (+ int32 indices) by
         # all-gather and keep the rest as a per-device residual (error feedback).
@@ -62,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
         text_field="text",         # for .jsonl files
         seq_len=64,
         eval_fraction=0.02,
-        num_eval_batches=4,
+        num_eval_batches=4,        # 0 = no evaluation
         max_tokens=0,              # 0 = the whole corpus
     ))
 
@@ -72,7 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
         grad_accum_steps=1,
         num_devices=0,             # 0 = all devices
         log_every=5,
-        eval_every=50,
+        eval_every=50,             # 0 = evaluate only at the end
         checkpoint_every=100,
         keep_checkpoints=2,
         max_consecutive_skips=100,  # stop with an error when this many steps in a row are skipped

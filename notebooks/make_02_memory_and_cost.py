@@ -11,16 +11,16 @@ from _nbgen import write
 
 CELLS = [
     ("md", """\
-# Memory and cost: the seed's tables, measured and corrected
+# Memory and cost: the article's tables, measured and corrected
 
-The article this project started from (the *seed*: a blog post on DeepSeek-style mixed precision) prints, for a 67e9-parameter model, how much memory mixed precision saves (its section 2.1) and how much less gradient traffic 16-bit and top-k-sparsified gradients need (its section 2.3). Most of those figures do not hold. This notebook
+The DeepSeek mixed-precision article this project started from (a blog post on DeepSeek-style FP32 master weights, FP16/BF16 compute and compressed gradients; "the article" below) prints, for a 67e9-parameter model, how much memory mixed precision saves (its section 2.1) and how much less gradient traffic 16-bit and top-k-sparsified gradients need (its section 2.3). Most of those figures do not hold. This notebook
 
-1. recomputes the memory table from first principles (`jaxmp.seed.memory_table`) and draws it beside the seed's figures,
-2. does the same for gradient communication (`jaxmp.seed.communication_table`), including how top-k sparsification scales with the number of devices,
-3. puts DeepSeek-V3's published GPU-hours beside the cost model (`jaxmp.cost`) and solves for the utilization they imply,
-4. measures what each precision mode really costs for the tiny MoE model of `configs/tiny_moe.py`, from the program JAX builds for the train step (`jaxmp.accounting`).
+1. recomputes the memory table from first principles (`jaxmp.analysis.article.memory_table`) and draws it beside the article's figures,
+2. does the same for gradient communication (`jaxmp.analysis.article.communication_table`), including how top-k sparsification scales with the number of devices,
+3. puts DeepSeek-V3's published GPU-hours beside the cost model (`jaxmp.analysis.cost`) and solves for the utilization they imply,
+4. measures what each precision mode really costs for the tiny MoE model of `configs/tiny_moe.py`, from the program JAX builds for the train step (`jaxmp.analysis.accounting`).
 
-GB means 1e9 bytes, as in the seed. Sections 1 to 3 are arithmetic and take moments; section 4 traces and compiles the train step once per mode."""),
+GB means 1e9 bytes, as in the article. Sections 1 to 3 are arithmetic and take moments; section 4 traces and compiles the train step once per mode."""),
     ("code", """\
 import os
 import sys
@@ -37,25 +37,26 @@ if "MPLBACKEND" not in os.environ:  # Jupyter sets its inline backend itself; el
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jaxmp import accounting, cost, seed
-from jaxmp.report import cost_report, load_config
+from jaxmp.analysis import accounting, article, cost
+from jaxmp.analysis.report import cost_report
+from jaxmp.train.config import load_config
 
 # Jupyter and the tests start the kernel in notebooks/; the configs live at the repo root.
 ROOT = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "configs" / "tiny_moe.py").is_file())
 SMALL = os.environ.get("JAXMP_NOTEBOOK_SMALL") == "1"
 GB = 1e9
-P = seed.SEED_PARAMS
+P = article.ARTICLE_PARAMS
 print(f"seed model: {P:.3g} parameters; small={SMALL}")"""),
     ("md", """\
 ## 1. Training memory of a 67e9-parameter model
 
-Static training memory is bytes per parameter times the parameter count. With Adam, float32 training holds the weights, the gradients and two moments: 4 + 4 + 4 + 4 = 16 bytes per parameter. Mixed precision as Micikevicius et al. (2018, section 3.1) and ZeRO (Rajbhandari et al. 2020, section 3.1) describe it keeps float32 *master* weights and float32 moments, and adds 16-bit copies of the weights and gradients: 2 + 2 + 4 + 4 + 4 = 16 bytes, **no less**. DeepSeek-V3 (technical report, section 3.3.3) stores the Adam moments in bfloat16 and gets 4 + 4 + 2 + 2 = 12. What mixed precision does halve is the activations kept for the backward pass, which grow with batch, sequence length, width and depth, and which the seed's table leaves out."""),
+Static training memory is bytes per parameter times the parameter count. With Adam, float32 training holds the weights, the gradients and two moments: 4 + 4 + 4 + 4 = 16 bytes per parameter. Mixed precision as Micikevicius et al. (2018, section 3.1) and ZeRO (Rajbhandari et al. 2020, section 3.1) describe it keeps float32 *master* weights and float32 moments, and adds 16-bit copies of the weights and gradients: 2 + 2 + 4 + 4 + 4 = 16 bytes, **no less**. DeepSeek-V3 (technical report, section 3.3.3) stores the Adam moments in bfloat16 and gets 4 + 4 + 2 + 2 = 12. What mixed precision does halve is the activations kept for the backward pass, which grow with batch, sequence length, width and depth, and which the article's table leaves out."""),
     ("code", """\
-mem = seed.memory_table()
+mem = article.memory_table()
 print(f"{'':7}{'item':58} {'computed':>10}  {'seed':>18}")
 for r in mem:
     computed = f"{r.bytes / GB:,.0f} GB" if r.bytes is not None else f"{r.fraction:.0%}"
-    print(f"[{r.status:5}] {r.item:58} {computed:>10}  {r.seed or '-':>18}")
+    print(f"[{r.status:5}] {r.item:58} {computed:>10}  {r.article or '-':>18}")
 
 # The same numbers by hand, in bytes per parameter.
 by_hand = {"FP32 parameters": 4, "FP16 + FP32 parameter copies": 2 + 4, "FP32 training, Adam": 4 + 4 + 4 + 4,
@@ -65,10 +66,10 @@ for r in mem:
     if r.item in by_hand:
         assert r.bytes == by_hand[r.item] * P, r.item"""),
     ("md", """\
-The seed's figures, read as numbers: "2.68 TB" for the float32 weights; "132+132 GB" for the 16- and 32-bit copies; "40-60% less memory" from mixed precision, i.e. 40% to 60% of float32 training's 1,072 GB. The transcription is checked against the strings `jaxmp.seed` quotes."""),
+The article's figures, read as numbers: "2.68 TB" for the float32 weights; "132+132 GB" for the 16- and 32-bit copies; "40-60% less memory" from mixed precision, i.e. 40% to 60% of float32 training's 1,072 GB. The transcription is checked against the strings `jaxmp.analysis.article` quotes."""),
     ("code", """\
 fp32_states = by_hand["FP32 training, Adam"] * P
-claims = {  # item -> (low, high) bytes the seed's figure stands for
+claims = {  # item -> (low, high) bytes the article's figure stands for
     "FP32 parameters": ("2.68 TB", 2.68e12, 2.68e12),
     "FP16 + FP32 parameter copies": ("132+132 GB", 264e9, 264e9),
     "mixed precision, Adam (Micikevicius 2018; ZeRO sec. 3.1)": ("40-60% less memory", 0.4 * fp32_states, 0.6 * fp32_states),
@@ -77,7 +78,7 @@ claims = {  # item -> (low, high) bytes the seed's figure stands for
 rows = [r for r in mem if r.bytes is not None]
 for r in rows:
     if r.item in claims:
-        assert r.seed == claims[r.item][0], (r.item, r.seed)
+        assert r.article == claims[r.item][0], (r.item, r.article)
 
 labels = [r.item.replace(" (", "\\n(") for r in rows]
 y = np.arange(len(rows))
@@ -87,39 +88,39 @@ for i, r in enumerate(rows):
     if r.item in claims:
         _, lo, hi = claims[r.item]
         ax.barh(y[i] - 0.2, (hi - lo) / GB if hi > lo else lo / GB, 0.4, left=lo / GB if hi > lo else 0,
-                color="C3", alpha=0.6, label="the seed's figure (a range for '40-60% less')" if i == 0 else None)
+                color="C3", alpha=0.6, label="the article's figure (a range for '40-60% less')" if i == 0 else None)
         ax.text(max(hi, r.bytes) / GB + 30, y[i], r.status, va="center", fontsize=8,
                 color="C3" if r.status == "WRONG" else "C2")
 ax.set_yticks(y)
 ax.set_yticklabels(labels, fontsize=8)
 ax.invert_yaxis()
 ax.set_xlabel("GB (1e9 bytes), whole model, unsharded")
-ax.set_title("Training memory of a 67e9-parameter model: computed vs the seed")
+ax.set_title("Training memory of a 67e9-parameter model: computed vs the article")
 ax.legend(fontsize=8, loc="lower right")
 fig.tight_layout()
 plt.show()"""),
     ("md", """\
 ## 2. Gradient communication per step
 
-In data parallelism every device sends and receives its gradients once per step. A ring all-reduce moves 2(N-1)/N times the buffer through each device (Patarasuk and Yuan 2009), so 16-bit gradients do halve the traffic, as the seed says. Its top-k claim ("cuts it to 30%") forgets two things: each kept value needs an index (4 bytes as int32), and different devices keep different entries, so the sparse lists cannot be summed in place along a ring; they are all-gathered, and every device receives N-1 of them."""),
+In data parallelism every device sends and receives its gradients once per step. A ring all-reduce moves 2(N-1)/N times the buffer through each device (Patarasuk and Yuan 2009), so 16-bit gradients do halve the traffic, as the article says. Its top-k claim ("cuts it to 30%") forgets two things: each kept value needs an index (4 bytes as int32), and different devices keep different entries, so the sparse lists cannot be summed in place along a ring; they are all-gathered, and every device receives N-1 of them."""),
     ("code", """\
 N = 8
-comm_rows = seed.communication_table(N)
+comm_rows = article.communication_table(N)
 print(f"{N} devices, bytes per parameter sent per device per step")
 for r in comm_rows:
     print(f"[{r.status:5}] {r.item:68} {r.bytes_per_param:6.2f} B/param  "
-          f"{r.fraction:5.0%} of {r.baseline:30} seed: {r.seed or '-'}")
+          f"{r.fraction:5.0%} of {r.baseline:30} article: {r.article or '-'}")
 
 ring = 2 * (N - 1) / N
 by_hand = [ring * 4, ring * 2, ring * 0.3 * (2 + 4), ring * 0.3 * (4 + 4), (N - 1) * 0.3 * (2 + 4)]
 np.testing.assert_allclose([r.bytes_per_param for r in comm_rows], by_hand, rtol=1e-12)
 
-# What the seed's claim would make of each row: half of FP32, or 30% of the dense baseline.
+# What the article's claim would make of each row: half of FP32, or 30% of the dense baseline.
 claimed = [None, 0.5 * by_hand[0], 0.3 * by_hand[1], 0.3 * by_hand[0], 0.3 * by_hand[1]]
 fig, ax = plt.subplots(figsize=(10, 4))
 y = np.arange(len(comm_rows))
 ax.barh(y + 0.2, by_hand, 0.4, color="C0", label="computed")
-ax.barh(y - 0.2, [c or 0 for c in claimed], 0.4, color="C3", alpha=0.6, label="what the seed's claim implies")
+ax.barh(y - 0.2, [c or 0 for c in claimed], 0.4, color="C3", alpha=0.6, label="what the article's claim implies")
 ax.set_yticks(y)
 ax.set_yticklabels([r.item.replace(", ", ",\\n", 1) for r in comm_rows], fontsize=8)
 ax.invert_yaxis()
@@ -131,14 +132,14 @@ plt.show()"""),
 How the all-gathered top-k grows with the number of devices, against the dense rings (whose per-device traffic approaches 2x the buffer): it costs more than the dense **float32** ring as soon as (N-1) x 0.3 x 6 > 2(N-1)/N x 4, i.e. for N > 8 / 1.8 = 4.4 devices."""),
     ("code", """\
 ns = np.array([2, 3, 4, 5, 8, 16, 32, 64, 128])
-tables = {n: seed.communication_table(int(n)) for n in ns}
+tables = {n: article.communication_table(int(n)) for n in ns}
 series = {name: [tables[n][i].bytes_per_param for n in ns] for i, name in enumerate(
     ["FP32 ring", "16-bit ring", "top-k 30%, 16-bit + idx, same indices (ring)", "top-k 30%, FP32 + idx (ring)",
      "top-k 30%, 16-bit + idx, all-gather"])}
 fig, ax = plt.subplots(figsize=(9, 4.5))
 for name, values in series.items():
     ax.plot(ns, values, marker="o", ms=3, label=name)
-ax.plot(ns, 0.3 * np.array(series["16-bit ring"]), ls="--", color="black", lw=1, label="the seed's '30%' of the 16-bit ring")
+ax.plot(ns, 0.3 * np.array(series["16-bit ring"]), ls="--", color="black", lw=1, label="the article's '30%' of the 16-bit ring")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("data-parallel devices N")
@@ -151,7 +152,7 @@ assert crossing == 5 and 8 / 1.8 < 5  # the first N in the sweep above 4.44"""),
     ("md", """\
 ## 3. What does training cost? DeepSeek-V3's published GPU-hours against the cost model
 
-`jaxmp.cost` uses the usual model: training FLOPs ≈ 6 x active parameters x tokens (Kaplan et al. 2020, section 2.1) plus 6 x layers x sequence length x width per token for causal attention, and time = FLOPs / (GPUs x dense peak x MFU), where MFU (model FLOPs utilization, PaLM appendix B) is the share of the peak the model's FLOPs achieve. DeepSeek-V3 publishes 2.664M H800 GPU-hours for pre-training on 14.8T tokens with 37e9 active of 671e9 parameters (technical report, Table 1); solving for the MFU says how efficiently those hours were used."""),
+`jaxmp.analysis.cost` uses the usual model: training FLOPs ≈ 6 x active parameters x tokens (Kaplan et al. 2020, section 2.1) plus 6 x layers x sequence length x width per token for causal attention, and time = FLOPs / (GPUs x dense peak x MFU), where MFU (model FLOPs utilization, PaLM appendix B) is the share of the peak the model's FLOPs achieve. DeepSeek-V3 publishes 2.664M H800 GPU-hours for pre-training on 14.8T tokens with 37e9 active of 671e9 parameters (technical report, Table 1); solving for the MFU says how efficiently those hours were used."""),
     ("code", """\
 rep = cost_report()
 pub, est = rep["published"], rep["estimate"]
@@ -200,7 +201,7 @@ DeepSeek-V3 ran most of its matrix multiplications in FP8 but kept others in BF1
     ("md", """\
 ## 4. Measured: what each precision mode costs the tiny MoE model
 
-Sections 1 and 2 are formulas. `jaxmp.accounting` reads the same quantities from the program JAX and XLA build for the project's real train step (`jaxmp.train_step.make_train_step`), under abstract evaluation, so nothing is allocated. Per device, on an 8-device data-parallel mesh:
+Sections 1 and 2 are formulas. `jaxmp.analysis.accounting` reads the same quantities from the program JAX and XLA build for the trainer's own train step (`Experiment.train_step`, the function `train.py` runs), under abstract evaluation, so nothing is allocated. Per device, on an 8-device data-parallel mesh:
 
 * **params, grads, optimizer state**: the train state as stored (float32 master weights in every mode; Adam moments in float32, or bfloat16 in `bf16_moments` as DeepSeek-V3 does);
 * **top-k residual**: the error-feedback buffer that top-k sparsification keeps per device;
@@ -239,7 +240,7 @@ for i, (key, label) in enumerate(parts):
     left += widths
 fp32_total = modes["fp32"]["total_bytes"] / MiB
 ax1.axvspan(0.4 * fp32_total, 0.6 * fp32_total, color="red", alpha=0.12,
-            label="the seed's '40-60% less memory' than fp32")
+            label="the article's '40-60% less memory' than fp32")
 ax1.set_yticks(y)
 ax1.set_yticklabels(names)
 ax1.invert_yaxis()
@@ -268,7 +269,7 @@ for m in names:
 
 * Mixed precision with Adam does not shrink the *static* training state: float32 master weights and moments stay, and 16-bit copies come on top (section 1). DeepSeek-V3's bfloat16 moments cut it by a quarter.
 * The saving is in activations: jaxmp's float32 islands (routers, norms, softmax, the loss) compute in float32 but save only compute-dtype tensors plus per-row float32 statistics, and the backward pass re-casts weights from the float32 masters instead of keeping 16-bit copies; integer routing state does not shrink (section 4 measures the share).
-* 16-bit gradients halve the bytes of a ring all-reduce; top-k sparsification with indices does not cut traffic to 30%, and gathered across devices it grows with their number (section 2). The measured collectives of the tiny model (section 4) are what XLA's partitioned program actually sends; see `jaxmp.accounting` for how they are counted.
+* 16-bit gradients halve the bytes of a ring all-reduce; top-k sparsification with indices does not cut traffic to 30%, and gathered across devices it grows with their number (section 2). The measured collectives of the tiny model (section 4) are what XLA's partitioned program actually sends; see `jaxmp.analysis.accounting` for how they are counted.
 * DeepSeek-V3's published hours imply a utilization in the tens of percent of the dense peak (section 3); the cost model with an assumed MFU lands in the same range."""),
 ]
 

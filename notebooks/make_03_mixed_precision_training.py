@@ -82,7 +82,7 @@ for spec in plan.specs:
     ("md", """\
 ## 1. The runs
 
-`fidelity.train_run` trains one run with the project's trainer (`jaxmp.trainer.train_and_evaluate`) in its own directory, `WORKDIR/<run>`; the trainer's banner and progress bar go to `train.log` there. The growth interval of the dynamic scale is short here (10 steps at the small size) so that the scale visibly climbs and backs off within a short run; the benchmark's default is 200."""),
+`fidelity.train_run` trains one run with the project's trainer (`jaxmp.train.train_and_evaluate`) in its own directory, `WORKDIR/<run>`; the trainer's banner and progress bar go to `train.log` there. The growth interval of the dynamic scale is short here (10 steps at the small size) so that the scale visibly climbs and backs off within a short run; the benchmark's default is 200."""),
     ("code", """\
 results = {}
 for name in ("fp32", "mixed_bf16"):

@@ -1,14 +1,14 @@
 """Configs for the tests: the shipped files, loaded by path, and tiny_moe shrunk further."""
 import pathlib
 
-from jaxmp.report import load_config as _load_file
+from jaxmp.train.config import load_config as _load_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_config(name):
-    """``configs/NAME.py``'s ``get_config()``."""
-    return _load_file(str(ROOT / "configs" / f"{name}.py"))
+def load_config(name, overrides=()):
+    """``configs/NAME.py``'s ``get_config()``, completed (jaxmp.train.config.load_config)."""
+    return _load_file(ROOT / "configs" / f"{name}.py", overrides)
 
 
 def small_config(model=None, **train):

@@ -1,4 +1,4 @@
-"""Memory and communication accounting (jaxmp.accounting, python -m jaxmp.report --config)
+"""Memory and communication accounting (jaxmp.analysis.accounting, python -m jaxmp.report --config)
 against hand arithmetic: a matmul + tanh whose saved arrays are known, a 1-layer dense
 model with d_model 8 counted by formula, hand-written HLO, and the tiny_moe acceptance
 ratios from the command line."""
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxmp import accounting, report
+from _configs import load_config
+from jaxmp.analysis import accounting, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MIXED_MODES = ("mixed_bf16", "mixed_fp16", "bf16_moments", "bf16_allreduce", "topk_allreduce")
@@ -180,10 +181,6 @@ def test_tuple_all_reduce_bytes_match_numpy(arrays):
 # ----------------------------------------------------------------------------- modes
 
 
-def load_config(name):
-    return report.load_config(str(ROOT / "configs" / f"{name}.py"))
-
-
 def test_mode_config_applies_every_override_and_copies():
     base = load_config("tiny_moe")
     cfg = accounting.mode_config(base, "bf16_moments")
@@ -324,7 +321,9 @@ def test_cli_bf16_allreduce_is_two_bytes_per_param(tiny_cli):
 @pytest.mark.parametrize("argv, message", [
     (["--config", "configs/nope.py"], "does not exist"),
     (["--config", "configs/tiny_moe.py", "--modes", "fp32,fp8"], "unknown precision mode"),
-    (["--config", "configs/tiny_moe.py", "--seed"], "report of its own"),
+    (["--config", "configs/tiny_moe.py", "--article"], "report of its own"),
+    (["--config", "configs/tiny_moe.py", "--config.train.stesp=3"], "did you mean 'train.steps'"),
+    (["--article", "--config.train.steps=3"], "--config PATH, which is not given"),
     (["--config", "configs/tiny_moe.py", "--devices", "0"], "--devices"),
 ])
 def test_cli_bad_input(argv, message, capsys, monkeypatch):

@@ -24,7 +24,7 @@ import jmp  # noqa: E402
 
 from benchmarks import overhead, train_step  # noqa: E402
 from benchmarks._common import random_batches  # noqa: E402
-from jaxmp import loss_scale as jaxmp_ls  # noqa: E402
+from jaxmp.precision import loss_scale as jaxmp_ls  # noqa: E402
 
 # One MoE layer (no dense layer), 2 sequences of 16 tokens: compiles in seconds.
 TINY = ["--config.model.num_layers=1", "--config.model.first_dense_layers=0",

@@ -14,13 +14,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from _configs import small_config as _small_config
 from jaxmp import comm, sharding
-from jaxmp.checkpoint import Checkpointer
-from jaxmp.data import create_pipeline
-from jaxmp.loss_scale import NoOpLossScale, StaticLossScale
-from jaxmp.train_step import create_train_state, make_train_step
-from jaxmp.trainer import (build, comm_settings, config_to_dict, train_and_evaluate,
-                           train_state_shardings, validate_config)
-
+from jaxmp.precision.loss_scale import NoOpLossScale, StaticLossScale
+from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
+from jaxmp.train.config import config_to_dict, validate_config
+from jaxmp.train.state import create_train_state, train_state_shardings
+from jaxmp.train.step import make_train_step
 
 
 def mesh_of(n):
@@ -49,7 +47,7 @@ def test_bad_settings_name_the_value_and_what_is_allowed(kwargs, match):
 def test_bad_precision_keys_fail_config_validation():
     config = small_config()
     config.precision.grad_reduce_dtype = "float64"
-    with pytest.raises(ValueError, match="grad_reduce_dtype 'float64'"):
+    with pytest.raises(ValueError, match="precision: unknown grad_reduce_dtype 'float64'"):
         validate_config(config, 8)
 
 
@@ -254,10 +252,10 @@ def toy_setup(mesh, loss_scale=None, grad_accum_steps=1, **comm_kwargs):
     return step, jax.device_put(state, state_sh), lambda b: jax.device_put(b, batch_sh)
 
 
-def test_explicit_reduction_needs_a_mesh_and_topk_needs_a_residual():
-    with pytest.raises(ValueError, match="mesh"):
-        make_train_step(None, optax.sgd(0.1), lr_schedule=optax.constant_schedule(0.1),
-                        grad_reduce_dtype="bfloat16")
+def test_the_step_needs_a_data_mesh_and_topk_needs_a_residual():
+    for mesh in (None, Mesh(np.asarray(jax.devices()[:2]), ("model",))):
+        with pytest.raises(ValueError, match="mesh= a jax.sharding.Mesh with a 'data' axis"):
+            make_train_step(None, optax.sgd(0.1), mesh=mesh, lr_schedule=optax.constant_schedule(0.1))
     model = ToyLM(nnx.Rngs(0))
     graphdef, state = create_train_state(model, optax.sgd(0.1), NoOpLossScale(), 0)  # no comm_state
     step = make_train_step(graphdef, optax.sgd(0.1), lr_schedule=optax.constant_schedule(0.1),
@@ -365,24 +363,16 @@ def collectives(hlo: str):
 
 
 def moe_run(mode):
-    """Compiles the small MoE model's step and trains it for 25 steps on 8 devices."""
+    """Compiles the small MoE model's step (the trainer's, from its Experiment) and trains
+    it for 25 steps on 8 devices."""
     config = small_config()
     config.precision.update(MODES[mode])
-    mesh = sharding.make_mesh(8)
-    _, _, graphdef, state, optimizer, lr_schedule, _ = build(config, 8)
-    rules = sharding.DATA_PARALLEL_RULES
-    state_sh = train_state_shardings(state, mesh, rules)
-    batch_sh = sharding.batch_sharding(mesh, rules)
-    step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
-                                   bias_update_rate=config.model.bias_update_rate, mesh=mesh,
-                                   **comm_settings(config)),
-                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
-    data = create_pipeline(config.data, global_batch_size=config.train.batch_size, seed=0)
-    batches = [jax.device_put(next(data.train_iter), batch_sh) for _ in range(STEPS)]
-    state = jax.device_put(state, state_sh)
-    lowered = step.lower(state, batches[0])
+    exp = Experiment.create(config, num_devices=8)
+    batches = [exp.batch_to_device(next(exp.data.train_iter)) for _ in range(STEPS)]
+    state = exp.init_state()
+    lowered = exp.train_step.lower(state, batches[0])
     compiled = lowered.compile()
-    run = dict(mode=mode, config=config, initial=state,
+    run = dict(mode=mode, config=exp.config, experiment=exp, initial=jax.device_get(state),
                hlo=lowered.compiler_ir("hlo").as_hlo_text(), compiled_hlo=compiled.as_text(), losses=[])
     for batch in batches:
         state, metrics = compiled(state, batch)
@@ -449,10 +439,10 @@ def test_training_with_16bit_or_topk_communication_lowers_the_loss(request, run)
 def test_checkpoint_round_trip_restores_the_residual_exactly(topk_run, tmp_path):
     state = topk_run["state"]
     config_dict = config_to_dict(topk_run["config"])
-    ckpt = Checkpointer(tmp_path)
-    ckpt.save(STEPS, state, {"position": 7}, config_dict)
-    ckpt.close()
-    step, restored, data_state = Checkpointer(tmp_path).restore(topk_run["initial"], config_dict)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(STEPS, state, {"position": 7}, config_dict)
+    with Checkpointer(tmp_path) as ckpt:
+        step, restored, data_state = ckpt.restore(topk_run["experiment"].abstract_state, config_dict)
     assert step == STEPS and data_state == {"position": 7}
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
@@ -468,10 +458,9 @@ def test_trainer_passes_the_settings_through_and_checkpoints_the_residual(tmp_pa
     config.precision.update(MODES["topk"])
     summary = train_and_evaluate(config, str(tmp_path))
     assert summary["step"] == 2 and summary["skipped_steps"] == 0
-    mesh = sharding.make_mesh(8)
-    template = build(config, 8)[3]
-    template = jax.device_put(template, train_state_shardings(template, mesh, sharding.DATA_PARALLEL_RULES))
-    _, restored, _ = Checkpointer(tmp_path).restore(template, config_to_dict(config))
+    exp = Experiment.create(config, num_devices=8)
+    with Checkpointer(tmp_path) as ckpt:
+        _, restored, _ = ckpt.restore(exp.abstract_state, config_to_dict(exp.config))
     residual = jax.tree.leaves(restored.comm_state)
     params = jax.tree.leaves(restored.params)
     assert [r.shape for r in residual] == [(8,) + p.shape for p in params]

@@ -1,4 +1,4 @@
-"""Cost model, the seed's recomputed tables and the report CLI, against hand arithmetic."""
+"""Cost model, the article's recomputed tables and the report CLI, against hand arithmetic."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxmp import cost, report, seed
+from jaxmp.analysis import article, cost, report
 
 # DeepSeek-V3: 6 x 37e9 x 14.8e12, and the causal-attention term 6 x 61 x 4096 x 7168 per token.
 DSV3_6ND = 3.2856e24
@@ -131,18 +131,18 @@ def test_implied_mfu_errors():
         cost.implied_mfu(1e24, 1e6, hardware="A100", dtype="fp8")
 
 
-# ---------------------------------------------------------------- the seed's tables
+# ---------------------------------------------------------------- the article's tables
 
 
 def _by_item(rows):
     return {r.item: r for r in rows}
 
 
-def test_seed_memory_rows_by_hand():
-    rows = seed.memory_table()
+def test_article_memory_rows_by_hand():
+    rows = article.memory_table()
     m = _by_item(rows)
     fp32 = m["FP32 parameters"]
-    assert fp32.bytes == 268e9 and fp32.seed == "2.68 TB" and fp32.status == "WRONG"
+    assert fp32.bytes == 268e9 and fp32.article == "2.68 TB" and fp32.status == "WRONG"
     both = m["FP16 + FP32 parameter copies"]
     assert both.bytes == pytest.approx(134e9 + 268e9) and both.status == "WRONG"
     assert both.fraction == pytest.approx(1.5)
@@ -155,25 +155,25 @@ def test_seed_memory_rows_by_hand():
     assert dsv3.bytes == pytest.approx(804e9) and dsv3.fraction == pytest.approx(0.75)
     assert dsv3.status == "WRONG"
     assert [r.status for r in rows] == ["WRONG", "WRONG", "REF", "WRONG", "WRONG", "REF"]
-    # Only the figures the seed prints are quoted.
-    assert {r.seed for r in rows} == {"2.68 TB", "132+132 GB", "40-60% less memory", None}
+    # Only the figures the article prints are quoted.
+    assert {r.article for r in rows} == {"2.68 TB", "132+132 GB", "40-60% less memory", None}
 
 
-def test_seed_communication_rows_by_hand():
-    rows = seed.communication_table(8)
+def test_article_communication_rows_by_hand():
+    rows = article.communication_table(8)
     ring = 2 * 7 / 8
     assert [r.bytes for r in rows[:4]] == pytest.approx(
         [ring * 4 * 67e9, ring * 2 * 67e9, ring * 1.8 * 67e9, ring * 2.4 * 67e9])
     assert rows[4].bytes == pytest.approx(7 * 1.8 * 67e9)
     assert [r.fraction for r in rows] == pytest.approx([1.0, 0.5, 0.9, 0.6, 12.6 / 3.5])
     assert [r.status for r in rows] == ["REF", "OK", "WRONG", "WRONG", "WRONG"]
-    assert {r.seed for r in rows} == {None, "halves communication", "cuts it to 30%"}
+    assert {r.article for r in rows} == {None, "halves communication", "cuts it to 30%"}
 
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 100_000))
 def test_ring_allreduce_factor(n):
-    f = seed.ring_allreduce_factor(n)
+    f = article.ring_allreduce_factor(n)
     assert f == pytest.approx(2.0 * (n - 1) / n, rel=1e-15)
     assert 0.0 <= f < 2.0
 
@@ -181,7 +181,7 @@ def test_ring_allreduce_factor(n):
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(2, 4096))
 def test_sparse_allgather_beats_dense_fp32_only_below_five_devices(n):
-    rows = seed.communication_table(n)
+    rows = article.communication_table(n)
     dense32, gather = rows[0].bytes, rows[-1].bytes
     # (N-1) x 1.8 < 2 (N-1)/N x 4  <=>  N < 8 / 1.8 = 4.44.
     assert (gather < dense32) == (n <= 4)
@@ -190,7 +190,7 @@ def test_sparse_allgather_beats_dense_fp32_only_below_five_devices(n):
 @pytest.mark.parametrize("bad", [0, 1, -3, 2.0, True])
 def test_communication_table_rejects_bad_device_count(bad):
     with pytest.raises(ValueError, match="num_devices must be an int >= 2"):
-        seed.communication_table(bad)
+        article.communication_table(bad)
 
 
 # ---------------------------------------------------------------- CLI
@@ -201,21 +201,21 @@ def _run(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_cli_seed_json(tmp_path):
-    out = tmp_path / "seed.json"
-    proc = _run("--seed", "--json", str(out))
+def test_cli_article_json(tmp_path):
+    out = tmp_path / "article.json"
+    proc = _run("--article", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "2.68 TB" in proc.stdout and "WRONG" in proc.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"seed"}
-    s = data["seed"]
+    assert set(data) == {"article"}
+    s = data["article"]
     assert s["num_params"] == 67e9 and s["num_devices"] == 8
     assert s["memory"][0]["bytes"] == 67e9 * 4
     assert s["memory"][0]["status"] == "WRONG"
     assert s["communication"][1]["status"] == "OK"
     assert s["communication"][0]["bytes"] == pytest.approx(1.75 * 4 * 67e9)
     assert set(s["memory"][0]) == {"item", "formula", "bytes_per_param", "bytes", "fraction",
-                                   "baseline", "seed", "status", "reason"}
+                                   "baseline", "article", "status", "reason"}
 
 
 def test_cli_cost_json(tmp_path):
@@ -252,8 +252,8 @@ def test_cli_cost_overrides_in_process(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--cost", "--hardware", "A100", "--dtype", "fp8"], "A100 has no fp8 mode"),
     (["--cost", "--mfu", "2"], "mfu must be in (0, 1]"),
-    (["--seed", "--devices", "1"], "num_devices must be an int >= 2"),
-    ([], "choose a report: --seed and/or --cost"),
+    (["--article", "--devices", "1"], "num_devices must be an int >= 2"),
+    ([], "choose a report: --article and/or --cost"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

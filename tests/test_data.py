@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jaxmp import data
+from jaxmp.train import data
 
 EOS = 256
 

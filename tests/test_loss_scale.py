@@ -643,6 +643,57 @@ def test_parity_with_jmp(seq, init, period, factor):
     np.testing.assert_array_equal(np.asarray(counters)[:n], np.asarray(ref_counters)[:n])
 
 
+@HYP
+@given(verdict_sequences(),
+       st.sampled_from([1.0, 3.0, 2.0**15, 2.0**126]),
+       st.integers(0, 6),
+       st.sampled_from([1, 2, 7]),
+       st.sampled_from([2, 4]),
+       st.sampled_from([1.0, 2.0**-5]))
+def test_a_converted_jmp_scale_behaves_as_jmp_itself(seq, init, counter, period, factor, lo):
+    """as_loss_scale(jmp.DynamicLossScale) keeps every field (counter, period, factor and
+    min included) and then adjusts exactly as jmp does, verdict by verdict."""
+    counter = counter % period
+    ref = jmp.DynamicLossScale(loss_scale=jnp.float32(init), counter=jnp.int32(counter),
+                               period=period, factor=factor, min_loss_scale=jnp.float32(lo))
+    ours = jaxmp.as_loss_scale(ref)  # outside jit: jmp's own pytree would drop min_loss_scale
+    assert isinstance(ours, DynamicLossScale)
+    assert (float(ours.loss_scale), int(ours.counter), int(ours.growth_interval)) == (init, counter, period)
+    assert (float(ours.growth_factor), float(ours.backoff_factor), float(ours.min_loss_scale)) == (
+        factor, 1.0 / factor, lo)
+    assert int(ours.hysteresis) == 1 and ours.loss_scale.dtype == jnp.float32
+    v = _pad(seq)
+    scales, counters, _ = _run_ours(ours, v)
+    ref_scales, ref_counters = [], []
+    for verdict in v[:len(seq)]:  # jmp's adjust, eagerly: its min_loss_scale stays
+        ref = ref.adjust(verdict)
+        ref_scales.append(float(ref.loss_scale))
+        ref_counters.append(int(ref.counter))
+    n = len(seq)
+    np.testing.assert_array_equal(np.asarray(scales)[:n], np.asarray(ref_scales, np.float32))
+    np.testing.assert_array_equal(np.asarray(counters)[:n], np.asarray(ref_counters))
+
+
+def test_jmp_static_and_noop_scales_convert_and_are_taken_wherever_a_scale_is():
+    static = jaxmp.as_loss_scale(jmp.StaticLossScale(jnp.float16(1024.0)))
+    assert isinstance(static, StaticLossScale) and static.loss_scale.dtype == jnp.float32
+    assert float(static.loss_scale) == 1024.0
+    assert isinstance(jaxmp.as_loss_scale(jmp.NoOpLossScale()), NoOpLossScale)
+    assert isinstance(jaxmp.get_loss_scale(jmp.DynamicLossScale(jnp.float32(8.0))), DynamicLossScale)
+    # The optimizer step takes jmp's scale and hands back the jaxmp equivalent, adjusted.
+    import optax
+    params = {"w": jnp.ones((2,), jnp.float32)}
+    opt = optax.sgd(0.5)
+    out = jaxmp.optim.apply_gradients(opt, {"w": jnp.array([8.0, jnp.inf])}, opt.init(params), params,
+                                      jmp.DynamicLossScale(jnp.float32(8.0), period=3, factor=2))
+    assert isinstance(out.loss_scale, DynamicLossScale) and float(out.loss_scale.loss_scale) == 4.0
+    np.testing.assert_array_equal(out.params["w"], [1.0, 1.0])  # skipped: the inf gradient
+    with pytest.raises(ValueError, match="must be a loss scale: jaxmp's NoOpLossScale.*got builtins.float"):
+        jaxmp.as_loss_scale(2.0)
+    with pytest.raises(ValueError, match="loss_scale=0.0 is not allowed"):  # jmp allows 0; jaxmp refuses
+        jaxmp.as_loss_scale(jmp.DynamicLossScale(jnp.float32(0.0)))
+
+
 def _megatron_reference(seq, scale, counter, hyst_left, interval, growth, backoff, hysteresis, lo, hi):
     """Megatron-LM DynamicGradScaler.update in plain floats, plus min/max bounds.
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from jaxmp.models import (MoE, ModelConfig, MoETransformer, Router, RouterBias, apply_rope,
                           count_params, generate, update_router_bias)
-from jaxmp import accounting, ops
-from jaxmp.policy import get_policy_rules
+from jaxmp import ops
+from jaxmp.analysis import accounting
+from jaxmp.precision.policy import get_policy_rules
 
 SEED_RULES = "mixed_fp16; router: fp32; experts: p=f32,c=f16,o=f32"
 

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from jaxmp import accounting, ops
+from jaxmp import ops
+from jaxmp.analysis import accounting
 
 LOW = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Relative error of one rounding to each dtype (2**-mantissa bits), with a 2x margin.

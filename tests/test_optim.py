@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxmp
 from jaxmp import optim
-from jaxmp.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxmp.policy import canonical_dtype
+from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxmp.precision.policy import canonical_dtype
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxmp
-from jaxmp.policy import canonical_dtype
+from jaxmp.precision.policy import canonical_dtype
 
 F32, BF16, F16 = jnp.dtype("float32"), jnp.dtype("bfloat16"), jnp.dtype("float16")
 DTYPES = (F32, BF16, F16)

@@ -1,5 +1,5 @@
-"""The trainer end to end on 8 CPU devices: training, resume, device-count invariance,
-skipped steps, configs, the command line, and bad input."""
+"""The trainer end to end on 8 CPU devices: one gradient path from one Experiment, resume,
+device-count invariance, skipped steps, configs, the command line, and bad input."""
 import json
 import os
 import pathlib
@@ -8,24 +8,33 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
-from flax import nnx
 
 from _configs import ROOT, load_config, small_config
-from jaxmp import sharding
-from jaxmp.checkpoint import CheckpointError
-from jaxmp.data import create_pipeline
-from jaxmp.loss_scale import get_loss_scale
-from jaxmp.models import MoETransformer, ModelConfig
-from jaxmp.policy import get_policy_rules
-from jaxmp.train_step import (create_train_state, make_lr_schedule, make_optimizer, make_train_step,
-                              split_model)
-from jaxmp.trainer import build, train_and_evaluate
+from jaxmp.train import CheckpointError, Experiment, TrainingStalled, train_and_evaluate
+from jaxmp.train.data import create_pipeline
+from jaxmp.train.metrics import read_metrics as _read_metrics
+
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
+from benchmarks import _common as bench_common  # noqa: E402
+
 
 def read_metrics(workdir, split="train"):
-    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["split"] == split]
+    return _read_metrics(pathlib.Path(workdir) / "metrics.jsonl", split)
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+
+
+def assert_bitwise_equal(tree_a, tree_b):
+    a, b = jax.tree.leaves(tree_a), jax.tree.leaves(tree_b)
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(bits(x), bits(y))
 
 
 @pytest.mark.slow
@@ -45,7 +54,8 @@ def test_resumed_run_matches_uninterrupted_run_loss_by_loss(tmp_path):
     first, last = a[0]["loss"], np.mean([r["loss"] for r in a[-5:]])
     assert last < 0.9 * first
     for key in ("step", "split", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
-                "tokens_per_s", "expert_load_max", "expert_load_cv", "dropped_fraction"):
+                "consecutive_skips", "tokens_per_s", "expert_load_max", "expert_load_cv",
+                "dropped_fraction"):
         assert key in a[-1], key
     assert read_metrics(straight, "eval")[-1]["step"] == 40
     assert list((straight / "tensorboard").iterdir())
@@ -64,30 +74,20 @@ def test_tiny_moe_config_loss_falls_over_40_steps(tmp_path):
     assert np.mean(losses[-5:]) < 0.85 * losses[0], losses
 
 
-def _steps_on_mesh(config, num_devices, batches, explicit=True):
-    """Runs the train step on a mesh: with the mesh passed in (per-device shard_map and an
-    explicit all-reduce, as the trainer does) or left to XLA's automatic partitioning."""
-    mesh = sharding.make_mesh(num_devices)
-    _, _, graphdef, state, optimizer, lr_schedule, _ = build(config)
-    rules = sharding.DATA_PARALLEL_RULES
-    state_sh = sharding.state_shardings(state, mesh, rules)
-    batch_sh = sharding.batch_sharding(mesh, rules)
-    step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=lr_schedule,
-                                   bias_update_rate=config.model.bias_update_rate,
-                                   grad_accum_steps=config.train.grad_accum_steps,
-                                   mesh=mesh if explicit else None),
-                   in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
-    state = jax.device_put(state, state_sh)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, jax.device_put(batch, batch_sh))
-        losses.append(float(metrics["loss"]))
-    return losses, state
-
-
 def _batches(config, n):
     data = create_pipeline(config.data, global_batch_size=config.train.batch_size, seed=0)
     return [next(data.train_iter) for _ in range(n)]
+
+
+def _run(config, num_devices, batches):
+    """The trainer's own step (its Experiment) on a mesh of ``num_devices``."""
+    exp = Experiment.create(config, num_devices=num_devices)
+    state = exp.init_state()
+    losses = []
+    for batch in batches:
+        state, metrics = exp.train_step(state, exp.batch_to_device(batch))
+        losses.append(float(metrics["loss"]))
+    return losses, state
 
 
 def _assert_same_params(state_a, state_b):
@@ -95,13 +95,12 @@ def _assert_same_params(state_a, state_b):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit_reduce", "xla_auto"])
-def test_one_device_and_eight_devices_give_the_same_losses(explicit):
+def test_one_device_and_eight_devices_give_the_same_losses():
     config = small_config()
     config.precision.policy = "fp32"
     batches = _batches(config, 3)
-    one, state1 = _steps_on_mesh(config, 1, batches, explicit)
-    eight, state8 = _steps_on_mesh(config, 8, batches, explicit)
+    one, state1 = _run(config, 1, batches)
+    eight, state8 = _run(config, 8, batches)
     np.testing.assert_allclose(eight, one, rtol=2e-5)
     _assert_same_params(state1, state8)
 
@@ -111,94 +110,114 @@ def test_gradient_accumulation_matches_the_full_batch():
     config = small_config()
     config.precision.policy = "fp32"
     batches = _batches(config, 2)
-    full, state_full = _steps_on_mesh(config, 8, batches)
+    full, state_full = _run(config, 8, batches)
     config.train.grad_accum_steps = 2
-    config.train.batch_size = 16
-    accum, state_accum = _steps_on_mesh(config, 8, batches)
+    accum, state_accum = _run(config, 8, batches)
     # The first loss is the same forward pass; the second follows one identical update.
     np.testing.assert_allclose(accum, full, rtol=1e-5)
     _assert_same_params(state_full, state_accum)
 
 
-def test_overflowing_step_never_reaches_params_optimizer_state_or_router_biases():
-    """float16 compute with a loss scale of 2**40: every scaled gradient is inf."""
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_overflowing_step_is_bitwise_a_no_op_on_the_trainers_path(num_devices):
+    """float16 compute with a loss scale of 2**40: every scaled gradient is inf. The
+    trainer's own compiled step, on a 1- and an 8-device mesh."""
     config = small_config()
     config.precision.policy = "mixed_fp16"
     config.precision.loss_scale = "dynamic:init=2**40,growth_interval=100"
-    batches = _batches(config, 1)
-    _, _, graphdef, state0, optimizer, lr_schedule, _ = build(config)
-    step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=lr_schedule, bias_update_rate=0.5))
-    state1, metrics = step(state0, batches[0])
-    assert not bool(metrics["grads_finite"])
-    assert int(state1.skipped_steps) == 1 and int(state1.step) == 1
-    assert float(state1.loss_scale.loss_scale) == 2.0 ** 39
+    config.model.bias_update_rate = 0.5
+    exp = Experiment.create(config, num_devices=num_devices)
+    state0 = exp.init_state()
+    before = jax.device_get(state0)  # the step donates state0
+    state1, metrics = exp.train_step(state0, exp.batch_to_device(_batches(config, 1)[0]))
+    after = jax.device_get(state1)
+    assert not bool(metrics["grads_finite"]) and not bool(metrics["applied"])
+    assert int(after.skipped_steps) == 1 and int(after.consecutive_skips) == 1 and int(after.step) == 1
+    assert float(after.loss_scale.loss_scale) == 2.0 ** 39
     for name in ("params", "opt_state", "biases"):
-        before, after = jax.tree.leaves(getattr(state0, name)), jax.tree.leaves(getattr(state1, name))
-        assert len(before) == len(after) > 0
-        for x, y in zip(before, after):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert_bitwise_equal(getattr(before, name), getattr(after, name))
+
+
+def test_consecutive_skips_count_up_and_reset_exactly():
+    """Steps 1-2 overflow (scale 2**40, then 2**39), step 3 with the scale backed off far
+    enough is applied: the counter reads 1, 2, 0."""
+    config = small_config()
+    config.precision.policy = "mixed_fp16"
+    config.precision.loss_scale = "dynamic:init=2**40,backoff_factor=2**-30,min=1"
+    exp = Experiment.create(config, num_devices=8)
+    state = exp.init_state()
+    seen = []
+    for batch in _batches(config, 3):
+        state, metrics = exp.train_step(state, exp.batch_to_device(batch))
+        seen.append((bool(metrics["applied"]), int(metrics["consecutive_skips"]),
+                     int(metrics["skipped_steps"])))
+    # 2**40 -> 2**10 after one backoff of 2**-30: finite from the second step on.
+    assert seen == [(False, 1, 1), (True, 0, 1), (True, 0, 1)]
 
 
 def test_router_biases_move_toward_balance_on_a_finite_step():
     config = small_config()
-    batches = _batches(config, 1)
-    _, _, graphdef, state0, optimizer, lr_schedule, _ = build(config)
     gamma = 0.5
-    step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=lr_schedule, bias_update_rate=gamma))
-    state1, metrics = step(state0, batches[0])
+    config.model.bias_update_rate = gamma
+    exp = Experiment.create(config, num_devices=8)
+    state1, metrics = exp.train_step(exp.init_state(), exp.batch_to_device(_batches(config, 1)[0]))
     counts = np.asarray(metrics["expert_counts"], np.float64)
     (bias,) = [np.asarray(b) for b in jax.tree.leaves(state1.biases)]  # one MoE layer
     expected = gamma * np.sign(counts[0].mean() - counts[0])  # biases start at zero
     np.testing.assert_array_equal(bias, expected.astype(np.float32))
 
 
+def test_benchmarks_and_the_trainer_compile_the_same_step():
+    """benchmarks/_common.experiment is the trainer's Experiment on one device: the same
+    jitted function lowers to the same program for the same config."""
+    config = small_config()
+    trainer_exp = Experiment.create(config, num_devices=1)
+    bench_exp = bench_common.experiment(config)
+    assert type(bench_exp) is Experiment
+    a = trainer_exp.train_step.lower(trainer_exp.abstract_state, trainer_exp.abstract_batch()).as_text()
+    b = bench_exp.train_step.lower(bench_exp.abstract_state, bench_exp.abstract_batch()).as_text()
+    assert a == b
+    assert "stablehlo.all_reduce" in a  # the explicit gradient reduction of the one path
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
 def test_every_config_builds_and_traces_under_eval_shape(name):
     config = load_config(name)
-    model_config = ModelConfig.from_config(config.model)
-    rules = get_policy_rules(config.precision.policy)
-    optimizer = make_optimizer(config.optim, config.train.steps)
-
-    def init():
-        model = MoETransformer(model_config, rules, rngs=nnx.Rngs(0))
-        return create_train_state(model, optimizer, get_loss_scale(config.precision.loss_scale), 0)[1]
-
-    abstract = jax.eval_shape(init)
-    params = jax.tree.leaves(abstract.params)
+    exp = Experiment.create(config, num_devices=8)
+    params = jax.tree.leaves(exp.abstract_state.params)
     assert all(p.dtype == jnp.float32 for p in params)  # float32 master weights
     # Trace one full train step on the config's own batch shape, without running it.
-    graphdef = split_model(nnx.eval_shape(lambda: MoETransformer(model_config, rules, rngs=nnx.Rngs(0))))[0]
-    step = make_train_step(graphdef, optimizer,
-                           lr_schedule=make_lr_schedule(config.optim, config.train.steps),
-                           bias_update_rate=model_config.bias_update_rate)
-    batch = {k: jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len), jnp.int32)
-             for k in ("inputs", "targets")}
-    new_state, metrics = jax.eval_shape(step, abstract, batch)
+    new_state, metrics = jax.eval_shape(exp.train_step, exp.abstract_state, exp.abstract_batch())
     assert metrics["loss"].dtype == jnp.float32
-    assert jax.tree.structure(new_state) == jax.tree.structure(abstract)
+    assert jax.tree.structure(new_state) == jax.tree.structure(exp.abstract_state)
 
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(train=dict(batch_size=12)), r"12 sequences.*not divisible by the 8 devices"),
     (dict(train=dict(grad_accum_steps=3)), r"batch_size=16 is not divisible by train.grad_accum_steps=3"),
+    (dict(train=dict(batch_size=1e8)), r"train.batch_size=100000000.0 is not allowed; it must be an integer"),
     (dict(model=dict(num_heads=3)), r"num_heads=3"),
     (dict(model=dict(top_k=5)), r"top_k=5"),
+    (dict(model=dict(aux_loss_weight=float("inf"))), r"model.aux_loss_weight=inf .*finite"),
+    (dict(model=dict(rope_theta=float("inf"))), r"model.rope_theta=inf .*finite"),
     (dict(precision=dict(policy="mixed_bf16; router: p=f32,c=fp17")), r"fp17"),
     (dict(precision=dict(loss_scale="dynamic:growth=2")), r"growth"),
     (dict(data=dict(path="/nonexistent/dir/*.txt")), r"/nonexistent/dir/\*\.txt"),
     (dict(data=dict(seq_len=64)), r"seq_len=64 exceeds model.max_len=32"),
-    (dict(train=dict(steps=0)), r"train.steps must be >= 1"),
+    (dict(data=dict(text_field="")), r"data.text_field='' is not allowed"),
+    (dict(train=dict(steps=0)), r"train.steps=0 is not allowed"),
+    (dict(train=dict(stesp=10)), r"unknown config key 'train.stesp' in the config; did you mean 'train.steps'"),
     (dict(optim=dict(learning_rate=-1.0)), r"optim.learning_rate=-1.0"),
     (dict(optim=dict(warmup_steps=-3)), r"optim.warmup_steps=-3"),
     (dict(optim=dict(mu_dtype="bfloat17")), r"optim.mu_dtype.*bfloat17"),
     (dict(model=dict(vocab_size=200)), r"vocab_size=200 is smaller"),
 ])
 def test_bad_input_is_a_clear_error_before_training(tmp_path, overrides, match):
-    config = small_config()
+    config = small_config().to_dict()  # a plain dict takes any type, as a config file may
     for section, values in overrides.items():
         config[section].update(values)
     with pytest.raises(ValueError, match=match):
-        train_and_evaluate(config, str(tmp_path))
+        train_and_evaluate(ml_collections.ConfigDict(config), str(tmp_path))
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -227,37 +246,68 @@ def test_corrupt_or_incompatible_checkpoint_is_an_error_not_a_fresh_start(tmp_pa
     assert read_metrics(tmp_path)[-1]["step"] == 2  # nothing was trained past the checkpoint
 
 
+ENV = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # the 8-device XLA_FLAGS are inherited
+CLI = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
+       "--config.model.num_layers=1", "--config.model.first_dense_layers=0",
+       "--config.data.max_tokens=50000", "--config.data.num_eval_batches=1",
+       "--config.train.log_every=1", "--config.train.sample_tokens=2"]
+
+
 def test_command_line_trains_and_resumes(tmp_path):
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
-           "--workdir", str(tmp_path), "--config.model.num_layers=1", "--config.model.first_dense_layers=0",
-           "--config.data.max_tokens=50000", "--config.data.num_eval_batches=1",
-           "--config.train.log_every=1", "--config.train.sample_tokens=2"]
-    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # the 8-device XLA_FLAGS are inherited
-    first = subprocess.run(cmd + ["--config.train.steps=2"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    cmd = CLI + ["--workdir", str(tmp_path)]
+    first = subprocess.run(cmd + ["--config.train.steps=2"], capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "parameters" in first.stdout and "policy" in first.stdout and "loss scale" in first.stdout
-    again = subprocess.run(cmd + ["--config.train.steps=3"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    again = subprocess.run(cmd + ["--config.train.steps=3"], capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed" in again.stdout and "at step 2" in again.stdout
+    # The banner comes first, then where the run resumed from.
+    assert again.stdout.index("jaxmp trainer") < again.stdout.index("resumed from")
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     bad = subprocess.run(cmd + ["--config.precision.policy=mixed_fp17"], capture_output=True,
-                         text=True, cwd=tmp_path, env=env)
+                         text=True, cwd=tmp_path, env=ENV)
     assert bad.returncode != 0 and "mixed_fp17" in bad.stderr
+
+
+def test_a_config_key_typo_on_the_command_line_is_one_line_naming_the_closest_key(tmp_path):
+    proc = subprocess.run(CLI + ["--workdir", str(tmp_path), "--config.train.stesp=100"],
+                          capture_output=True, text=True, cwd=tmp_path, env=ENV)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["train.py: error: unknown config key 'train.stesp' on the command line; did "
+                     "you mean 'train.steps'? (the keys are listed in "
+                     "jaxmp.train.config.default_config)"], proc.stderr
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_a_run_whose_every_step_is_skipped_stops_with_a_clear_error(tmp_path):
     """Learning rate 1e30: the first update makes the weights huge (still finite), after
     which every gradient overflows; those steps are skipped and the trainer stops
     instead of idling."""
-    from jaxmp.trainer import TrainingStalled
     config = small_config(steps=20, max_consecutive_skips=3, checkpoint_every=1)
     config.optim.update(dict(learning_rate=1e30, warmup_steps=0, grad_clip=0.0))
     with pytest.raises(TrainingStalled, match="last 3 steps .* were all skipped"):
         train_and_evaluate(config, str(tmp_path))
     records = read_metrics(tmp_path)
     assert [r["skipped_steps"] for r in records[-3:]] == [1, 2, 3]
+    assert [r["consecutive_skips"] for r in records[-3:]] == [1, 2, 3]
     assert not any(r["applied"] for r in records[-3:])
     assert len(records) == 4 and records[0]["applied"]
+    # Strict JSON: the skipped steps' non-finite values are null, not NaN.
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    for line in text.splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_the_stall_guard_is_exact_at_a_longer_log_interval(tmp_path):
+    """Logging every 5 steps: the guard stops at the first check after 3 skips, and the
+    message gives the exact run of skipped steps (4 at step 5: steps 2-5)."""
+    config = small_config(steps=20, max_consecutive_skips=3, log_every=5)
+    config.optim.update(dict(learning_rate=1e30, warmup_steps=0, grad_clip=0.0))
+    with pytest.raises(TrainingStalled, match=r"the last 4 steps \(to step 5\) were all skipped.*"
+                                              r"not changed since step 1"):
+        train_and_evaluate(config, str(tmp_path))
 
 
 def test_fresh_run_does_not_append_to_an_old_runs_metrics(tmp_path):

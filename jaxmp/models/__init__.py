@@ -1,4 +1,14 @@
-"""Models: the DeepSeekMoE-style decoder-only Transformer with per-module precision."""
+"""Models: the DeepSeekMoE-style decoder-only Transformer with per-module precision.
+
+* :mod:`~jaxmp.models.layers`: parameters with logical axes, RMSNorm, embedding, head,
+  SwiGLU, RoPE;
+* :mod:`~jaxmp.models.attention`: causal self-attention;
+* :mod:`~jaxmp.models.moe`: router, routed and shared experts, auxiliary-loss-free biases;
+* :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer`;
+* :mod:`~jaxmp.models.sampling`: :func:`generate`.
+"""
+from jaxmp.models.attention import Attention
+from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU, apply_rope, make_param
 from jaxmp.models.moe import (
     MoE,
     MoEStats,
@@ -6,25 +16,15 @@ from jaxmp.models.moe import (
     Router,
     RouterBias,
     Routing,
-    SwiGLU,
     expert_capacity,
     update_router_bias,
 )
-from jaxmp.models.transformer import (
-    Attention,
-    Block,
-    Embed,
-    Head,
-    ModelConfig,
-    MoETransformer,
-    RMSNorm,
-    apply_rope,
-    count_params,
-    generate,
-)
+from jaxmp.models.sampling import generate
+from jaxmp.models.transformer import FLOAT32_ISLANDS, Block, ModelConfig, MoETransformer, count_params
 
 __all__ = [
     "ModelConfig", "MoETransformer", "RouterBias", "update_router_bias", "count_params",
-    "generate", "apply_rope", "MoE", "MoEStats", "Router", "Routing", "RoutedExperts",
-    "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head", "Block",
+    "generate", "apply_rope", "make_param", "MoE", "MoEStats", "Router", "Routing",
+    "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
+    "Block", "FLOAT32_ISLANDS",
 ]

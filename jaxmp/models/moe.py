@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward layer (DeepSeekMoE style) with per-module precision.
 
 One MoE layer (:class:`MoE`, attribute path ``.../moe``) holds three modules, each with
-the :class:`~jaxmp.policy.Policy` its own path resolves to:
+the :class:`~jaxmp.precision.policy.Policy` its own path resolves to:
 
 * ``.../moe/router`` (:class:`Router`): routing logits always come from
   :func:`jaxmp.ops.router_logits` (a float32 matmul island, float32 result); scores,
@@ -31,20 +31,19 @@ expert index), ``expert_mlp`` (routed-expert hidden width).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp import ops
-from jaxmp.policy import Policy, PolicyRules
+from jaxmp.models.layers import SwiGLU, make_param
+from jaxmp.precision import ops
+from jaxmp.precision.policy import Policy, PolicyRules
 
 __all__ = [
     "RouterBias",
     "update_router_bias",
-    "make_param",
-    "SwiGLU",
     "Routing",
     "Router",
     "RoutedExperts",
@@ -93,68 +92,6 @@ def update_router_bias(bias: jax.Array, expert_counts: jax.Array, rate: float) -
     counts = jnp.asarray(expert_counts, jnp.float32)
     step = jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
     return jnp.asarray(bias, jnp.float32) + jnp.asarray(rate, jnp.float32) * step
-
-
-def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]
-               ) -> nnx.Param:
-    """Creates an ``nnx.Param`` in ``dtype`` carrying logical axis names.
-
-    The names go into the variable's ``out_sharding`` metadata via
-    ``nnx.with_partitioning``; ``eager_sharding=False`` because the logical names only
-    become mesh axes in :mod:`jaxmp.sharding`, not at creation.
-
-    Args:
-      rngs: the NNX rng streams (``params`` is used).
-      init: a ``jax.nn.initializers`` initializer.
-      shape: the parameter shape.
-      dtype: the parameter dtype (the policy's ``param_dtype``).
-      axes: one logical axis name (or None) per dimension.
-    """
-    if len(axes) != len(shape):
-        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for a parameter of shape {tuple(shape)}")
-    initializer = nnx.with_partitioning(init, tuple(axes), eager_sharding=False)
-    return nnx.Param(initializer(rngs.params(), tuple(shape), dtype))
-
-
-def _swiglu(x, w_gate, w_up, w_down):
-    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd.
-
-    x in the compute dtype; the (master) weights are cast to it by ``ops.cast_matmul``.
-    """
-    h = jax.nn.silu(ops.cast_matmul(x, w_gate)) * ops.cast_matmul(x, w_up)
-    return ops.cast_matmul(h, w_down)
-
-
-class SwiGLU(nnx.Module):
-    """SwiGLU feed-forward network: the dense FFN and the shared experts.
-
-    Args:
-      d_model: input/output width.
-      d_hidden: hidden width.
-      path: the module's attribute path (its policy is ``rules.resolve(path)``).
-      rules: the per-module precision rules.
-      rngs: NNX rngs.
-      init_std: std of the input projections (normal init).
-      out_std: std of the output projection (scaled down for residual branches, GPT-2).
-
-    Parameters: ``w_gate``, ``w_up`` [d_model, d_hidden] (``embed``, ``mlp``), ``w_down``
-    [d_hidden, d_model] (``mlp``, ``embed``), in ``policy.param_dtype``.
-    """
-
-    def __init__(self, d_model: int, d_hidden: int, *, path: str, rules: PolicyRules,
-                 rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
-        self.path = path
-        self.policy: Policy = rules.resolve(path)
-        dt = self.policy.param_dtype
-        self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
-        self.w_up = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
-        self.w_down = make_param(rngs, nnx.initializers.normal(out_std), (d_hidden, d_model), dt, ("mlp", "embed"))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[..., d_model] -> [..., d_model] in ``policy.output_dtype``."""
-        p = self.policy
-        return p.cast_to_output(_swiglu(p.cast_to_compute(x), self.w_gate[...], self.w_up[...],
-                                        self.w_down[...]))
 
 
 class Routing(NamedTuple):

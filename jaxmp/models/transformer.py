@@ -7,7 +7,7 @@ untied output head; logits are returned in the head's compute dtype, for
     h = h + attn(attn_norm(h))      # causal multi-head attention with RoPE
     h = h + ffn(ffn_norm(h))        # SwiGLU for i < first_dense_layers, else MoE
 
-Module paths (what :class:`~jaxmp.policy.PolicyRules` patterns are matched against; each
+Module paths (what :class:`~jaxmp.precision.policy.PolicyRules` patterns are matched against; each
 is the module's attribute path in the model, ``/``-joined, and every module resolves its
 policy once, at construction)::
 
@@ -24,13 +24,13 @@ policy once, at construction)::
     head                               output projection
 
 Routers and norms compute in float32 by default (:data:`FLOAT32_ISLANDS`, appended after
-the user's rules by :func:`jaxmp.policy.with_float32_islands`): ``"mixed_bf16"`` alone
+the user's rules by :func:`jaxmp.precision.policy.with_float32_islands`): ``"mixed_bf16"`` alone
 already runs routers and all three kinds of norm in float32 with float32 parameters, and a
 user rule that matches them first (``"mixed_bf16; router: p=f32,c=bf16,o=f32"``) overrides
 that; and ``experts`` matches both routed and shared experts. Each module creates its
 parameters in ``policy.param_dtype``, casts parameters and inputs to
 ``policy.compute_dtype`` and returns ``policy.output_dtype`` (the head excepted, see
-:class:`Head`). The residual stream keeps the embedding's output dtype.
+:class:`~jaxmp.models.layers.Head`). The residual stream keeps the embedding's output dtype.
 
 Activation memory: weights are cast to the compute dtype inside
 :func:`jaxmp.ops.cast_matmul`, so the backward pass recasts the float32 masters instead
@@ -46,7 +46,6 @@ Activations ``[B, T, d_model]`` are annotated ``("batch", None, None)`` through
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Mapping, Optional
 
@@ -55,13 +54,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp import ops
-from jaxmp.models.moe import SCORE_FNS, MoE, SwiGLU, make_param
-from jaxmp.policy import Policy, PolicyRules, get_policy_rules, with_float32_islands
+from jaxmp.models.attention import Attention
+from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
+from jaxmp.models.moe import SCORE_FNS, MoE
+from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands
 from jaxmp.sharding import constrain
 
-__all__ = ["ModelConfig", "RMSNorm", "Embed", "Attention", "Head", "Block", "MoETransformer",
-           "apply_rope", "count_params", "generate"]
+__all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS"]
 
 # Module-path patterns that compute in float32 unless a user rule matches them first.
 FLOAT32_ISLANDS = ("router", "norm")
@@ -188,144 +187,6 @@ def _std(config: ModelConfig):
     return 0.02, 0.02 / math.sqrt(2 * config.num_layers)
 
 
-class RMSNorm(nnx.Module):
-    """RMSNorm (Zhang & Sennrich 2019) via ``ops.rms_norm`` (float32 statistics).
-
-    The result is computed in ``policy.compute_dtype`` from ``x`` rounded to it, or
-    from ``x`` itself when the compute dtype holds every value of ``x``'s dtype.
-    Parameter ``scale`` [dim] (``embed``), ones, in ``policy.param_dtype``.
-    """
-
-    def __init__(self, dim: int, eps: float, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
-        self.path = path
-        self.policy: Policy = rules.resolve(path)
-        self.eps = eps
-        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), self.policy.param_dtype, ("embed",))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[..., dim] -> [..., dim] in ``policy.output_dtype``."""
-        p = self.policy
-        x = jnp.asarray(x)
-        # ops.rms_norm computes in float32 whatever x's dtype, so a widening cast (a
-        # bfloat16 stream into a float32 norm) would change no value, only keep a wider
-        # copy of x for the backward pass. A narrowing one rounds x, as the policy says.
-        if jnp.promote_types(x.dtype, p.compute_dtype) != p.compute_dtype:
-            x = p.cast_to_compute(x)
-        y = ops.rms_norm(x, p.cast_to_compute(self.scale[...]), self.eps, dtype=p.compute_dtype)
-        return p.cast_to_output(y)
-
-
-class Embed(nnx.Module):
-    """Token embedding: table [vocab, d_model] (``vocab``, ``embed``).
-
-    The table is normal(0.02) (GPT-2) in ``policy.param_dtype``; looked-up rows are cast
-    to the compute, then the output dtype.
-    """
-
-    def __init__(self, vocab_size: int, d_model: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
-        self.path = path
-        self.policy: Policy = rules.resolve(path)
-        self.table = make_param(rngs, nnx.initializers.normal(0.02), (vocab_size, d_model),
-                                self.policy.param_dtype, ("vocab", "embed"))
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """int [B, T] -> [B, T, d_model] in ``policy.output_dtype``."""
-        return self.policy.cast_to_output(self.policy.cast_to_compute(jnp.take(self.table[...], tokens, axis=0)))
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary position embedding (Su et al. 2021, RoFormer, eq. 34), half-split layout.
-
-    Dimension ``i < h/2`` is paired with ``i + h/2`` (GPT-NeoX / LLaMA layout) and the
-    pair is rotated by ``position * theta ** (-2 i / h)`` radians. Angles and the
-    rotation are computed in float32; the result has ``x``'s dtype. The backward pass
-    (a rotation by the opposite angles) recomputes the float32 ``cos``/``sin`` tables
-    from ``positions`` (``jax.checkpoint``) instead of keeping them between the passes.
-
-    Args:
-      x: [..., T, H, h] queries or keys, h even.
-      positions: [T] integer positions.
-      theta: the base.
-
-    Returns:
-      Rotated ``x``, same shape and dtype.
-    """
-    return jax.checkpoint(functools.partial(_rope, theta=theta),
-                          policy=jax.checkpoint_policies.nothing_saveable)(x, positions)
-
-
-def _rope(x, positions, theta):
-    h = x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2.0 / h)
-    angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, h/2]
-    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]   # broadcast over heads
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
-
-
-class Attention(nnx.Module):
-    """Causal multi-head self-attention with RoPE; softmax in a float32 island.
-
-    Scores ``q k^T / sqrt(head_dim)`` are accumulated in float32 and normalized by
-    ``ops.masked_softmax`` with ``ops.causal_mask``; the probabilities go back to the
-    compute dtype for the product with ``v``.
-
-    Parameters: ``wq``, ``wk``, ``wv`` [d_model, H, head_dim] (``embed``, ``heads``,
-    ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``, ``head_dim``, ``embed``).
-    """
-
-    def __init__(self, config: ModelConfig, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
-        self.path = path
-        self.policy: Policy = rules.resolve(path)
-        self.rope_theta = config.rope_theta
-        std, out_std = _std(config)
-        d, h, k = config.d_model, config.num_heads, config.head_dim
-        dt = self.policy.param_dtype
-        for name in ("wq", "wk", "wv"):
-            setattr(self, name, make_param(rngs, nnx.initializers.normal(std), (d, h, k), dt,
-                                           ("embed", "heads", "head_dim")))
-        self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt, ("heads", "head_dim", "embed"))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``."""
-        p = self.policy
-        x = p.cast_to_compute(x)
-        t = x.shape[1]
-        positions = jnp.arange(t)
-        # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for backward).
-        q = apply_rope(ops.cast_matmul(x, self.wq[...], "btd,dhk->bthk"), positions, self.rope_theta)
-        k = apply_rope(ops.cast_matmul(x, self.wk[...], "btd,dhk->bthk"), positions, self.rope_theta)
-        v = ops.cast_matmul(x, self.wv[...], "btd,dhk->bthk")
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1])
-        probs = ops.masked_softmax(scores, ops.causal_mask(t), axis=-1, dtype=p.compute_dtype)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return p.cast_to_output(ops.cast_matmul(out, self.wo[...], "bthk,hkd->btd"))
-
-
-class Head(nnx.Module):
-    """Untied output projection: kernel [d_model, vocab] (``embed``, ``vocab``).
-
-    Returns the logits in ``policy.compute_dtype``; ``policy.output_dtype`` is not used
-    (as for the router). The loss, :func:`jaxmp.ops.cross_entropy`, upcasts them to
-    float32 inside its island, so the values and gradients are those of a float32 cast
-    here, but the ``[B, T, vocab]`` array kept for the backward pass is not a float32
-    copy.
-    """
-
-    def __init__(self, d_model: int, vocab_size: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
-        self.path = path
-        self.policy: Policy = rules.resolve(path)
-        self.kernel = make_param(rngs, nnx.initializers.normal(0.02), (d_model, vocab_size),
-                                 self.policy.param_dtype, ("embed", "vocab"))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[..., d_model] -> [..., vocab] in ``policy.compute_dtype``."""
-        p = self.policy
-        return ops.cast_matmul(p.cast_to_compute(x), self.kernel[...])
-
-
 class Block(nnx.Module):
     """Pre-norm block: attention and a dense (``mlp``) or MoE (``moe``) FFN, each residual.
 
@@ -336,7 +197,8 @@ class Block(nnx.Module):
         path = f"blocks/{index}"
         std, out_std = _std(config)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/attn_norm", rules=rules, rngs=rngs)
-        self.attn = Attention(config, path=f"{path}/attn", rules=rules, rngs=rngs)
+        self.attn = Attention(config.d_model, config.num_heads, config.rope_theta, path=f"{path}/attn",
+                              rules=rules, rngs=rngs, init_std=std, out_std=out_std)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm", rules=rules, rngs=rngs)
         if config.is_moe_layer(index):
             self.moe = MoE(config.d_model, config.num_experts, config.num_shared_experts, config.top_k,
@@ -361,8 +223,8 @@ class MoETransformer(nnx.Module):
 
     Args:
       config: the :class:`ModelConfig`.
-      rules: per-module precision (a :class:`~jaxmp.policy.PolicyRules` or anything
-        :func:`~jaxmp.policy.get_policy_rules` parses, e.g. ``"mixed_bf16; router: fp32"``).
+      rules: per-module precision (a :class:`~jaxmp.precision.policy.PolicyRules` or anything
+        :func:`~jaxmp.precision.policy.get_policy_rules` parses, e.g. ``"mixed_bf16; router: fp32"``).
       rngs: NNX rngs (stream ``params``).
     """
 
@@ -445,63 +307,3 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
     return total, total - inactive
 
 
-@nnx.jit
-def _last_logits(model, tokens, last):
-    logits, _ = model(tokens)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
-
-
-def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
-             temperature: float = 1.0, rng: Any = 0) -> np.ndarray:
-    """Samples continuations, recomputing the whole (truncated) context each step.
-
-    The context is its last ``max_len`` tokens. With dropless MoE it is right-padded to
-    ``max_len`` so one compiled forward serves every step (causal attention and
-    per-token routing keep the padding invisible). With capacity dispatch later tokens
-    can take earlier tokens' expert slots, so the context is run unpadded instead (one
-    compilation per length).
-
-    Args:
-      prompt_ids: int [T0] or [B, T0] prompt tokens, T0 >= 1, ids in [0, vocab_size).
-      max_new_tokens: tokens to add (>= 0).
-      temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
-      rng: a ``jax.random`` key or an int seed.
-
-    Returns:
-      int32 array shaped like ``prompt_ids`` with ``max_new_tokens`` more tokens on the
-      last axis (the prompt followed by the samples).
-
-    Raises:
-      ValueError: empty prompt, out-of-range ids, negative ``max_new_tokens`` or
-        ``temperature``.
-    """
-    cfg = model.config
-    ids = np.asarray(prompt_ids)
-    squeeze = ids.ndim == 1
-    ids = ids[None] if squeeze else ids
-    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"prompt_ids must be a non-empty integer [T] or [B, T] array, got shape "
-                         f"{np.shape(prompt_ids)} dtype {ids.dtype}")
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise ValueError(f"prompt ids must be in [0, vocab_size={cfg.vocab_size}), got "
-                         f"[{ids.min()}, {ids.max()}]")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
-    ids = ids.astype(np.int32)
-    pad = cfg.num_moe_layers == 0 or not cfg.capacity_factor
-    for _ in range(max_new_tokens):
-        ctx = ids[:, -cfg.max_len:]
-        n = ctx.shape[1]
-        padded = np.zeros((ids.shape[0], cfg.max_len if pad else n), np.int32)
-        padded[:, :n] = ctx
-        logits = _last_logits(model, jnp.asarray(padded), jnp.full((ids.shape[0],), n - 1, jnp.int32))
-        if temperature == 0:
-            nxt = jnp.argmax(logits, axis=-1)
-        else:
-            key, sub = jax.random.split(key)
-            nxt = jax.random.categorical(sub, logits / temperature, axis=-1)
-        ids = np.concatenate([ids, np.asarray(nxt, np.int32)[:, None]], axis=1)
-    return ids[0] if squeeze else ids

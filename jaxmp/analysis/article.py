@@ -1,11 +1,13 @@
-"""The seed article's memory (section 2.1) and communication (section 2.3) figures, rechecked.
+"""The article's memory (section 2.1) and communication (section 2.3) figures, rechecked.
 
-The seed (a blog article on DeepSeek-style mixed precision) prints, for a 67e9-parameter
+"The article" is the DeepSeek mixed-precision article this project started from: a blog
+post on DeepSeek-style FP32 master weights, FP16/BF16 compute and compressed gradient
+communication. It prints, for a 67e9-parameter
 model, FP32 parameters of "2.68 TB", FP16+FP32 parameters of "132+132 GB", a 40-60% memory
 cut from mixed precision, FP16 gradients halving communication, and top-k sparsification
 (30%) cutting it to 30%. Only those figures are quoted here. Each row recomputes the
-quantity from first principles and is marked ``OK`` when the seed's figure agrees within
-:data:`TOLERANCE`, ``WRONG`` when it does not, and ``REF`` for reference rows the seed
+quantity from first principles and is marked ``OK`` when the article's figure agrees within
+:data:`TOLERANCE`, ``WRONG`` when it does not, and ``REF`` for reference rows the article
 prints no figure for.
 
 Sources: Micikevicius et al. 2018, "Mixed Precision Training", section 3.1 (FP16 weights,
@@ -15,7 +17,7 @@ DeepSeek-V3 Technical Report, section 3.3.3 (FP32 master weights and gradients, 
 Adam moments); Patarasuk and Yuan 2009 and the NCCL performance notes (a ring
 all-reduce sends and receives 2 (N - 1) / N times the buffer per device).
 
-GB means 1e9 bytes, as in the seed.
+GB means 1e9 bytes, as in the article.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ import dataclasses
 import numbers
 from typing import List, Optional, Tuple
 
-__all__ = ["SEED_PARAMS", "TOLERANCE", "Row", "ring_allreduce_factor", "memory_table",
+__all__ = ["ARTICLE_PARAMS", "TOLERANCE", "Row", "ring_allreduce_factor", "memory_table",
            "communication_table"]
 
-SEED_PARAMS = 67e9
+ARTICLE_PARAMS = 67e9
 TOLERANCE = 0.05  # relative: a printed figure within 5% of ours counts as OK.
 
 _INDEX_BYTES = 4  # int32 index per kept entry.
@@ -41,12 +43,12 @@ class Row:
       item: what is counted.
       formula: how, in bytes per parameter.
       bytes_per_param: the formula's value (None where it is not per parameter).
-      bytes: for the seed's model: memory rows, the whole model's states (unsharded);
+      bytes: for the article's model: memory rows, the whole model's states (unsharded);
         communication rows, bytes each device sends per step. None where the figure
         depends on more than the parameter count.
       fraction: ``bytes`` (or bytes per element) over ``baseline``'s, or None.
       baseline: what ``fraction`` is relative to.
-      seed: the seed's printed figure, verbatim, or None.
+      article: the article's printed figure, verbatim, or None.
       status: ``"OK"``, ``"WRONG"`` or ``"REF"``.
       reason: why.
     """
@@ -57,7 +59,7 @@ class Row:
     bytes: Optional[float]
     fraction: Optional[float]
     baseline: str
-    seed: Optional[str]
+    article: Optional[str]
     status: str
     reason: str
 
@@ -66,8 +68,8 @@ class Row:
         return dataclasses.asdict(self)
 
 
-def _judge(ours: float, seed_range: Tuple[float, float]) -> str:
-    lo, hi = seed_range
+def _judge(ours: float, article_range: Tuple[float, float]) -> str:
+    lo, hi = article_range
     return "OK" if lo * (1 - TOLERANCE) <= ours <= hi * (1 + TOLERANCE) else "WRONG"
 
 
@@ -96,17 +98,17 @@ def ring_allreduce_factor(num_devices: int) -> float:
 
 
 def memory_table() -> List[Row]:
-    """Section 2.1: static training memory of the seed's 67e9-parameter model.
+    """Section 2.1: static training memory of the article's 67e9-parameter model.
 
     Returns:
       Rows: FP32 parameters; FP16 + FP32 parameter copies; FP32 Adam training states
       (16 B/param); mixed-precision Adam (ZeRO section 3.1, 16 B/param); DeepSeek-V3's
       states (12 B/param); activations (where the saving really is).
     """
-    p = SEED_PARAMS
+    p = ARTICLE_PARAMS
     fp32_params = 4 * p
     both = (2 + 4) * p
-    seed_both = 132e9 + 132e9
+    article_both = 132e9 + 132e9
     fp32_states = (4 + 4 + 4 + 4) * p
     mixed_states = (2 + 2 + 4 + 4 + 4) * p
     dsv3_states = (4 + 4 + 2 + 2) * p
@@ -117,11 +119,11 @@ def memory_table() -> List[Row]:
             f"{p / 1e9:.0f}e9 x 4 B = {fp32_params / 1e9:.0f}e9 B = {_gb(fp32_params)}; "
             f"2.68 TB is {2.68e12 / fp32_params:.0f}x too large"),
         Row("FP16 + FP32 parameter copies", "2 + 4 B/param", 6, both, both / fp32_params,
-            "FP32 parameters", "132+132 GB", _judge(both, (seed_both, seed_both)),
+            "FP32 parameters", "132+132 GB", _judge(both, (article_both, article_both)),
             f"the FP16 copy is {_gb(2 * p)} and the FP32 master copy is {_gb(4 * p)}, not "
-            f"132 GB: together {_gb(both)}, {both / fp32_params:.1f}x FP32 alone; even the "
-            f"seed's own 132+132 = {_gb(seed_both)} is within "
-            f"{100 * (1 - seed_both / fp32_params):.1f}% of the {_gb(fp32_params)} of FP32 "
+            f"132 GB: together {_gb(both)}, {both / fp32_params:.1f}x FP32 alone; even "
+            f"the article's own 132+132 = {_gb(article_both)} is within "
+            f"{100 * (1 - article_both / fp32_params):.1f}% of the {_gb(fp32_params)} of FP32 "
             f"alone, so keeping both copies saves essentially nothing"),
         Row("FP32 training, Adam", "params 4 + grads 4 + m 4 + v 4 = 16 B/param", 16,
             fp32_states, 1.0, "FP32 training states", None, "REF",
@@ -143,13 +145,13 @@ def memory_table() -> List[Row]:
             0.5, "FP32 activations", None, "REF",
             "where mixed precision does save memory: 16-bit activations take half; their "
             "size grows with batch x sequence x width x layers, not with the parameter "
-            "count, and the seed's table leaves them out"),
+            "count, and the article's table leaves them out"),
     ]
     return rows
 
 
 def communication_table(num_devices: int = 8) -> List[Row]:
-    """Section 2.3: gradient all-reduce bytes per device per step for the seed's model.
+    """Section 2.3: gradient all-reduce bytes per device per step for the article's model.
 
     Args:
       num_devices: data-parallel devices N in the ring (the ratios of the ring rows do
@@ -165,7 +167,7 @@ def communication_table(num_devices: int = 8) -> List[Row]:
     """
     if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 2:
         raise ValueError(f"num_devices must be an int >= 2 for an all-reduce, got {num_devices!r}")
-    n, p = num_devices, SEED_PARAMS
+    n, p = num_devices, ARTICLE_PARAMS
     ring = ring_allreduce_factor(n)
     dense32, dense16 = 4.0, 2.0
     sparse16 = _TOPK * (2 + _INDEX_BYTES)

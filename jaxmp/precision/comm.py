@@ -1,16 +1,16 @@
-"""Data-parallel gradient communication in a chosen dtype, optionally top-k compressed.
+"""Data-parallel gradient collectives in a chosen dtype, optionally top-k compressed.
 
-By default (float32, no compression) the train step leaves the gradient reduction to
-XLA's SPMD partitioner, which reduces in whatever dtype the gradients have (float32
-for float32 master weights). The functions here do the reduction *explicitly*, inside
-``jax.shard_map`` over the mesh's data axis, so the compiled program exchanges exactly
-what was asked for:
+Collectives only: every function here runs *inside* ``jax.shard_map`` over the mesh's
+data axis and calls ``psum`` / ``all_gather`` on ``axis_name``. The trainer's step
+(:func:`jaxmp.train.step.make_train_step`) runs the forward and backward pass per device
+in ``shard_map`` and hands each device's gradients to :func:`exchange_gradients`, so the
+compiled program exchanges exactly what was asked for, float32 included:
 
-* **dense, 16-bit** (``grad_reduce_dtype`` bfloat16 / float16): each device divides its
-  float32 gradient by the number of devices N, casts it, and ``psum`` s it; the mean is
-  cast back to float32 before the optimizer. Two bytes per element instead of four
-  (the seed article, section 2.3: "FP16 gradients halve communication"; see
-  :func:`jaxmp.seed.communication_table`).
+* **dense** (``grad_reduce_dtype`` float32, bfloat16 or float16): each device divides its
+  gradient by the number of devices N, casts it, and ``psum`` s it; the mean is cast
+  back to float32 before the optimizer. A 16-bit dtype sends two bytes per element
+  instead of four (a DeepSeek mixed-precision write-up, section 2.3: "FP16 gradients
+  halve communication"; see :func:`jaxmp.analysis.article.communication_table`).
 * **top-k with error feedback** (``grad_compression="topk"``): each device adds its
   residual to its gradient, keeps the ``topk_ratio`` largest magnitudes per leaf, sends
   them as values (in ``grad_reduce_dtype``) plus int32 indices by ``all_gather``, and
@@ -19,9 +19,6 @@ what was asked for:
   Compression (Lin et al. 2018, section 2) and "Sparsified SGD with memory" (Stich et
   al. 2018, Algorithm 1) for the residual ("memory"): without it the dropped 70% of
   every step would be lost for good.
-
-These functions run *inside* ``shard_map`` (they call collectives on ``axis_name``);
-:func:`jaxmp.train_step.make_train_step` wires them in.
 
 Byte counting note: XLA's CPU backend widens 16-bit collectives to float32 while
 compiling (``all-reduce-promotion`` for bfloat16/float16 all-reduces, bf16 float
@@ -39,21 +36,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
-from jaxmp import sharding
-from jaxmp.loss_scale import LossScale
-from jaxmp.policy import canonical_dtype
+from jaxmp.precision._paths import leaf_names
+from jaxmp.precision.loss_scale import LossScale
+from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
     "DATA_AXIS",
     "REDUCE_DTYPES",
     "COMPRESSIONS",
     "check_comm_config",
-    "uses_explicit_reduce",
     "topk_count",
     "init_comm_state",
-    "comm_state_shardings",
     "pmean_gradients",
     "topk_compress",
     "topk_allgather_mean",
@@ -84,8 +78,8 @@ def check_comm_config(grad_reduce_dtype: Any = "float32", grad_compression: str 
       grad_reduce_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (short forms such
         as ``"bf16"`` and dtype objects are accepted).
       grad_compression: ``"none"`` or ``"topk"``.
-      topk_ratio: fraction of each leaf's elements sent per step, in (0, 1] (the seed
-        article uses 0.3).
+      topk_ratio: fraction of each leaf's elements sent per step, in (0, 1] (the DeepSeek
+        mixed-precision article uses 0.3).
 
     Returns:
       The reduction dtype as a ``jnp.dtype``.
@@ -102,12 +96,6 @@ def check_comm_config(grad_reduce_dtype: Any = "float32", grad_compression: str 
             or not 0.0 < float(topk_ratio) <= 1.0):
         raise ValueError(f"topk_ratio={topk_ratio!r} is not allowed; it must be a number in (0, 1]")
     return dtype
-
-
-def uses_explicit_reduce(grad_reduce_dtype: Any, grad_compression: str) -> bool:
-    """True unless the settings are the default (float32, no compression), which keeps
-    XLA's automatic SPMD gradient reduction unchanged."""
-    return _reduce_dtype(grad_reduce_dtype) != jnp.float32 or grad_compression != "none"
 
 
 def topk_count(size: int, ratio: float) -> int:
@@ -131,7 +119,7 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
       None for ``"none"``. For ``"topk"``: ``{"residual": tree}``, the error-feedback
       memory as a plain nested dict with ``params``' keys (``nnx.to_pure_dict`` layout),
       each leaf NumPy float32 zeros of shape ``[N, *param.shape]``: row i belongs to device i
-      (shard it over the data axis with :func:`comm_state_shardings`). The residual is
+      (the trainer shards it over the data axis: :func:`jaxmp.train.state.train_state_shardings`). The residual is
       in unscaled gradient units, so a changing loss scale does not corrupt it.
 
     Raises:
@@ -147,24 +135,6 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
     # NumPy: host zeros to be device_put onto their shardings, no compile per shape.
     return {"residual": jax.tree.map(
         lambda p: np.zeros((int(num_devices),) + tuple(p.shape), np.float32), tree)}
-
-
-def comm_state_shardings(comm_state: Optional[dict], mesh: Mesh, rules: sharding.Rules) -> Any:
-    """Shardings of :func:`init_comm_state`'s result: the leading (device) axis of each
-    residual follows the ``batch`` rule, the axis the data-parallel batch is split over,
-    so each device holds its own row; the other axes are whole.
-
-    Returns:
-      None for None, else a tree of ``NamedSharding`` like ``comm_state``.
-
-    Raises:
-      ValueError: as :func:`jaxmp.sharding.logical_to_sharding`.
-    """
-    if comm_state is None:
-        return None
-    return jax.tree.map(
-        lambda x: sharding.logical_to_sharding(("batch",) + (None,) * (jnp.ndim(x) - 1), mesh, rules),
-        comm_state)
 
 
 def pmean_gradients(grads: Any, axis_name: str = DATA_AXIS, dtype: Any = jnp.float32) -> Any:
@@ -205,18 +175,6 @@ def _topk_leaf(x: jax.Array, ratio: float, dtype) -> Tuple[jax.Array, jax.Array,
     return values, idx.astype(jnp.int32), (flat - sent).reshape(x.shape)
 
 
-def _key_paths(tree) -> list:
-    """Leaf paths with nnx's ``.value`` step dropped: an ``nnx.State`` of params and its
-    ``nnx.to_pure_dict`` give the same paths."""
-    def key(k):
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                return getattr(k, attr)
-        return str(k)
-    return [tuple(key(k) for k in path if getattr(k, "name", None) != "value")
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def topk_compress(grads: Any, residual: Any, ratio: float, dtype: Any = jnp.float32):
     """Top-k by magnitude per leaf with error feedback (Stich et al. 2018, Algorithm 1).
 
@@ -248,7 +206,7 @@ def topk_compress(grads: Any, residual: Any, ratio: float, dtype: Any = jnp.floa
     dtype = check_comm_config(dtype, "topk", ratio)
     g_leaves = jax.tree.leaves(grads)
     r_leaves, r_def = jax.tree.flatten(residual)
-    g_paths, r_paths = _key_paths(grads), _key_paths(residual)
+    g_paths, r_paths = leaf_names(grads), leaf_names(residual)
     if g_paths != r_paths:
         raise ValueError(f"the residual does not match the gradients leaf by leaf: gradient paths "
                          f"{g_paths[:3]}... vs residual paths {r_paths[:3]}...")

@@ -52,6 +52,7 @@ __all__ = [
     "all_finite",
     "select_tree",
     "get_loss_scale",
+    "as_loss_scale",
 ]
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -228,7 +229,7 @@ class DynamicLossScale(LossScale):
     With ``backoff_factor = 1 / growth_factor``, ``hysteresis = 1`` and
     ``min_loss_scale = 1`` this is exactly ``jmp.DynamicLossScale``.
 
-    Defaults: initial scale 256 (the seed article's stated default; it advises 1024 or
+    Defaults: initial scale 256 (the DeepSeek mixed-precision article's stated default; it advises 1024 or
     4096 when training is unstable); ``growth_interval`` 2000 (PyTorch GradScaler, jmp);
     ``growth_factor`` 2 and ``backoff_factor`` 0.5 (PyTorch); ``hysteresis`` 1 (back off
     at once, PyTorch; Megatron-LM uses 2); ``min_loss_scale`` 1 (jmp, Megatron-LM), which
@@ -380,22 +381,85 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(select, on_true, on_false)
 
 
+def _jmp_kind(obj: Any) -> Optional[str]:
+    """``"NoOpLossScale"`` etc. for an object of jmp's loss-scale classes, else None.
+
+    Matched by module and class name, so jaxmp need not import jmp to recognise them.
+    """
+    cls = type(obj)
+    if cls.__module__.split(".")[0] == "jmp" and cls.__name__ in (
+            "NoOpLossScale", "StaticLossScale", "DynamicLossScale"):
+        return cls.__name__
+    return None
+
+
+def as_loss_scale(loss_scale: Any, what: str = "loss_scale") -> LossScale:
+    """A jaxmp loss scale for a jaxmp or a ``jmp`` loss scale.
+
+    jaxmp's own loss scales are returned as they are. jmp's are converted field by
+    field, to the jaxmp scale with the same behaviour under ``adjust``:
+
+    * ``jmp.NoOpLossScale()`` -> :class:`NoOpLossScale`;
+    * ``jmp.StaticLossScale(s)`` -> :class:`StaticLossScale` ``(s)`` (float32);
+    * ``jmp.DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale)`` ->
+      :class:`DynamicLossScale` with ``growth_interval=period``,
+      ``growth_factor=factor``, ``backoff_factor=1/factor``, ``hysteresis=1`` and
+      ``max_loss_scale`` = float32 max: jmp grows after ``period`` finite steps in a
+      row, unless the product is not finite, and backs off to
+      ``max(min_loss_scale, loss_scale / factor)`` at once on a non-finite step
+      (``jmp/_src/loss_scale.py``), which is what these fields mean here. The scale
+      becomes float32 and the counter int32 whatever their jmp dtypes (case LS-1).
+
+    Works on concrete values and under ``jax.jit`` (jmp's fields may be tracers).
+
+    Args:
+      loss_scale: a :class:`LossScale` or a jmp loss scale.
+      what: the argument's name, for the error message.
+
+    Returns:
+      A :class:`LossScale`.
+
+    Raises:
+      ValueError: ``loss_scale`` is neither; or a jmp scale whose values jaxmp refuses
+        (e.g. a scale of 0: jaxmp requires a positive scale).
+    """
+    if isinstance(loss_scale, LossScale):
+        return loss_scale
+    kind = _jmp_kind(loss_scale)
+    if kind == "NoOpLossScale":
+        return NoOpLossScale()
+    if kind == "StaticLossScale":
+        return StaticLossScale(jnp.asarray(loss_scale.loss_scale, jnp.float32))
+    if kind == "DynamicLossScale":
+        factor = loss_scale.factor
+        return DynamicLossScale(
+            loss_scale=jnp.asarray(loss_scale.loss_scale, jnp.float32),
+            counter=jnp.asarray(loss_scale.counter, jnp.int32),
+            growth_interval=loss_scale.period, growth_factor=factor,
+            backoff_factor=1.0 / jnp.asarray(factor, jnp.float32), hysteresis=1,
+            min_loss_scale=jnp.asarray(loss_scale.min_loss_scale, jnp.float32))
+    raise ValueError(f"{what} must be a loss scale: jaxmp's NoOpLossScale, StaticLossScale or "
+                     f"DynamicLossScale, or jmp's classes of the same names; got "
+                     f"{type(loss_scale).__module__}.{type(loss_scale).__name__}")
+
+
 def get_loss_scale(spec: Union[str, LossScale]) -> LossScale:
-    """Builds a loss scale from a config string.
+    """Builds a loss scale from a config string (or converts a jmp loss scale).
 
     Grammar: ``none`` | ``static:S`` | ``dynamic`` | ``dynamic:key=value,...`` with keys
     ``init`` (or ``loss_scale``), ``growth_interval``, ``growth_factor``,
     ``backoff_factor``, ``hysteresis``, ``min`` (``min_loss_scale``), ``max``
     (``max_loss_scale``). Values accept Python number syntax and ``2**k``.
-    Example: ``dynamic:init=256,growth_interval=500``.
+    Example: ``dynamic:init=256,growth_interval=500``. A jaxmp loss scale is returned as
+    it is, a jmp one converted by :func:`as_loss_scale`.
 
     Raises:
       ValueError: unknown kind or key, a key given twice, a value that is not a number
         (or not an integer for ``growth_interval``/``hysteresis``), or values the
         constructor rejects; the message names the bad token and what is allowed.
     """
-    if isinstance(spec, LossScale):
-        return spec
+    if isinstance(spec, LossScale) or _jmp_kind(spec):
+        return as_loss_scale(spec)
     text = str(spec).strip()
     kind, _, args = text.partition(":")
     kind = kind.strip().lower()

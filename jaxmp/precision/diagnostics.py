@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.policy import canonical_dtype
+from jaxmp.precision._paths import path_name
+from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
     "LeafReport",
@@ -105,23 +106,6 @@ def _resolve_scale(loss_scale: Any) -> Any:
     return scale
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _path_name(path: tuple) -> str:
-    names = [_key_name(k) for k in path]
-    # An nnx.Variable is a pytree node whose payload sits under `.value`; the module path
-    # is the part before it.
-    while names and isinstance(path[len(names) - 1], jax.tree_util.GetAttrKey) and names[-1] in (
-            "value", "raw_value"):
-        names.pop()
-    return "/".join(names) or "<root>"
-
-
 def _leaf_counts(g: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """int32 ``[4]``: non-zero, underflow, subnormal and overflow counts of one leaf."""
     fi = jnp.finfo(dtype)
@@ -184,7 +168,7 @@ def underflow_report(grads: Any, dtype: Any, loss_scale: Any = 1.0) -> Dict[str,
     report = {}
     for (path, _), (nonzero, under, sub, over) in zip(flat, counts):
         n = max(int(nonzero), 1)  # a leaf with no non-zero gradient reports 0.0
-        report[_path_name(path)] = LeafReport(int(nonzero), int(under) / n, int(sub) / n,
+        report[path_name(path)] = LeafReport(int(nonzero), int(under) / n, int(sub) / n,
                                               int(over) / n)
     return report
 

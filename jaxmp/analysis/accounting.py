@@ -19,7 +19,7 @@ Per device, in bytes, for the data-parallel layout the trainer uses
     row per device; 0 without compression.
 ``activation_bytes``
     the residuals that the forward pass of the train step's loss
-    (:func:`jaxmp.train_step._loss_fn`) saves for its backward pass at the per-device
+    (:func:`jaxmp.train.step.loss_fn`) saves for its backward pass at the per-device
     micro-batch, listed by :func:`saved_residuals` from the traced ``jax.vjp``. Counted:
     every array the forward computes and the backward reads, including the
     compute-dtype casts of the parameters (a bf16 copy of a weight *is* a residual) and
@@ -30,10 +30,10 @@ Per device, in bytes, for the data-parallel layout the trainer uses
     later fuse, rematerialize or (XLA:CPU) widen some of them, which the compiled memory
     analysis printed on a GPU shows.
 ``grad_allreduce_bytes``
-    traffic of the gradient collectives per step: read from the train step lowered over
-    a ``"data"`` mesh and compiled, in the HLO module right after XLA's SPMD
-    partitioner (where the automatic path's collectives first exist, and before
-    backend passes such as XLA:CPU's ``all-reduce-promotion``, which widens 16-bit
+    traffic of the gradient collectives per step: read from the trainer's own step
+    (:attr:`jaxmp.train.experiment.Experiment.train_step`) lowered over a ``"data"`` mesh
+    and compiled, in the HLO module right after XLA's SPMD partitioner (before backend
+    passes such as XLA:CPU's ``all-reduce-promotion``, which widens 16-bit
     all-reduces to float32 because the CPU runtime reduces 32-bit types only). Each
     collective counts the size of its whole buffer: operand bytes of an ``all-reduce``
     or ``reduce-scatter``, result bytes of an ``all-gather`` (times its loop trip count
@@ -62,7 +62,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxmp import comm, sharding, train_step, trainer
+from jaxmp.precision import comm
+from jaxmp.train.config import complete_config
+from jaxmp.train.experiment import Experiment
+from jaxmp.train.step import loss_fn
 
 __all__ = [
     "MODES",
@@ -82,14 +85,14 @@ __all__ = [
     "format_accounting",
 ]
 
-# The seed article's top-k fraction (section 2.3), also jaxmp.comm's default.
+# The DeepSeek mixed-precision article's top-k fraction (section 2.3), also jaxmp.comm's default.
 TOPK_RATIO = 0.3
 
 # One row per mode, every precision knob set, so that rows differ only where the table
 # says. Mixed modes keep the router and norms as float32 islands (DeepSeek-V3 report
 # 3.3); float16 needs a loss scale (Micikevicius et al. 2018, 3.2); bf16 moments follow
 # DeepSeek-V3 3.3.3; the 16-bit all-reduce and the top-k all-gather (bf16 values + int32
-# indices) are the seed article's section 2.3 proposals.
+# indices) are the article's section 2.3 proposals (jaxmp.analysis.article).
 _MODE_TABLE = (
     # name             policy                                  loss scale           moments     reduce      compression
     ("fp32",           "fp32",                                 "none",              "",         "float32",  "none"),
@@ -119,7 +122,7 @@ def mode_config(config: ml_collections.ConfigDict, mode: str) -> ml_collections.
     """
     if mode not in MODES:
         raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
-    out = ml_collections.ConfigDict(config.to_dict())
+    out = complete_config(config)
     for key, value in MODES[mode].items():
         section, name = key.split(".")
         out[section][name] = value
@@ -506,45 +509,20 @@ def _memory_analysis(compiled) -> Optional[dict]:
     return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
 
 
-def _build(cfg: ml_collections.ConfigDict, num_devices: int):
-    """(abstract TrainState, trainer.build's other outputs) under ``jax.eval_shape``."""
-    built = {}
-
-    def init():
-        built["out"] = trainer.build(cfg, num_devices)
-        return built["out"][3]
-
-    state = jax.eval_shape(init)
-    return state, built["out"]
-
-
-def _lower_step(cfg: ml_collections.ConfigDict, mesh: Mesh, global_batch: int):
-    """The real jitted train step lowered over ``mesh`` with abstract inputs.
-
-    Returns ``(lowered, abstract state, state shardings, graphdef)``.
-    """
-    state, (model_config, _, graphdef, _, optimizer, lr_schedule, _) = _build(cfg, mesh.devices.size)
-    rules = sharding.DATA_PARALLEL_RULES
-    state_sh = trainer.train_state_shardings(state, mesh, rules)
-    step = train_step.make_train_step(
-        graphdef, optimizer, lr_schedule=lr_schedule, bias_update_rate=model_config.bias_update_rate,
-        grad_accum_steps=cfg.train.grad_accum_steps, mesh=mesh, **trainer.comm_settings(cfg))
-    batch = {k: jax.ShapeDtypeStruct((global_batch, cfg.data.seq_len), jnp.int32)
-             for k in ("inputs", "targets")}
-    lowered = jax.jit(step, in_shardings=(state_sh, sharding.batch_sharding(mesh, rules)),
-                      out_shardings=(state_sh, None)).lower(state, batch)
-    return lowered, state, state_sh, graphdef
+def _lower_step(exp: Experiment, global_batch: int):
+    """The experiment's jitted train step lowered with abstract inputs (nothing allocated)."""
+    return exp.train_step.lower(exp.abstract_state, exp.abstract_batch(global_batch))
 
 
 def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int = 8, *,
                  breakdown: int = 0, mesh: Optional[Mesh] = None) -> dict:
     """Accounts one precision mode of ``config``'s model, per device.
 
-    Builds the model, optimizer and train state of ``mode_config(config, mode)`` under
-    ``jax.eval_shape``; lists the loss's residuals at the per-device micro-batch
-    (``train.batch_size / train.grad_accum_steps / num_devices`` sequences of
-    ``data.seq_len`` tokens); lowers the real ``make_train_step`` over a ``"data"`` mesh
-    of ``num_devices`` with the trainer's shardings and abstract inputs, compiles it and
+    Builds the :class:`~jaxmp.train.experiment.Experiment` of ``mode_config(config,
+    mode)`` (abstract: nothing is allocated); lists the loss's residuals at the
+    per-device micro-batch (``train.batch_size / train.grad_accum_steps / num_devices``
+    sequences of ``data.seq_len`` tokens); lowers the experiment's own jitted train step
+    over a ``"data"`` mesh of ``num_devices`` with abstract inputs, compiles it and
     reads the gradient collectives (see the module docstring for every figure). When
     the default backend is an accelerator, XLA's ``memory_analysis()`` of the step
     compiled for it is added: on the mesh itself if it has the devices, else on one
@@ -570,23 +548,23 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     """
     cfg = mode_config(config, mode)
     mesh = data_mesh(num_devices) if mesh is None else mesh
-    n = mesh.devices.size
-    trainer.validate_config(cfg, n)
-    t = cfg.train
+    exp = Experiment.create(cfg, mesh=mesh)
+    n, t = exp.num_devices, exp.config.train
+    state, state_sh = exp.abstract_state, exp.state_shardings
 
-    lowered, state, state_sh, graphdef = _lower_step(cfg, mesh, t.batch_size)
+    lowered = _lower_step(exp, t.batch_size)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     hlo, compiled, hlo_source = _partitioned_hlo(lowered, on_cpu)
-    settings = trainer.comm_settings(cfg)
+    settings = exp.settings.comm
     dense = [int(np.prod(s.shard_shape(tuple(x.shape)), dtype=np.int64)) for x, s in
              zip(jax.tree.leaves(state.params), jax.tree.leaves(state_sh.params))]
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
-    micro = jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // n, cfg.data.seq_len), jnp.int32)
+    micro = jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // n, exp.config.data.seq_len), jnp.int32)
 
     def loss(params, biases, rest, loss_scale, batch):
-        return train_step._loss_fn(graphdef, params, biases, rest, loss_scale, batch)[0]
+        return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
 
     residuals = saved_residuals(loss, state.params, state.biases, state.rest, state.loss_scale,
                                 {"inputs": micro, "targets": micro}, argnums=0)
@@ -607,8 +585,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
         if not on_cpu:
             out["xla_memory"] = _memory_analysis(compiled)
         else:
-            one = Mesh(np.asarray(jax.devices()[:1]), (comm.DATA_AXIS,))
-            out["xla_memory"] = _memory_analysis(_lower_step(cfg, one, t.batch_size // n)[0].compile())
+            one = Experiment.create(cfg, mesh=Mesh(np.asarray(jax.devices()[:1]), (comm.DATA_AXIS,)))
+            out["xla_memory"] = _memory_analysis(_lower_step(one, t.batch_size // n).compile())
     out["hlo_source"] = hlo_source
     if breakdown:
         out["breakdown"] = residual_breakdown(residuals, breakdown)
@@ -642,9 +620,8 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
         if mode not in MODES:
             raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
     mesh = data_mesh(num_devices)
-    trainer.validate_config(config, num_devices)
-    _, built = _build(config, num_devices)
-    total, active = built[6]
+    config = complete_config(config)
+    total, active = Experiment.create(config, mesh=mesh).param_counts
     t = config.train
     out = {
         "model": {"params": int(total), "active_params": int(active)},

@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp.loss_scale import LossScale, all_finite, select_tree
-from jaxmp.policy import canonical_dtype
+from jaxmp.precision.loss_scale import LossScale, all_finite, as_loss_scale, select_tree
+from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
     "ScaleByAdamState",
@@ -112,7 +112,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     section 3.3.3 keeps both in bfloat16 next to float32 master weights; optax's own
     ``scale_by_adam`` has only ``mu_dtype``). The update has the dtype of the incoming
     gradient leaf. With float32 gradients and float32 moments, under ``jax.jit``, the
-    result is bitwise that of ``optax.scale_by_adam`` (same operation order).
+    update and both moments agree with ``optax.scale_by_adam`` to within 1 ulp (the same
+    formulas; the bias corrections are not rounded in the same order, so an element can
+    differ in its last bit).
 
     Args:
       b1: decay of the first moment, in [0, 1); default 0.9 (Kingma & Ba 2015).
@@ -280,7 +282,9 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
       grads: gradient tree, same structure and shapes as ``params``; any float dtypes.
       opt_state: ``optimizer.init(params)`` or a later state.
       params: the master weights.
-      loss_scale: a :class:`jaxmp.LossScale` (``NoOpLossScale()`` for none).
+      loss_scale: a :class:`jaxmp.LossScale` (``NoOpLossScale()`` for none) or a jmp
+        loss scale, converted by :func:`jaxmp.as_loss_scale` (the returned
+        ``loss_scale`` is then the jaxmp equivalent: keep that one).
       grads_scaled: True when ``grads`` are gradients of the scaled loss; False when
         already divided by the scale (e.g. :func:`accumulated_mean`).
       grads_finite: optional bool scalar ANDed into the verdict (e.g. from
@@ -294,13 +298,11 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
       A :class:`MixedPrecisionUpdate`.
 
     Raises:
-      ValueError: ``loss_scale`` is not a ``LossScale``; ``grads`` and ``params``
+      ValueError: ``loss_scale`` is not a loss scale; ``grads`` and ``params``
         differ in structure or shapes; ``grads_finite`` is not a scalar; only one of
         ``extra``/``new_extra`` is given.
     """
-    if not isinstance(loss_scale, LossScale):
-        raise ValueError(f"loss_scale must be a jaxmp LossScale (NoOpLossScale, StaticLossScale, "
-                         f"DynamicLossScale), got {type(loss_scale).__name__}")
+    loss_scale = as_loss_scale(loss_scale)
     if (extra is None) != (new_extra is None):
         raise ValueError("give both extra and new_extra, or neither")
     _check_like(grads, params, "params")
@@ -365,18 +367,18 @@ def accumulate(acc: GradAccumulator, grads: Any, loss_scale: LossScale, *,
     Args:
       acc: the accumulator so far.
       grads: this micro-step's gradients, structured like ``acc.grad_sum``.
-      loss_scale: the :class:`jaxmp.LossScale` the loss was multiplied by.
+      loss_scale: the :class:`jaxmp.LossScale` (or jmp loss scale) the loss was
+        multiplied by.
       grads_scaled: False when ``grads`` are already unscaled.
 
     Returns:
       The new :class:`GradAccumulator` (``count`` + 1).
 
     Raises:
-      ValueError: ``loss_scale`` is not a ``LossScale``, or ``grads`` and
+      ValueError: ``loss_scale`` is not a loss scale, or ``grads`` and
         ``acc.grad_sum`` differ in structure or shapes.
     """
-    if not isinstance(loss_scale, LossScale):
-        raise ValueError(f"loss_scale must be a jaxmp LossScale, got {type(loss_scale).__name__}")
+    loss_scale = as_loss_scale(loss_scale)
     _check_like(grads, acc.grad_sum, "accumulator")
     grads = _cast_like(_to_float32(grads, loss_scale, grads_scaled), acc.grad_sum)
     ok = all_finite(grads)

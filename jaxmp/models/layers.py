@@ -1,0 +1,188 @@
+"""The building blocks of the Transformer: parameters, norms, embedding, head, SwiGLU, RoPE.
+
+Every module resolves its :class:`~jaxmp.precision.policy.Policy` once, from its own
+attribute path (``rules.resolve(path)``), creates its parameters in
+``policy.param_dtype`` (the master weights), casts them and its input to
+``policy.compute_dtype`` in ``__call__`` and returns ``policy.output_dtype``. Weights
+are cast inside :func:`jaxmp.ops.cast_matmul`, so the backward pass recasts the float32
+masters instead of keeping low-precision copies alive between the passes.
+
+Parameters carry logical axis names (``out_sharding`` metadata): ``vocab``, ``embed``
+(model width), ``mlp`` (dense / shared-expert hidden width); :mod:`jaxmp.sharding` maps
+them to mesh axes.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.precision import ops
+from jaxmp.precision.policy import Policy, PolicyRules
+
+__all__ = ["make_param", "RMSNorm", "Embed", "Head", "SwiGLU", "apply_rope"]
+
+
+def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]
+               ) -> nnx.Param:
+    """Creates an ``nnx.Param`` in ``dtype`` carrying logical axis names.
+
+    The names go into the variable's ``out_sharding`` metadata via
+    ``nnx.with_partitioning``; ``eager_sharding=False`` because the logical names only
+    become mesh axes in :mod:`jaxmp.sharding`, not at creation.
+
+    Args:
+      rngs: the NNX rng streams (``params`` is used).
+      init: a ``jax.nn.initializers`` initializer.
+      shape: the parameter shape.
+      dtype: the parameter dtype (the policy's ``param_dtype``).
+      axes: one logical axis name (or None) per dimension.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for a parameter of shape {tuple(shape)}")
+    initializer = nnx.with_partitioning(init, tuple(axes), eager_sharding=False)
+    return nnx.Param(initializer(rngs.params(), tuple(shape), dtype))
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm (Zhang & Sennrich 2019) via ``ops.rms_norm`` (float32 statistics).
+
+    The result is computed in ``policy.compute_dtype`` from ``x`` rounded to it, or
+    from ``x`` itself when the compute dtype holds every value of ``x``'s dtype.
+    Parameter ``scale`` [dim] (``embed``), ones, in ``policy.param_dtype``.
+    """
+
+    def __init__(self, dim: int, eps: float, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.eps = eps
+        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), self.policy.param_dtype, ("embed",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[..., dim] -> [..., dim] in ``policy.output_dtype``."""
+        p = self.policy
+        x = jnp.asarray(x)
+        # ops.rms_norm computes in float32 whatever x's dtype, so a widening cast (a
+        # bfloat16 stream into a float32 norm) would change no value, only keep a wider
+        # copy of x for the backward pass. A narrowing one rounds x, as the policy says.
+        if jnp.promote_types(x.dtype, p.compute_dtype) != p.compute_dtype:
+            x = p.cast_to_compute(x)
+        y = ops.rms_norm(x, p.cast_to_compute(self.scale[...]), self.eps, dtype=p.compute_dtype)
+        return p.cast_to_output(y)
+
+
+class Embed(nnx.Module):
+    """Token embedding: table [vocab, d_model] (``vocab``, ``embed``).
+
+    The table is normal(0.02) (GPT-2) in ``policy.param_dtype``; looked-up rows are cast
+    to the compute, then the output dtype.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.table = make_param(rngs, nnx.initializers.normal(0.02), (vocab_size, d_model),
+                                self.policy.param_dtype, ("vocab", "embed"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """int [B, T] -> [B, T, d_model] in ``policy.output_dtype``."""
+        return self.policy.cast_to_output(self.policy.cast_to_compute(jnp.take(self.table[...], tokens, axis=0)))
+
+
+class Head(nnx.Module):
+    """Untied output projection: kernel [d_model, vocab] (``embed``, ``vocab``).
+
+    Returns the logits in ``policy.compute_dtype``; ``policy.output_dtype`` is not used
+    (as for the router). The loss, :func:`jaxmp.ops.cross_entropy`, upcasts them to
+    float32 inside its island, so the values and gradients are those of a float32 cast
+    here, but the ``[B, T, vocab]`` array kept for the backward pass is not a float32
+    copy.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.kernel = make_param(rngs, nnx.initializers.normal(0.02), (d_model, vocab_size),
+                                 self.policy.param_dtype, ("embed", "vocab"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[..., d_model] -> [..., vocab] in ``policy.compute_dtype``."""
+        p = self.policy
+        return ops.cast_matmul(p.cast_to_compute(x), self.kernel[...])
+
+
+def _swiglu(x, w_gate, w_up, w_down):
+    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd.
+
+    x in the compute dtype; the (master) weights are cast to it by ``ops.cast_matmul``.
+    """
+    h = jax.nn.silu(ops.cast_matmul(x, w_gate)) * ops.cast_matmul(x, w_up)
+    return ops.cast_matmul(h, w_down)
+
+
+class SwiGLU(nnx.Module):
+    """SwiGLU feed-forward network: the dense FFN and the shared experts.
+
+    Args:
+      d_model: input/output width.
+      d_hidden: hidden width.
+      path: the module's attribute path (its policy is ``rules.resolve(path)``).
+      rules: the per-module precision rules.
+      rngs: NNX rngs.
+      init_std: std of the input projections (normal init).
+      out_std: std of the output projection (scaled down for residual branches, GPT-2).
+
+    Parameters: ``w_gate``, ``w_up`` [d_model, d_hidden] (``embed``, ``mlp``), ``w_down``
+    [d_hidden, d_model] (``mlp``, ``embed``), in ``policy.param_dtype``.
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, *, path: str, rules: PolicyRules,
+                 rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        dt = self.policy.param_dtype
+        self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
+        self.w_up = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
+        self.w_down = make_param(rngs, nnx.initializers.normal(out_std), (d_hidden, d_model), dt, ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[..., d_model] -> [..., d_model] in ``policy.output_dtype``."""
+        p = self.policy
+        return p.cast_to_output(_swiglu(p.cast_to_compute(x), self.w_gate[...], self.w_up[...],
+                                        self.w_down[...]))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
+    """Rotary position embedding (Su et al. 2021, RoFormer, eq. 34), half-split layout.
+
+    Dimension ``i < h/2`` is paired with ``i + h/2`` (GPT-NeoX / LLaMA layout) and the
+    pair is rotated by ``position * theta ** (-2 i / h)`` radians. Angles and the
+    rotation are computed in float32; the result has ``x``'s dtype. The backward pass
+    (a rotation by the opposite angles) recomputes the float32 ``cos``/``sin`` tables
+    from ``positions`` (``jax.checkpoint``) instead of keeping them between the passes.
+
+    Args:
+      x: [..., T, H, h] queries or keys, h even.
+      positions: [T] integer positions.
+      theta: the base.
+
+    Returns:
+      Rotated ``x``, same shape and dtype.
+    """
+    return jax.checkpoint(functools.partial(_rope, theta=theta),
+                          policy=jax.checkpoint_policies.nothing_saveable)(x, positions)
+
+
+def _rope(x, positions, theta):
+    h = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2.0 / h)
+    angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, h/2]
+    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]   # broadcast over heads
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+

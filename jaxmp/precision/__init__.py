@@ -1,0 +1,12 @@
+"""The precision layer: everything mixed precision needs below the model.
+
+* :mod:`~jaxmp.precision.policy`: parameter / compute / output dtypes, per-module rules.
+* :mod:`~jaxmp.precision.loss_scale`: loss scales as pure pytrees, the finiteness verdict.
+* :mod:`~jaxmp.precision.ops`: float32 islands (norms, softmax, cross-entropy, router).
+* :mod:`~jaxmp.precision.optim`: optax integration (unscale first, skip bitwise, accumulate).
+* :mod:`~jaxmp.precision.comm`: gradient collectives in a chosen dtype (inside ``shard_map``).
+* :mod:`~jaxmp.precision.diagnostics`: underflow / overflow of gradients in a dtype.
+
+Depends on JAX, optax, Flax and NumPy only; the models, the trainer and the analysis build
+on it. Docstrings cite field cases by label (``case LS-6``): docs/CASES.md lists them.
+"""

@@ -1,0 +1,22 @@
+"""The trainer: config, experiment, state, step, loop and hooks, checkpoints, metrics, data.
+
+* :mod:`~jaxmp.train.config`: :func:`load_config`, :func:`default_config`, the one
+  :func:`validate_config`;
+* :mod:`~jaxmp.train.experiment`: :class:`Experiment`, everything a config describes,
+  built once (mesh, model, optimizer, shardings, the jitted steps, data);
+* :mod:`~jaxmp.train.state`: :class:`TrainState`;
+* :mod:`~jaxmp.train.optimizer`: the learning-rate schedule and AdamW from the config;
+* :mod:`~jaxmp.train.step`: the pure ``train_step(state, batch)`` and ``eval_step``;
+* :mod:`~jaxmp.train.loop` and :mod:`~jaxmp.train.hooks`: :func:`train_and_evaluate` and
+  its periodic actions;
+* :mod:`~jaxmp.train.checkpoint`, :mod:`~jaxmp.train.metrics`, :mod:`~jaxmp.train.data`.
+"""
+from jaxmp.train.checkpoint import CheckpointError, Checkpointer
+from jaxmp.train.config import default_config, load_config, validate_config
+from jaxmp.train.experiment import Experiment
+from jaxmp.train.hooks import TrainingStalled
+from jaxmp.train.loop import Interrupted, train_and_evaluate
+from jaxmp.train.state import TrainState
+
+__all__ = ["Experiment", "TrainState", "train_and_evaluate", "load_config", "default_config",
+           "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled", "Interrupted"]

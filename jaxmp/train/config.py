@@ -1,0 +1,369 @@
+"""Run configs: the one loader, every key with its default, and the one validation.
+
+A run config is an ``ml_collections.ConfigDict`` with the sections ``model``,
+``precision``, ``optim``, ``data``, ``train`` and a top-level ``seed`` (the Flax
+examples' layout: a config file's ``get_config()`` returns it). :func:`default_config`
+holds every key the trainer reads, with its default; a config file may leave keys out
+(they get these defaults) but may not add any: a key that is not here is a typo, and
+:func:`validate_config` names it with the closest valid key.
+
+* :func:`load_config` runs a config file's ``get_config()`` and applies ``KEY=VALUE``
+  overrides, for the report, the benchmarks and the tests (``train.py`` reads the same
+  files through ``ml_collections.config_flags``, which :func:`check_override_keys`
+  guards).
+* :func:`validate_config` checks every value before any work is done and returns the
+  parsed :class:`Settings` (model shape, policy rules, loss scale, gradient
+  communication), so nothing is parsed twice. The
+  :class:`~jaxmp.train.experiment.Experiment` calls it once.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import importlib.util
+import json
+import math
+import numbers
+import pathlib
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import ml_collections
+import numpy as np
+
+from jaxmp.models import ModelConfig
+from jaxmp.precision import comm
+from jaxmp.precision.loss_scale import LossScale, get_loss_scale
+from jaxmp.precision.policy import PolicyRules, canonical_dtype, get_policy_rules
+from jaxmp.train.optimizer import SCHEDULES
+
+__all__ = ["default_config", "complete_config", "load_config", "apply_overrides",
+           "check_override_keys", "config_to_dict", "Settings", "validate_config",
+           "flat_keys", "closest_key"]
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key the trainer reads, with its default (configs/tiny_moe.py sets the model).
+
+    The model section here has the required shape keys of
+    :class:`~jaxmp.models.ModelConfig` at tiny_moe's values; see that class for each.
+    """
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=256, max_len=128,
+        rope_theta=10000.0, norm_eps=1e-6, num_experts=4, num_shared_experts=1, top_k=2,
+        d_expert=64, first_dense_layers=1, score_fn="softmax", aux_loss_weight=0.01,
+        bias_update_rate=0.001, capacity_factor=0.0))
+    c.precision = ml_collections.ConfigDict(dict(
+        policy="mixed_bf16; router: fp32; norm: fp32", loss_scale="none",
+        grad_reduce_dtype="float32", grad_compression="none", topk_ratio=0.3))
+    c.optim = ml_collections.ConfigDict(dict(
+        learning_rate=3e-3, warmup_steps=5, schedule="cosine", final_lr_fraction=0.1,
+        decay_steps=0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, grad_clip=1.0,
+        mu_dtype="", nu_dtype=""))
+    c.data = ml_collections.ConfigDict(dict(
+        path="", text_field="text", seq_len=64, eval_fraction=0.02, num_eval_batches=4,
+        max_tokens=0))
+    c.train = ml_collections.ConfigDict(dict(
+        steps=200, batch_size=16, grad_accum_steps=1, num_devices=0, log_every=5,
+        eval_every=50, checkpoint_every=100, keep_checkpoints=2, max_consecutive_skips=100,
+        sample_prompt="def ", sample_tokens=80, sample_temperature=0.8))
+    return c
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> List[str]:
+    """Every leaf key of ``config`` as a dotted path (``train.steps``), in order."""
+    out = []
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            out.extend(flat_keys(value, path + "."))
+        else:
+            out.append(path)
+    return out
+
+
+def closest_key(key: str, valid: Iterable[str]) -> Optional[str]:
+    """The valid dotted key most like ``key`` (``difflib``), or None when none is close."""
+    valid = list(valid)
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not match:  # compare the last component within the same section
+        section, _, leaf = key.rpartition(".")
+        same = [v for v in valid if v.rpartition(".")[0] == section]
+        leaves = difflib.get_close_matches(leaf, [v.rpartition(".")[2] for v in same], n=1, cutoff=0.5)
+        match = [f"{section}.{leaves[0]}" if section else leaves[0]] if leaves else []
+    return match[0] if match else None
+
+
+def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ValueError:
+    near = closest_key(key, valid)
+    hint = f"; did you mean {near!r}?" if near else ""
+    return ValueError(f"unknown config key {key!r} {where}{hint} (the keys are listed in "
+                      f"jaxmp.train.config.default_config)")
+
+
+def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with every missing key set to its default.
+
+    Raises:
+      ValueError: ``config`` has a key that :func:`default_config` does not (a typo),
+        named with the closest valid key.
+    """
+    defaults = default_config()
+    valid = flat_keys(defaults)
+    given = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+    sections = {k for k, v in defaults.items() if isinstance(v, ml_collections.ConfigDict)}
+    for key, value in given.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {key!r} must be a section (a ConfigDict), got "
+                                 f"{value!r}")
+            for sub in value:
+                if f"{key}.{sub}" not in valid:
+                    raise _unknown_key_error(f"{key}.{sub}", valid, "in the config")
+        elif key not in valid:
+            raise _unknown_key_error(key, valid, "in the config")
+    merged = defaults.to_dict()
+    for key, value in given.items():
+        if key in sections:
+            for sub, v in value.items():
+                default = merged[key][sub]
+                if isinstance(default, float) and _is_int(v):
+                    v = float(v)  # learning_rate=1 means 1.0: keep the key a float
+                merged[key][sub] = v
+        else:
+            merged[key] = value
+    return ml_collections.ConfigDict(merged)
+
+
+def _parse_value(text: str) -> Any:
+    """A Python literal (``3``, ``1e-3``, ``True``, ``'a'``, ``None``), else the text itself."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        lowered = text.strip().lower()
+        if lowered in ("true", "false"):
+            return lowered == "true"
+        return text
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+    """Applies ``KEY=VALUE`` strings (``train.steps=100``, optionally ``--config.`` first).
+
+    Values are Python literals where they parse as one (numbers, ``True``, ``None``,
+    quoted strings), else plain strings, and must suit the key's type (an int key takes
+    an int; a float key an int or a float), as ``ml_collections.config_flags`` requires.
+
+    Raises:
+      ValueError: a malformed item, an unknown key (named with the closest valid one),
+        or a value of the wrong type.
+    """
+    valid = flat_keys(config)
+    for item in overrides:
+        text = item[len("--config."):] if item.startswith("--config.") else item
+        key, eq, value = text.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"config override {item!r} must be KEY=VALUE, e.g. train.steps=100")
+        if key not in valid:
+            raise _unknown_key_error(key, valid, "in the overrides")
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        old, new = node[leaf], _parse_value(value)
+        if isinstance(old, str) and not isinstance(new, str):
+            new = value  # a string key keeps the text as given: policy "fp32" or "1"
+        if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
+            new = float(new)
+        if old is not None and type(new) is not type(old) and not (
+                isinstance(old, (int, float)) and new is None):
+            raise ValueError(f"config override {key}={value!r}: {type(old).__name__} expected "
+                             f"(the key holds {old!r}), got {type(new).__name__}")
+        node[leaf] = new
+    return config
+
+
+def check_override_keys(config: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
+    """Checks the ``--config.KEY=VALUE`` items of a command line against ``config``'s keys.
+
+    ``ml_collections.config_flags`` reports a typo as a traceback deep in flag parsing;
+    this says it in one line first.
+
+    Raises:
+      ValueError: an unknown key, named with the closest valid one.
+    """
+    valid = flat_keys(config)
+    for arg in argv:
+        if arg.startswith("--config.") and "=" in arg:
+            key = arg[len("--config."):].split("=", 1)[0]
+            if key not in valid:
+                raise _unknown_key_error(key, valid, "on the command line")
+
+
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    """Runs ``get_config()`` of a config file given by path, completes it, applies overrides.
+
+    The one config loader of the report, the benchmarks and the tests; ``train.py``
+    reads the same files through ``ml_collections.config_flags`` and completes them
+    the same way.
+
+    Args:
+      path: e.g. ``configs/tiny_moe.py``.
+      overrides: ``KEY=VALUE`` strings (see :func:`apply_overrides`).
+
+    Returns:
+      The completed config (:func:`complete_config`).
+
+    Raises:
+      ValueError: the file does not exist or defines no ``get_config``; an unknown key
+        in it or in ``overrides``; a value of the wrong type.
+    """
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"config file {str(path)!r} defines no get_config()")
+    return apply_overrides(complete_config(module.get_config()), overrides)
+
+
+def config_to_dict(config: ml_collections.ConfigDict) -> dict:
+    """The config as plain JSON-compatible data (stored in checkpoints)."""
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What :func:`validate_config` parsed, so that nothing is parsed twice.
+
+    Attributes:
+      config: the completed config (every key present).
+      model: the :class:`~jaxmp.models.ModelConfig`.
+      rules: the user's :class:`~jaxmp.precision.policy.PolicyRules` (before the model
+        adds its float32 islands).
+      loss_scale: the initial loss scale.
+      comm: ``make_train_step``'s gradient-communication keywords
+        (``grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``).
+      num_devices: devices of the mesh's data axis.
+    """
+
+    config: ml_collections.ConfigDict
+    model: ModelConfig
+    rules: PolicyRules
+    loss_scale: LossScale
+    comm: Dict[str, Any]
+    num_devices: int
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _check(section: str, values, checks) -> None:
+    for key, ok, allowed in checks:
+        value = values[key]
+        try:
+            good = bool(ok(value))
+        except TypeError:
+            good = False
+        if not good:
+            raise ValueError(f"{section}.{key}={value!r} is not allowed; it must be {allowed}")
+
+
+def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Settings:
+    """Checks every setting of a run before any work is done; returns what it parsed.
+
+    Args:
+      config: a run config (missing keys take :func:`default_config`'s values).
+      num_devices: devices of the mesh's ``"data"`` axis.
+
+    Returns:
+      The :class:`Settings`.
+
+    Raises:
+      ValueError: an unknown key (named with the closest valid one); a count that must
+        be positive is not; the global batch cannot be split into ``grad_accum_steps``
+        micro-batches that the data axis divides; an optimizer setting out of range; a
+        bad model shape or value (e.g. heads not dividing the width, top-k above the
+        number of experts, a non-finite ``aux_loss_weight`` or ``rope_theta``), policy,
+        loss scale, schedule, data setting or gradient communication. The message names
+        the value and what is allowed.
+    """
+    config = complete_config(config)
+    t, d, o, p = config.train, config.data, config.optim, config.precision
+    positive_int = (lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    _check("train", t, [
+        ("steps", *positive_int), ("batch_size", *positive_int), ("log_every", *positive_int),
+        ("grad_accum_steps", *positive_int), ("keep_checkpoints", *positive_int),
+        ("checkpoint_every", *positive_int),
+        ("eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = only at the end)"),
+        ("num_devices", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = all devices)"),
+        ("max_consecutive_skips", *positive_int),
+        ("sample_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+        ("sample_temperature", lambda v: _is_real(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+        ("sample_prompt", lambda v: isinstance(v, str), "a string"),
+    ])
+    if t.batch_size % t.grad_accum_steps:
+        raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                         f"train.grad_accum_steps={t.grad_accum_steps}")
+    micro = t.batch_size // t.grad_accum_steps
+    if micro % num_devices:
+        raise ValueError(
+            f"the micro-batch of {micro} sequences (train.batch_size={t.batch_size} / "
+            f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by the "
+            f"{num_devices} devices of the mesh's 'data' axis; use a multiple of {num_devices}")
+    _check("optim", o, [
+        ("learning_rate", lambda v: _is_real(v) and 0 < v <= _F32_MAX, "a number > 0 that float32 can hold"),
+        ("warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+        ("decay_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = train.steps)"),
+        ("final_lr_fraction", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
+        ("weight_decay", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
+        ("grad_clip", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = off)"),
+        ("b1", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
+        ("b2", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
+        ("eps", lambda v: _is_real(v) and math.isfinite(v) and v > 0, "a finite number > 0"),
+        ("schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+    ])
+    for key in ("mu_dtype", "nu_dtype"):
+        if o[key]:
+            try:
+                canonical_dtype(o[key])
+            except ValueError as e:
+                raise ValueError(f"optim.{key}: {e}") from None
+    _check("data", d, [
+        ("path", lambda v: v is None or isinstance(v, str), "a path, a glob or '' (the stdlib corpus)"),
+        ("text_field", lambda v: isinstance(v, str) and v.strip() != "", "a non-empty field name"),
+        ("seq_len", *positive_int),
+        ("eval_fraction", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
+        ("num_eval_batches", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = no evaluation)"),
+        ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 (0 = all)"),
+    ])
+    if not _is_int(config.seed) or not 0 <= config.seed < 2**31 - 1:
+        raise ValueError(f"seed={config.seed!r} is not allowed; it must be an integer in [0, 2**31 - 1)")
+    m = config.model
+    for key in ("rope_theta", "norm_eps", "aux_loss_weight", "bias_update_rate"):
+        if not _is_real(m[key]) or not math.isfinite(m[key]):
+            raise ValueError(f"model.{key}={m[key]!r} is not allowed; it must be a finite number")
+    model = ModelConfig.from_config(m)
+    if d.seq_len > model.max_len:
+        raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}")
+    rules = get_policy_rules(p.policy)
+    loss_scale = get_loss_scale(p.loss_scale)
+    comm_kwargs = dict(grad_reduce_dtype=p.grad_reduce_dtype, grad_compression=p.grad_compression,
+                       topk_ratio=p.topk_ratio)
+    try:
+        comm.check_comm_config(**comm_kwargs)
+    except ValueError as e:
+        raise ValueError(f"precision: {e}") from None
+    return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale,
+                    comm=comm_kwargs, num_devices=int(num_devices))

@@ -1,0 +1,210 @@
+"""An :class:`Experiment`: everything a run config describes, built once.
+
+``Experiment.create(config)`` validates the config (once, :func:`validate_config`),
+builds the mesh, the model's graph definition under ``nnx.eval_shape`` (nothing is
+allocated), the optimizer and its one learning-rate schedule, the abstract train state
+and its shardings, and the jitted train and eval steps. The trainer, the report, the
+benchmarks, the notebooks and the tests all take their step from here, so what is
+measured is what is trained::
+
+    exp = Experiment.create(load_config("configs/tiny_moe.py"))
+    state = exp.init_state()                      # sharded over exp.mesh
+    batch = exp.batch_to_device(next(exp.data.train_iter))
+    state, metrics = exp.train_step(state, batch)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Callable, List, Mapping, Optional, Tuple
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxmp import sharding
+from jaxmp.models import MoETransformer, count_params
+from jaxmp.precision import comm
+from jaxmp.precision.policy import PolicyRules
+from jaxmp.train.config import Settings, validate_config
+from jaxmp.train.data import ByteTokenizer, DataPipeline, create_pipeline
+from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
+from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
+from jaxmp.train.step import make_eval_step, make_train_step
+
+__all__ = ["Experiment", "module_paths", "unmatched_rules"]
+
+
+def module_paths(model: nnx.Module) -> List[str]:
+    """The ``/``-joined paths of a model's modules that have a policy: what policy rules
+    match against."""
+    return ["/".join(str(k) for k in path) for path, m in nnx.iter_modules(model)
+            if path and hasattr(m, "policy")]
+
+
+def unmatched_rules(rules: PolicyRules, paths) -> List[str]:
+    """Warnings, one per rule pattern that matches no module path: a typo such as
+    ``rooter: fp32`` would otherwise be ignored in silence. (Not an error: a shared rule
+    string may name modules that one model lacks, e.g. ``router`` in a dense model.)"""
+    kinds = {re.sub(r"\d+", "{i}", p): None for p in paths}  # one example per kind
+    examples = ", ".join(list(kinds)[:10])
+    return [f"precision.policy rule {pattern!r} matches no module of this model; module paths "
+            f"look like: {examples}, ..." for pattern, _ in rules.rules
+            if not any(re.search(pattern, p) for p in paths)]
+
+
+@dataclasses.dataclass(eq=False)
+class Experiment:
+    """A validated run config and everything built from it.
+
+    Attributes:
+      settings: what :func:`~jaxmp.train.config.validate_config` parsed (``config``,
+        ``model``, user ``rules``, initial ``loss_scale``, ``comm`` keywords).
+      mesh: the device mesh; its ``"data"`` axis splits the batch.
+      logical_rules: the :mod:`jaxmp.sharding` rule table used for every layout.
+      rules: the model's resolved policy rules (the user's plus the float32 islands).
+      graphdef: the model's NNX graph definition.
+      module_paths: the paths policy rules match against (``blocks/0/attn``, ...).
+      param_counts: ``(total, active_per_token)`` (:func:`jaxmp.models.count_params`).
+      lr_schedule: the one learning-rate schedule (``count -> lr``).
+      optimizer: the optax transformation built on it.
+      abstract_state: the :class:`TrainState` as ``jax.ShapeDtypeStruct`` leaves with
+        their shardings (what checkpoints restore onto).
+      state_shardings: the :class:`TrainState` of ``NamedSharding``.
+      batch_sharding: the ``NamedSharding`` of an int32 ``[B, T]`` token batch.
+      train_step: ``jax.jit`` of :func:`~jaxmp.train.step.make_train_step` with these
+        shardings, the state donated: ``(state, batch) -> (state, metrics)``.
+      eval_step: ``jax.jit`` of :func:`~jaxmp.train.step.make_eval_step`:
+        ``(state, batch) -> {"loss", "tokens"}`` summed over the batch.
+    """
+
+    settings: Settings
+    mesh: Mesh
+    logical_rules: Any
+    rules: PolicyRules
+    graphdef: Any
+    module_paths: Tuple[str, ...]
+    param_counts: Tuple[int, int]
+    lr_schedule: optax.Schedule
+    optimizer: optax.GradientTransformation
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    train_step: Callable
+    eval_step: Callable
+    _init: Callable = dataclasses.field(repr=False, default=None)
+
+    @classmethod
+    def create(cls, config: ml_collections.ConfigDict, *, num_devices: Optional[int] = None,
+               mesh: Optional[Mesh] = None) -> "Experiment":
+        """Validates ``config`` and builds the experiment; nothing is allocated on devices.
+
+        Args:
+          config: a run config (e.g. ``load_config("configs/tiny_moe.py")``).
+          num_devices: devices of the mesh (default ``train.num_devices``, 0 = all).
+          mesh: a ready mesh with a ``"data"`` axis instead (``num_devices`` is then
+            ignored).
+
+        Raises:
+          ValueError: any bad config value (:func:`validate_config`), or more devices
+            than exist.
+        """
+        if mesh is None:
+            num_devices = num_devices or config.get("train", {}).get("num_devices") or None
+            mesh = sharding.make_mesh(num_devices)
+        n = int(mesh.shape[comm.DATA_AXIS])
+        settings = validate_config(config, n)
+        cfg = settings.config
+        logical_rules = sharding.DATA_PARALLEL_RULES
+        lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
+        optimizer = make_optimizer(cfg.optim, lr_schedule)
+
+        def init() -> TrainState:
+            model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
+            comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
+                                              settings.comm["grad_compression"])
+            return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
+                                      comm_state=comm_state)[1]
+
+        model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
+                                                      rngs=nnx.Rngs(cfg.seed)))
+        graphdef = split_model(model)[0]
+        abstract = jax.eval_shape(init)
+        state_sh = train_state_shardings(abstract, mesh, logical_rules)
+        batch_sh = sharding.batch_sharding(mesh, logical_rules)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                abstract, state_sh)
+        step = make_train_step(graphdef, optimizer, mesh=mesh, lr_schedule=lr_schedule,
+                               bias_update_rate=settings.model.bias_update_rate,
+                               grad_accum_steps=cfg.train.grad_accum_steps, **settings.comm)
+        return cls(
+            settings=settings, mesh=mesh, logical_rules=logical_rules, rules=model.rules,
+            graphdef=graphdef, module_paths=tuple(module_paths(model)),
+            param_counts=count_params(model), lr_schedule=lr_schedule, optimizer=optimizer,
+            abstract_state=abstract, state_shardings=state_sh, batch_sharding=batch_sh,
+            train_step=jax.jit(step, in_shardings=(state_sh, batch_sh),
+                               out_shardings=(state_sh, None), donate_argnums=0),
+            eval_step=jax.jit(make_eval_step(graphdef, mesh), in_shardings=(state_sh, batch_sh)),
+            _init=jax.jit(init, out_shardings=state_sh))
+
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        """The validated, completed config."""
+        return self.settings.config
+
+    @property
+    def model_config(self):
+        """The :class:`~jaxmp.models.ModelConfig`."""
+        return self.settings.model
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the mesh's data axis."""
+        return self.settings.num_devices
+
+    def init_state(self) -> TrainState:
+        """The initial train state, created on the devices with its shardings (one jitted
+        initialisation: no host copy of the model)."""
+        return self._init()
+
+    @functools.cached_property
+    def data(self) -> DataPipeline:
+        """This process's data pipeline (built on first use; reads the corpus).
+
+        Raises:
+          ValueError: ``model.vocab_size`` below the byte tokenizer's 257, or a bad
+            data setting or corpus (:func:`~jaxmp.train.data.create_pipeline`).
+        """
+        cfg = self.config
+        if self.model_config.vocab_size < ByteTokenizer.vocab_size:
+            raise ValueError(f"model.vocab_size={self.model_config.vocab_size} is smaller than the byte "
+                             f"tokenizer's {ByteTokenizer.vocab_size} (256 bytes + end-of-document)")
+        return create_pipeline(cfg.data, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+
+    def batch_to_device(self, batch: Mapping[str, np.ndarray]) -> dict:
+        """A process-local ``{"inputs", "targets"}`` batch as global arrays on the mesh."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in batch.items()}
+
+    def abstract_batch(self, global_batch: Optional[int] = None) -> dict:
+        """``jax.ShapeDtypeStruct`` s of a token batch (for ``train_step.lower``)."""
+        b = global_batch or self.config.train.batch_size
+        spec = jax.ShapeDtypeStruct((b, self.config.data.seq_len), np.int32, sharding=self.batch_sharding)
+        return {"inputs": spec, "targets": spec}
+
+    def evaluate(self, state: TrainState) -> Optional[float]:
+        """Mean token cross-entropy over the eval batches; None when there are none."""
+        loss = tokens = 0.0
+        for batch in self.data.eval_batches:
+            out = jax.device_get(self.eval_step(state, self.batch_to_device(batch)))
+            loss, tokens = loss + float(out["loss"]), tokens + float(out["tokens"])
+        return loss / tokens if tokens else None
+
+    def host_model(self, state: TrainState) -> MoETransformer:
+        """The model with ``state``'s weights, on the host (for sampling)."""
+        return nnx.merge(self.graphdef, *jax.device_get((state.params, state.biases, state.rest)))

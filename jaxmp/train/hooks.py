@@ -1,0 +1,189 @@
+"""The training loop's periodic actions: log, stall guard, evaluate, checkpoint.
+
+Each hook is a periodic action in the style of ``clu.periodic_actions`` (clu itself is
+not a dependency: its metric writers import TensorFlow): it is called after every train
+step with ``(step, state, metrics)`` and acts every ``every_steps`` steps and at the last
+step. Hooks run in the order given, so the loop reads: log, guard, evaluate, save.
+
+:class:`Stopwatch` times the training between log points: evaluation and checkpoint
+writes pause it, so tokens/s measures train steps only.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import jax
+import numpy as np
+
+from jaxmp.train.metrics import MetricsWriter, expert_load_stats
+
+__all__ = ["TrainingStalled", "Stopwatch", "PeriodicAction", "ReportMetrics", "StallGuard",
+           "Evaluate", "SaveCheckpoint", "steps_text"]
+
+
+class TrainingStalled(RuntimeError):
+    """Every step for ``train.max_consecutive_skips`` steps in a row was skipped."""
+
+
+def steps_text(n: int) -> str:
+    """``"1 step"``, ``"2 steps"``."""
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+class Stopwatch:
+    """Wall time spent training, with pauses for work that is not training.
+
+    ``lap()`` returns the seconds since the last lap (or reset), pauses excluded.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Starts timing afresh from now."""
+        self._start, self._paused = time.perf_counter(), 0.0
+
+    def lap(self) -> float:
+        """Seconds since the last lap, without paused time; starts the next lap."""
+        now = time.perf_counter()
+        seconds = now - self._start - self._paused
+        self._start, self._paused = now, 0.0
+        return seconds
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside does not count as training."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class PeriodicAction:
+    """Acts at steps ``every_steps``, ``2 * every_steps``, ... and at ``last_step``.
+
+    Attributes:
+      every_steps: the period; 0 = only at ``last_step``.
+      last_step: the run's final step (``train.steps``).
+    """
+
+    every_steps: int
+    last_step: int
+
+    def should_trigger(self, step: int) -> bool:
+        """True at a multiple of ``every_steps`` and at the last step."""
+        return step == self.last_step or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    def __call__(self, step: int, state: Any, metrics: Dict[str, Any]) -> None:
+        if self.should_trigger(step):
+            self.apply(step, state, metrics)
+
+    def apply(self, step: int, state: Any, metrics: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class ReportMetrics(PeriodicAction):
+    """Writes the train metrics of the step (``metrics.jsonl``, TensorBoard, progress bar).
+
+    The record holds the step's scalar metrics, ``tokens_per_s`` over the steps since the
+    last report (None when only the compiling first step ran) and the expert-load
+    summary; a line is printed when steps were skipped since the last report.
+    """
+
+    writer: MetricsWriter = None
+    stopwatch: Stopwatch = None
+    tokens_per_step: int = 0
+    bar: Any = None
+    losses: List[float] = dataclasses.field(default_factory=list)
+    last_step_reported: int = 0
+    last_skipped: int = 0
+    timed_from: int = 0
+
+    def apply(self, step, state, metrics):
+        m = jax.device_get(metrics)
+        seconds = self.stopwatch.lap()
+        timed = step - self.timed_from
+        tps = self.tokens_per_step * timed / seconds if timed > 0 and seconds > 0 else None
+        self.timed_from = step
+        record = {k: float(v) for k, v in m.items()
+                  if np.ndim(v) == 0 and k not in ("grads_finite", "applied")}
+        record.update(grads_finite=bool(m["grads_finite"]), applied=bool(m["applied"]),
+                      skipped_steps=int(m["skipped_steps"]),
+                      consecutive_skips=int(m["consecutive_skips"]), tokens_per_s=tps,
+                      **expert_load_stats(m["expert_counts"]))
+        newly = record["skipped_steps"] - self.last_skipped
+        if newly:
+            self.bar.write(f"step {step}: {newly} of the last {steps_text(step - self.last_step_reported)} "
+                           f"skipped (non-finite gradients or update); loss scale now "
+                           f"{float(jax.device_get(state.loss_scale.loss_scale)):g}")
+        self.last_skipped, self.last_step_reported = record["skipped_steps"], step
+        self.writer.write(step, "train", record)
+        self.losses.append(record["loss"])
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record['loss_scale']:g}",
+                             tok_s="-" if tps is None else f"{tps:,.0f}", skipped=record["skipped_steps"])
+
+
+@dataclasses.dataclass
+class StallGuard(PeriodicAction):
+    """Stops a run whose last ``max_skips`` steps in a row were all skipped.
+
+    Reads ``metrics["consecutive_skips"]`` (kept exactly in the train state), so the
+    count is right at any interval; the stop comes at the first check at or after the
+    ``max_skips``-th skipped step.
+    """
+
+    max_skips: int = 100
+    describe: Callable[[Any, int], str] = None
+
+    def apply(self, step, state, metrics):
+        run = int(jax.device_get(metrics["consecutive_skips"]))
+        if run >= self.max_skips:
+            raise TrainingStalled(self.describe(state, run) if self.describe else
+                                  f"the last {steps_text(run)} (to step {step}) were all skipped")
+
+
+@dataclasses.dataclass
+class Evaluate(PeriodicAction):
+    """Evaluates the state on the eval batches and writes the eval loss.
+
+    ``evaluate(state) -> float or None``; None (no eval batches) writes nothing.
+    """
+
+    evaluate: Callable[[Any], Optional[float]] = None
+    writer: MetricsWriter = None
+    stopwatch: Stopwatch = None
+    bar: Any = None
+    last_loss: Optional[float] = None
+
+    def apply(self, step, state, metrics):
+        with self.stopwatch.paused():
+            loss = self.evaluate(state)
+        if loss is None:
+            return
+        self.last_loss = loss
+        self.writer.write(step, "eval", {"loss": loss})
+        self.bar.write(f"step {step}: eval loss {loss:.4f}")
+
+
+@dataclasses.dataclass
+class SaveCheckpoint(PeriodicAction):
+    """Saves the state (asynchronously) every ``every_steps`` and at the last step.
+
+    ``save(step, state)`` starts the write; the :class:`~jaxmp.train.checkpoint.Checkpointer`
+    waits for it before the next one and on close.
+    """
+
+    save: Callable[[int, Any], None] = None
+    stopwatch: Stopwatch = None
+    last_saved: Optional[int] = None
+
+    def apply(self, step, state, metrics):
+        with self.stopwatch.paused():
+            self.save(step, state)
+        self.last_saved = step

@@ -1,0 +1,155 @@
+"""Where training metrics go: ``metrics.jsonl`` and TensorBoard event files.
+
+``workdir/metrics.jsonl`` gets one strict-JSON object per logged step (``split`` is
+``train`` or ``eval``): a value that is not finite (the loss of a skipped step, say) is
+written as ``null``, which ``jq``, JavaScript and every JSON loader accept, where a bare
+``NaN`` is not JSON. TensorBoard event files (tensorboardX) go to ``workdir/tensorboard``,
+finite values only. On resume, both drop what was logged after the checkpoint: the
+JSON lines past it are removed, and TensorBoard is opened with ``purge_step`` so that the
+rewritten steps are not shown twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Any, List, Mapping, Optional
+
+import numpy as np
+
+__all__ = ["MetricsWriter", "expert_load_stats", "read_metrics"]
+
+
+def expert_load_stats(expert_counts: np.ndarray) -> dict:
+    """Summarizes per-expert token counts of the MoE layers.
+
+    Args:
+      expert_counts: float [num_moe_layers, num_experts], tokens routed to each expert.
+
+    Returns:
+      ``expert_load_max`` and ``expert_load_min``: the largest / smallest expert load
+      over all layers relative to a perfectly balanced load (1.0 = balanced), and
+      ``expert_load_cv``: the mean over layers of the coefficient of variation of the
+      loads. Empty dict when the model has no MoE layers.
+    """
+    counts = np.asarray(expert_counts, np.float64)
+    if counts.size == 0:
+        return {}
+    mean = counts.mean(axis=1, keepdims=True)
+    rel = counts / np.maximum(mean, 1e-12)
+    return {"expert_load_max": float(rel.max()), "expert_load_min": float(rel.min()),
+            "expert_load_cv": float((counts.std(axis=1) / np.maximum(mean[:, 0], 1e-12)).mean())}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-ready Python value: NumPy scalars unwrapped, non-finite floats as None."""
+    if hasattr(v, "item") and np.ndim(v) == 0:
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str | os.PathLike, split: Optional[str] = None) -> List[dict]:
+    """The records of a ``metrics.jsonl`` (of one ``split`` when given), in file order.
+
+    A last line without its newline (cut off by a kill) is dropped, as the trainer drops
+    it on resume; any other line that is not JSON is an error.
+
+    Raises:
+      ValueError: a line that is not a JSON object, naming the file and line number.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    elif lines:
+        lines.pop()  # torn last line: no newline was written after it
+    records = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}, line {i}: not a JSON record ({e})") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{path}, line {i}: not a metrics record: {line[:80]!r}")
+        if split is None or record.get("split") == split:
+            records.append(record)
+    return records
+
+
+class MetricsWriter:
+    """Appends metrics to ``workdir/metrics.jsonl`` and TensorBoard.
+
+    Args:
+      workdir: the run directory (created if missing).
+      start_step: the step training resumes from (0 for a fresh run): records past it
+        are removed from ``metrics.jsonl`` (a torn last line with a warning) and
+        TensorBoard purges the events after it.
+      enabled: False on non-zero processes, so that one process writes.
+
+    Raises:
+      OSError: the directory cannot be written.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, start_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.path = pathlib.Path(workdir) / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(int(start_step))
+        from tensorboardX import SummaryWriter  # imported here: slow import, one process
+        # purge_step: events at steps >= start_step + 1 written by an earlier, interrupted
+        # run are hidden, so the steps this run rewrites appear once.
+        # The suffix keeps two writers opened within one second from sharing a file name.
+        self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard"),
+                                 purge_step=int(start_step) + 1 if start_step else None,
+                                 filename_suffix=f".{os.getpid()}.{int(start_step)}")
+
+    def write(self, step: int, split: str, metrics: Mapping[str, Any]) -> None:
+        """Writes one record ``{"step": step, "split": split, **metrics}``.
+
+        Raises:
+          OSError: the files cannot be written (full disk, read-only); the message names
+            the directory.
+        """
+        if not self.enabled:
+            return
+        record = {"step": int(step), "split": split}
+        record.update({k: _plain(v) for k, v in metrics.items()})
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, allow_nan=False) + "\n")
+            for k, v in record.items():
+                if k not in ("step", "split") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{split}/{k}", v, step)
+            self._tb.flush()
+        except OSError as e:
+            raise OSError(e.errno, f"writing the metrics of step {step} to {self.path.parent} failed: "
+                                   f"{e.strerror or e}") from None
+
+    def _truncate_after(self, step: int) -> None:
+        """Drops records past ``step`` (a resumed run rewrites the steps after its
+        checkpoint; a fresh run, step 0, starts an empty file)."""
+        if not self.path.exists():
+            return
+        text = self.path.read_text()
+        if text and not text.endswith("\n"):
+            torn = text.rsplit("\n", 1)[-1]
+            print(f"warning: {self.path}: dropping its last line, cut off mid-write: {torn[:60]!r}")
+        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
+        self.path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+
+    def close(self) -> None:
+        """Flushes and closes the TensorBoard writer."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

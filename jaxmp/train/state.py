@@ -1,0 +1,126 @@
+"""The train state: one pytree holding everything a train step reads and writes.
+
+:class:`TrainState` holds the step counter, the master parameters, the optimizer state,
+the loss scale, the MoE router biases (DeepSeek-V3 auxiliary-loss-free balancing), the
+skip counters, an rng and the state of gradient compression. It is what a checkpoint
+saves, what ``train_step(state, batch)`` returns, and what
+:func:`train_state_shardings` lays out on a mesh.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxmp import sharding
+from jaxmp.models import RouterBias
+from jaxmp.precision.loss_scale import LossScale, as_loss_scale
+
+__all__ = ["TrainState", "split_model", "create_train_state", "train_state_shardings"]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything the train step reads and writes, as one pytree.
+
+    Attributes:
+      step: int32 scalar, train steps taken (skipped ones included: the data moves on).
+      params: ``nnx.State`` of ``nnx.Param``, the master weights (float32 in mixed modes).
+      biases: ``nnx.State`` of ``RouterBias``, float32 [num_experts] per MoE layer.
+      rest: any other NNX state of the model (empty for the default model).
+      opt_state: the optax optimizer state (moments in their configured dtypes).
+      loss_scale: a ``jaxmp`` loss scale (float32 scale, int32 counters).
+      skipped_steps: int32 scalar, steps not applied since the start of training: their
+        gradients or the updated state were not finite, so the parameters, optimizer
+        state, router biases and top-k residual were kept bitwise.
+      consecutive_skips: int32 scalar, how many of the latest steps in a row were not
+        applied (0 after an applied step); what the trainer's stall guard reads, exactly,
+        at whatever interval it looks (as optax's ``apply_if_finite`` keeps
+        ``notfinite_count``).
+      rng: uint32 [2] PRNG key data. The train step does not use it (the model has no
+        stochastic layers); the trainer draws its closing sample with it.
+      comm_state: None, or for top-k gradient compression ``{"residual": tree}`` of
+        float32 ``[num_devices, *param.shape]`` error-feedback residuals, sharded over
+        the data axis (:func:`jaxmp.comm.init_comm_state`).
+    """
+
+    step: jax.Array
+    params: Any
+    biases: Any
+    rest: Any
+    opt_state: Any
+    loss_scale: LossScale
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    rng: jax.Array
+    comm_state: Any = None
+
+
+def split_model(model: nnx.Module):
+    """Splits an NNX model into ``(graphdef, params, biases, rest)``."""
+    return nnx.split(model, nnx.Param, RouterBias, ...)
+
+
+def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
+                       loss_scale: LossScale, seed: int, comm_state: Any = None):
+    """Builds the initial :class:`TrainState` and returns ``(graphdef, state)``.
+
+    Args:
+      model: the NNX model, whose parameters are the initial master weights.
+      optimizer: the optax transformation (its ``init`` gives ``opt_state``).
+      loss_scale: a jaxmp or jmp loss scale (converted by :func:`jaxmp.as_loss_scale`).
+      seed: the run's seed; ``rng`` is ``key(seed + 1)`` (``seed`` initialises the model).
+      comm_state: see :func:`jaxmp.comm.init_comm_state` (None without compression).
+
+    Raises:
+      ValueError: ``loss_scale`` is not a loss scale.
+    """
+    graphdef, params, biases, rest = split_model(model)
+    zero = jnp.zeros((), jnp.int32)
+    state = TrainState(
+        step=zero, params=params, biases=biases, rest=rest,
+        opt_state=optimizer.init(params), loss_scale=as_loss_scale(loss_scale),
+        skipped_steps=zero, consecutive_skips=zero,
+        rng=jax.random.key_data(jax.random.key(seed + 1)), comm_state=comm_state)
+    return graphdef, state
+
+
+def train_state_shardings(state: TrainState, mesh: Mesh, rules: sharding.Rules) -> TrainState:
+    """Shardings of a train state on ``mesh`` by the logical-axis ``rules``.
+
+    Parameters, router biases and every optimizer-state leaf shaped like a parameter
+    follow the parameters' logical axes (:func:`jaxmp.sharding.state_shardings`); the
+    per-device top-k residual (``comm_state``) has its leading device axis split like
+    the batch, so each device holds its own row; everything else is replicated.
+
+    Args:
+      state: a :class:`TrainState` of arrays or ``jax.ShapeDtypeStruct``.
+      mesh: the device mesh.
+      rules: a rule table of :mod:`jaxmp.sharding`.
+
+    Returns:
+      A :class:`TrainState` of ``NamedSharding`` (variables keep their wrappers).
+
+    Raises:
+      ValueError: as :func:`jaxmp.sharding.logical_to_sharding`.
+    """
+    shardings = sharding.state_shardings(state, mesh, rules)
+    comm = state.comm_state
+    if comm is not None:
+        comm = jax.tree.map(
+            lambda x: sharding.logical_to_sharding(("batch",) + (None,) * (jnp.ndim(x) - 1), mesh, rules),
+            comm)
+    return shardings.replace(comm_state=comm)
+
+
+def abstract_like(tree: Any, shardings: Optional[Any] = None) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves for ``tree`` (with ``shardings`` when given)."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=s),
+                        tree, shardings)

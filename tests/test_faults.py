@@ -1,0 +1,266 @@
+"""Faults a long run meets: SIGTERM and Ctrl-C, SIGKILL in the middle of a checkpoint
+write, a full disk and a read-only workdir. Every run resumes from the last complete
+checkpoint, and its losses equal an uninterrupted run's, loss by loss.
+
+The subprocesses are bounded by progress (rows in metrics.jsonl, checkpoints on disk)
+with generous time limits, never by how fast the machine is.
+"""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from _configs import ROOT, load_config
+from jaxmp.train import CheckpointError, Checkpointer, Experiment, Interrupted, train_and_evaluate
+from jaxmp.train.config import config_to_dict
+from jaxmp.train.metrics import read_metrics
+
+# One MoE layer on a small corpus; the schedule's horizon is fixed (decay_steps), so a
+# run's first N losses do not depend on train.steps.
+OVERRIDES = ["model.num_layers=1", "model.first_dense_layers=0", "data.max_tokens=50000",
+             "data.num_eval_batches=1", "train.log_every=1", "train.eval_every=0",
+             "train.sample_tokens=0", "optim.decay_steps=200"]
+ENV = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")  # the 8-device XLA_FLAGS are inherited
+LIMIT_S = 900  # per wait: generous on a slow, shared machine
+
+
+def launch(workdir, *extra):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
+           "--workdir", str(workdir), *(f"--config.{o}" for o in OVERRIDES + list(extra))]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for(condition, proc, what):
+    """Polls ``condition()`` until it holds; fails if the process exits first."""
+    deadline = time.monotonic() + LIMIT_S
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the trainer exited ({proc.returncode}) before {what}:\n{err[-3000:]}")
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"no {what} within {LIMIT_S} s")
+
+
+def finish(proc):
+    try:
+        return proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def train_rows(workdir):
+    return read_metrics(pathlib.Path(workdir) / "metrics.jsonl", "train")
+
+
+def complete_steps(workdir):
+    d = pathlib.Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses of an uninterrupted run, computed once, as long as a test asks for."""
+    cache = {"losses": []}
+
+    def losses(n):
+        if len(cache["losses"]) < n:
+            workdir = tmp_path_factory.mktemp("reference")
+            config = load_config("tiny_moe", OVERRIDES + [f"train.steps={n}", "train.checkpoint_every=100000"])
+            train_and_evaluate(config, str(workdir))
+            cache["losses"] = [r["loss"] for r in train_rows(workdir)]
+        return cache["losses"][:n]
+
+    return losses
+
+
+def assert_resumed_like_the_reference(workdir, reference, steps):
+    rows = train_rows(workdir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no duplicated, no missing row
+    assert [r["loss"] for r in rows] == reference(steps)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_step_reached_and_the_rerun_matches_an_uninterrupted_run(tmp_path, reference):
+    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=100000")
+    wait_for(lambda: len(train_rows(tmp_path)) >= 3, proc, "3 logged steps")
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    reached = train_rows(tmp_path)[-1]["step"]
+    assert complete_steps(tmp_path) == [reached]  # saved at the step it reached, nothing else
+    assert f"SIGTERM at step {reached}: checkpoint saved in" in err and "rerun the same command" in err
+    assert "Traceback" not in err
+
+    again = launch(tmp_path, f"train.steps={reached + 3}", "train.checkpoint_every=100000")
+    out, err = finish(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints'} at step {reached}" in out
+    assert_resumed_like_the_reference(tmp_path, reference, reached + 3)
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_complete_one(tmp_path, reference):
+    """A checkpoint at every step, so that writes are under way most of the time; the kill
+    comes as soon as a temporary (unfinished) checkpoint directory is seen."""
+    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=1")
+    ckpts = tmp_path / "checkpoints"
+
+    def writing():
+        return (len(complete_steps(tmp_path)) >= 2
+                and any("tmp" in p.name for p in ckpts.iterdir()))
+
+    wait_for(writing, proc, "a checkpoint write in progress")
+    proc.kill()
+    finish(proc)
+    steps = complete_steps(tmp_path)
+    assert steps, "no complete checkpoint survived"
+    last = steps[-1]
+    logged = train_rows(tmp_path)[-1]["step"]
+    assert logged >= last  # rows past the checkpoint are dropped on resume, then rewritten
+
+    again = launch(tmp_path, f"train.steps={last + 3}", "train.checkpoint_every=100000")
+    out, err = finish(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"at step {last}" in out
+    assert not any("tmp" in p.name for p in ckpts.iterdir())  # the unfinished write is cleaned up
+    assert_resumed_like_the_reference(tmp_path, reference, last + 3)
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path):
+    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=100000")
+    wait_for(lambda: len(train_rows(tmp_path)) >= 1, proc, "a logged step")
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    reached = train_rows(tmp_path)[-1]["step"]
+    assert complete_steps(tmp_path) == [reached]
+    assert f"SIGINT at step {reached}: checkpoint saved" in err
+
+
+def test_a_signal_during_compilation_exits_without_saving(tmp_path):
+    """In process: SIGINT sent while the train step compiles (its worker thread is alive)."""
+    config = load_config("tiny_moe", OVERRIDES + ["train.steps=5"])
+
+    def interrupt_when_compiling():
+        deadline = time.monotonic() + LIMIT_S
+        while time.monotonic() < deadline:
+            if any(t.name == "jaxmp-compile" for t in threading.enumerate()):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.005)
+
+    sender = threading.Thread(target=interrupt_when_compiling, daemon=True)
+    sender.start()
+    with pytest.raises(Interrupted, match="SIGINT before the first step finished") as e:
+        train_and_evaluate(config, str(tmp_path))
+    sender.join()
+    assert not e.value.saved and e.value.step == 0
+    assert complete_steps(tmp_path) == [] and train_rows(tmp_path) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def _tmpfs(path, size):
+    """Mounts a tmpfs of ``size`` at ``path``; False where mounting is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs (None where this machine cannot mount one), unmounted afterwards."""
+    disk = tmp_path / "disk"
+    mounted = _tmpfs(disk, "64m")
+    yield disk if mounted else None
+    if mounted:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def _fill(disk, leave_bytes):
+    """Fills the filesystem of ``disk`` until ``leave_bytes`` are free."""
+    with open(disk / "filler", "wb") as f:
+        block = b"\0" * (1 << 20)
+        while os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize > leave_bytes + len(block):
+            f.write(block)
+            f.flush()
+        rest = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - leave_bytes
+        if rest > 0:
+            f.write(b"\0" * rest)
+
+
+def _config(steps, **train):
+    return load_config("tiny_moe", OVERRIDES + [f"train.steps={steps}"] +
+                       [f"train.{k}={v}" for k, v in train.items()])
+
+
+def _assert_restorable(workdir, config, step):
+    exp = Experiment.create(config)
+    with Checkpointer(workdir) as ckpt:
+        assert ckpt.all_steps()[-1] == step
+        restored_step, state, _ = ckpt.restore(exp.abstract_state, config_to_dict(exp.config))
+    assert restored_step == step and int(np.asarray(state.step)) == step
+
+
+def test_a_full_disk_is_a_clear_error_and_keeps_the_earlier_checkpoint(small_disk, tmp_path, monkeypatch):
+    if small_disk is None:  # no tmpfs here: the same failure, raised where orbax writes
+        import orbax.checkpoint as ocp
+        workdir = tmp_path / "run"
+        train_and_evaluate(_config(2, checkpoint_every=2), str(workdir))
+
+        def no_space(self, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+    else:
+        workdir = small_disk / "run"
+        train_and_evaluate(_config(2, checkpoint_every=2), str(workdir))
+        _fill(small_disk, leave_bytes=256 << 10)  # room for metrics, not for a checkpoint
+    with pytest.raises(CheckpointError) as e:
+        train_and_evaluate(_config(4, checkpoint_every=2), str(workdir))
+    message = str(e.value)
+    assert "checkpoint step 4" in message and str(workdir / "checkpoints") in message
+    assert "No space left on device" in message and "earlier checkpoints (2) are intact" in message
+    if small_disk is not None:
+        (small_disk / "filler").unlink()
+    monkeypatch.undo()
+    _assert_restorable(workdir, _config(4), 2)
+
+
+def test_a_read_only_workdir_is_a_clear_error_before_any_work(small_disk, tmp_path, monkeypatch):
+    if small_disk is not None:  # a real read-only filesystem
+        workdir = small_disk / "run"
+        train_and_evaluate(_config(2, checkpoint_every=2), str(workdir))
+        assert subprocess.run(["mount", "-o", "remount,ro", str(small_disk)]).returncode == 0
+        undo = lambda: subprocess.run(["mount", "-o", "remount,rw", str(small_disk)])  # noqa: E731
+    else:
+        workdir = tmp_path / "run"
+        train_and_evaluate(_config(2, checkpoint_every=2), str(workdir))
+        if os.geteuid() != 0:  # permissions bind everyone but root
+            os.chmod(workdir, 0o555)
+            undo = lambda: os.chmod(workdir, 0o755)  # noqa: E731
+        else:  # root without mount rights: the error the kernel would give, from the first write
+            def read_only(self, data):
+                raise OSError(30, "Read-only file system")
+
+            monkeypatch.setattr(pathlib.Path, "write_bytes", read_only)
+            undo = monkeypatch.undo
+    try:
+        with pytest.raises(ValueError, match=rf"--workdir {workdir} is not writable: .*(Read-only|Permission)"):
+            train_and_evaluate(_config(4, checkpoint_every=2), str(workdir))
+    finally:
+        undo()
+    _assert_restorable(workdir, _config(4), 2)
