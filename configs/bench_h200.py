@@ -11,7 +11,7 @@ step at 40% of the H200's dense BF16 peak, 120 ms at 40% of its TF32 peak. The m
 (7 GB of train state, float32 logits, and [B, heads, T, T] attention scores kept for
 the backward pass, ~2-4 GB per layer) stays well under the H200's 141 GB.
 
-Not yet run on an H200 (no GPU was lent when it was written); the estimate for the
+Not yet measured on a GPU; the estimate for the
 command above (three precisions, 55 steps each after a compile each) is a few minutes,
 inside a 10-minute limit.
 """
