@@ -11,6 +11,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
+from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import check_override_keys, load_config
 
 _DEFAULT_CONFIG = "configs/tiny_moe.py"
@@ -39,8 +40,9 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     try:
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except (ValueError, CheckpointError, TrainingStalled, OSError) as e:
-        # A user's mistake, a stalled run or a full disk: the message says what and why.
+    except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
+        # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the
+        # message says what and why.
         sys.exit(f"train.py: error: {e}")
     except Interrupted as e:
         print(f"train.py: {e}", file=sys.stderr)

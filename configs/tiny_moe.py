@@ -73,10 +73,16 @@ def get_config() -> ml_collections.ConfigDict:
         grad_accum_steps=1,
         num_devices=0,             # 0 = all devices
         log_every=5,
-        eval_every=50,             # 0 = evaluate only at the end
+        eval_every=50,             # and at the last step; 0 = never
         checkpoint_every=100,
         keep_checkpoints=2,
         max_consecutive_skips=100,  # stop with an error when this many steps in a row are skipped
+        # An applied step "looks divergent" when its loss exceeds loss_spike_factor x the
+        # running mean (or its gradient norm grad_norm_spike_factor x), is not finite, or its
+        # gradient norm is 0; max_divergent_steps of them in a row stop the run (0 = a test off).
+        loss_spike_factor=3.0,
+        grad_norm_spike_factor=100.0,
+        max_divergent_steps=10,
         sample_prompt="def ",
         sample_tokens=80,
         sample_temperature=0.8,

@@ -1,9 +1,9 @@
-"""Writes notebooks/03_mixed_precision_training.ipynb (without outputs).
+"""Writes notebooks/03_mixed_precision_training.ipynb, executed, with its outputs.
 
     python notebooks/make_03_mixed_precision_training.py
 
-Edit the cells here, not in the .ipynb, and rerun; tests/test_notebooks.py executes the
-notebook with JAXMP_NOTEBOOK_SMALL=1.
+Edit the cells here, not in the .ipynb, and rerun; tests/test_notebooks.py checks that the
+stored notebook is this file's, executed, and executes it again with JAXMP_NOTEBOOK_SMALL=1.
 """
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""Tests for jaxmp.data: byte tokenizer, corpus loading, packing, grain pipeline."""
+"""Tests for jaxmp.train.data: byte tokenizer, corpus loading, packing, grain pipeline."""
 import json
 import pathlib
 import sysconfig
@@ -250,13 +250,90 @@ def test_bad_arguments(corpus, kwargs, match):
         data.create_pipeline(cfg, **call)
 
 
-def test_eval_split_too_small(corpus):
+def _eval_windows(pipe, batch_size):
+    """The distinct eval windows of a pipeline, in order (rows repeat past the last one)."""
+    rows = np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1)
+                           for b in pipe.eval_batches])
+    return rows
+
+
+def test_a_tiny_eval_split_gets_the_documents_closest_to_it(corpus):
+    """eval_fraction=1e-9: the hash puts no document in eval, so documents move there in
+    order of their crc32 score until eval holds one window (5 tokens)."""
     root, files = corpus
-    # No name hashes below 1e-9 among 24 files, so the eval split is empty.
     assert all(zlib.crc32(str(f).encode()) >= 1e-9 * 2**32 for f in files)
-    with pytest.raises(ValueError, match="eval split"):
-        data.create_pipeline(_config(root / "**" / "*.txt", eval_fraction=1e-9,
-                                     num_eval_batches=1), global_batch_size=2, seed=0)
+    docs = data.load_documents(str(root / "**" / "*.txt"))
+    by_score = sorted(docs, key=lambda d: zlib.crc32(d[0].encode()))
+    moved, tokens = [], 0
+    for name, d in by_score:  # the expected repair, computed here
+        if tokens >= 5:
+            break
+        moved.append(name)
+        tokens += len(d) + 1
+    order = [name for name, _ in docs]
+    eval_docs = [d for name, d in docs if name in moved]
+    train_docs = [d for name, d in docs if name not in moved]
+    cfg = _config(root / "**" / "*.txt", eval_fraction=1e-9, num_eval_batches=1)
+    pipe = data.create_pipeline(cfg, global_batch_size=2, seed=0)
+    assert pipe.eval_tokens == len(_pack(eval_docs)) and pipe.train_tokens == len(_pack(train_docs))
+    ref = _windows(_pack(eval_docs), 4)
+    np.testing.assert_array_equal(_eval_windows(pipe, 2), ref[np.arange(2) % len(ref)])
+    assert len(pipe.notes) == 1 and f"eval now holds the {len(moved)} document(s) closest to it" in pipe.notes[0]
+    assert order == sorted(order)
+
+
+def test_a_single_document_holds_out_its_last_tokens_for_eval(tmp_path):
+    text = bytes(range(1, 41))  # 41 tokens with EOS (no NUL byte: a text file)
+    (tmp_path / "only.txt").write_bytes(text)
+    cfg = _config(tmp_path, seq_len=4, eval_fraction=0.25, num_eval_batches=1)
+    pipe = data.create_pipeline(cfg, global_batch_size=1, seed=0)
+    tokens = _pack([text])
+    held = max(5, int(np.ceil(0.25 * len(tokens))))  # 11
+    assert (pipe.train_tokens, pipe.eval_tokens) == (len(tokens) - held, held)
+    np.testing.assert_array_equal(_eval_windows(pipe, 1)[0], tokens[-held:][:5])
+    first_train = np.concatenate([next(pipe.train_iter)["inputs"] for _ in range(6)])
+    assert set(first_train.reshape(-1)) <= set(tokens[:len(tokens) - held])  # no eval token
+    assert "last 11 of 41 tokens are held out for eval" in pipe.notes[0]
+
+
+def test_a_corpus_too_short_for_both_splits_says_it_is_the_eval_split(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"123456")  # 7 tokens: one window of 5, not two
+    with pytest.raises(ValueError, match=r"the eval split needs at least one sequence of seq_len \+ 1 = 5 "
+                                         r"tokens, and train as many, but the corpus has 7 tokens"):
+        data.create_pipeline(_config(tmp_path, eval_fraction=0.02, num_eval_batches=1),
+                             global_batch_size=1, seed=0)
+    # Without eval, the same corpus trains.
+    assert data.create_pipeline(_config(tmp_path), global_batch_size=1, seed=0).train_tokens == 7
+
+
+def test_thirty_short_files_train_and_evaluate_with_the_default_fraction(tmp_path):
+    """What a new user tried: 30 short files, eval_fraction 0.02, seq_len 64."""
+    for i in range(30):
+        (tmp_path / f"note{i:02d}.txt").write_text(f"note {i}: " + "some words here " * 20)
+    cfg = _config(tmp_path, seq_len=64, eval_fraction=0.02, num_eval_batches=2)
+    pipe = data.create_pipeline(cfg, global_batch_size=4, seed=0)
+    assert pipe.eval_tokens >= 65 and pipe.train_tokens >= 65 and len(pipe.eval_batches) == 2
+    assert pipe.num_documents == 30
+
+
+def test_a_directory_means_its_text_files_recursively(tmp_path):
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "a.md").write_bytes(b"alpha")
+    (tmp_path / "sub" / "b.py").write_bytes(b"beta \xff")  # invalid UTF-8 is still text
+    (tmp_path / "sub" / "deeper" / "c").write_bytes(b"gamma")
+    (tmp_path / "sub" / "image.bin").write_bytes(b"\x89PNG\0\0\x01")  # a NUL byte: binary
+    (tmp_path / ".hidden" / "d.txt").write_bytes(b"delta")
+    (tmp_path / ".dotfile").write_bytes(b"epsilon")
+    docs = data.load_documents(str(tmp_path))
+    assert docs == [(str(tmp_path / "a.md"), b"alpha"),
+                    (str(tmp_path / "sub" / "b.py"), b"beta \xff"),
+                    (str(tmp_path / "sub" / "deeper" / "c"), b"gamma")]
+    (tmp_path / "sub" / "image.bin").unlink()
+    for f in ("a.md", "sub/b.py", "sub/deeper/c"):
+        (tmp_path / f).write_bytes(b"\0binary")
+    with pytest.raises(ValueError, match=r"holds no text file \(3 binary file\(s\) skipped\)"):
+        data.load_documents(str(tmp_path))
 
 
 def test_eval_batches_unshuffled_and_repeated(corpus):

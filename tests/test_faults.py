@@ -264,3 +264,127 @@ def test_a_read_only_workdir_is_a_clear_error_before_any_work(small_disk, tmp_pa
     finally:
         undo()
     _assert_restorable(workdir, _config(4), 2)
+
+
+# ----------------------------------------------------------------------------- the workdir lock
+
+
+def test_a_second_trainer_on_a_busy_workdir_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path, capsys):
+    from jaxmp.train import WorkdirInUse
+    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=2")
+    try:
+        wait_for(lambda: complete_steps(tmp_path), proc, "a checkpoint")
+        with pytest.raises(WorkdirInUse, match=rf"--workdir {tmp_path} is in use by process {proc.pid} on "
+                                               rf"{os.uname().nodename} \(running since .*\); wait for it"):
+            train_and_evaluate(_config(100), str(tmp_path))
+        rows_before = len(train_rows(tmp_path))
+        assert rows_before >= 1  # the refused run wrote nothing: the other one kept going
+    finally:
+        proc.kill()  # a dead holder: its lock file stays, its flock goes with it
+        finish(proc)
+    last = complete_steps(tmp_path)[-1]
+    capsys.readouterr()
+    train_and_evaluate(_config(last + 1), str(tmp_path))
+    out = capsys.readouterr().out
+    assert f"took over the workdir lock of process {proc.pid} on {os.uname().nodename}" in out
+    assert f"at step {last}" in out and train_rows(tmp_path)[-1]["step"] == last + 1
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+def _flip_one_bit(directory):
+    """Flips bit 3 of the middle byte of the largest file under ``directory``."""
+    files = sorted((p for p in pathlib.Path(directory).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 1 << 3
+    files[-1].write_bytes(bytes(data))
+    return files[-1]
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    """Checkpoints at steps 2 and 4; one bit of step 4's largest state file flipped. The
+    rerun sets step 4 aside with a warning, resumes from step 2 and then trains exactly
+    as an uninterrupted run does."""
+    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
+    _flip_one_bit(tmp_path / "checkpoints" / "4" / "state")
+    capsys.readouterr()
+    train_and_evaluate(_config(6, checkpoint_every=2), str(tmp_path))
+    out = capsys.readouterr().out
+    assert f"WARNING: checkpoint step 4 in {tmp_path / 'checkpoints'} is corrupt" in out
+    assert "resuming from step 2 instead" in out and "at step 2" in out
+    assert (tmp_path / "checkpoints" / "corrupt" / "4").is_dir() and complete_steps(tmp_path) == [4, 6]
+    reference = tmp_path / "reference"
+    train_and_evaluate(_config(6, checkpoint_every=100), str(reference))
+    assert [r["loss"] for r in train_rows(tmp_path)] == [r["loss"] for r in train_rows(reference)]
+    assert [r["step"] for r in train_rows(tmp_path)] == list(range(1, 7))
+
+
+def test_random_bytes_over_a_checkpoint_never_reach_the_run(tmp_path, capsys):
+    """64 random bytes over the start of every state file of the newest checkpoint."""
+    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
+    rng = np.random.default_rng(0)
+    for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size >= 64:
+            data = bytearray(f.read_bytes())
+            data[:64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
+            f.write_bytes(bytes(data))
+    capsys.readouterr()
+    summary = train_and_evaluate(_config(4, checkpoint_every=2, eval_every=4), str(tmp_path))
+    out = capsys.readouterr().out
+    assert "checkpoint step 4" in out and "is corrupt" in out and "at step 2" in out
+    assert summary["step"] == 4 and np.isfinite(summary["eval_loss"])
+
+
+def test_a_torn_metrics_line_is_dropped_with_a_warning_and_the_run_resumes(tmp_path, capsys):
+    train_and_evaluate(_config(2, checkpoint_every=2), str(tmp_path))
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "split": "train", "lo')  # a kill mid-write
+    capsys.readouterr()
+    train_and_evaluate(_config(3, checkpoint_every=2), str(tmp_path))
+    assert "dropping its last line, cut off mid-write" in capsys.readouterr().out
+    assert [r["step"] for r in train_rows(tmp_path)] == [1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- runs that cannot work
+
+
+def test_a_batch_that_cannot_fit_is_refused_before_training(tmp_path, monkeypatch):
+    """A device of 64 MiB (patched in): the bfloat16 logits alone of 2**16 sequences of 16
+    tokens on 8 devices are 2**17 x 257 x 2 B = 64.25 MiB, so the step cannot fit; the
+    configured batch of 16 fits."""
+    from jaxmp.train import loop
+    monkeypatch.setattr(loop, "_device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
+    big = _config(2, batch_size=2**16)
+    big.data.seq_len = 16
+    with pytest.raises(ValueError, match=r"the train step needs about [\d.]+ GiB per device .* but a device "
+                                         r"has 0.06 GiB \(a 64 MiB test device\); lower train.batch_size \(now 65536\)"):
+        train_and_evaluate(big, str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists() and train_rows(tmp_path) == []
+    train_and_evaluate(_config(1), str(tmp_path))  # the same device takes the small batch
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint(tmp_path):
+    """Learning rate 1e3 without clipping: step 1 applies a ruinous update; from step 2
+    the loss is 1e7, then log(257) with a zero gradient norm (a collapsed model), all
+    applied. Checkpoints every step: only step 1 is written."""
+    from jaxmp.train import TrainingDiverged
+    config = _config(20, checkpoint_every=1, max_divergent_steps=3)
+    config.optim.update(dict(learning_rate=1e3, warmup_steps=0, grad_clip=0.0))
+    config.precision.policy = "mixed_bf16"
+    with pytest.raises(TrainingDiverged, match=r"the last 3 steps applied \(to step 4\) looked divergent.*"
+                                               r"The last checkpoint, step 1 in .*, is from before it"):
+        train_and_evaluate(config, str(tmp_path))
+    rows = train_rows(tmp_path)
+    assert [r["divergent_steps"] for r in rows] == [0, 1, 2, 3] and all(r["applied"] for r in rows)
+    assert rows[1]["loss"] > 3 * rows[0]["loss"]
+    assert complete_steps(tmp_path) == [1]
+
+
+def test_no_eval_batches_train_to_the_end(tmp_path, capsys):
+    config = _config(3)
+    config.data.num_eval_batches = 0
+    summary = train_and_evaluate(config, str(tmp_path))
+    assert summary["step"] == 3 and summary["eval_loss"] is None
+    assert "done: step 3, not evaluated" in capsys.readouterr().out
+    assert read_metrics(tmp_path / "metrics.jsonl", "eval") == []

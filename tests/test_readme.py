@@ -17,8 +17,13 @@ def test_readme_python_examples_run():
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
     # The threading example ends with one applied step under a float16 policy.
-    assert namespace["params"]["w"].dtype.name == "float32"
     assert float(namespace["loss_scale"].loss_scale) == 2.0 ** 15
+    # The NNX recipe: float32 masters, a float16 hidden layer and a float32 head (by the
+    # rules), and a loss that falls over its 30 steps.
+    model, losses = namespace["model"], namespace["losses"]
+    assert model.hidden.kernel[...].dtype.name == "float32" and model.hidden.dtype.name == "float16"
+    assert model.head.dtype.name == "float32"
+    assert len(losses) == 30 and losses[-1] < 0.5 * losses[0], losses
 
 
 def test_readme_first_lines_are_the_two_commands():

@@ -9,14 +9,17 @@
 * :mod:`~jaxmp.train.step`: the pure ``train_step(state, batch)`` and ``eval_step``;
 * :mod:`~jaxmp.train.loop` and :mod:`~jaxmp.train.hooks`: :func:`train_and_evaluate` and
   its periodic actions;
-* :mod:`~jaxmp.train.checkpoint`, :mod:`~jaxmp.train.metrics`, :mod:`~jaxmp.train.data`.
+* :mod:`~jaxmp.train.checkpoint`, :mod:`~jaxmp.train.metrics`, :mod:`~jaxmp.train.data`,
+  :mod:`~jaxmp.train.workdir` (the run directory's lock).
 """
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import default_config, load_config, validate_config
 from jaxmp.train.experiment import Experiment
-from jaxmp.train.hooks import TrainingStalled
+from jaxmp.train.hooks import TrainingDiverged, TrainingStalled
 from jaxmp.train.loop import Interrupted, train_and_evaluate
 from jaxmp.train.state import TrainState
+from jaxmp.train.workdir import WorkdirInUse
 
 __all__ = ["Experiment", "TrainState", "train_and_evaluate", "load_config", "default_config",
-           "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled", "Interrupted"]
+           "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled", "TrainingDiverged",
+           "Interrupted", "WorkdirInUse"]

@@ -1,6 +1,6 @@
 """Checkpoints of the whole train state, the data iterator state and the config (orbax).
 
-A checkpoint step directory holds three items, written by one
+A checkpoint step directory holds four items, written by one
 ``orbax.checkpoint.CheckpointManager``:
 
 * ``state``: the :class:`~jaxmp.train.state.TrainState` (params, optimizer state, loss
@@ -8,7 +8,10 @@ A checkpoint step directory holds three items, written by one
   of a template so it lands on the mesh it is used on;
 * ``data``: the grain iterator state (JSON), so a resumed run sees exactly the batches
   an uninterrupted run would have seen;
-* ``config``: the run's config (JSON), checked against the current one on resume.
+* ``config``: the run's config (JSON), checked against the current one on resume;
+* ``verify``: a 64-bit checksum of every array of the state, computed on the devices at
+  save time (:func:`state_checksums`), and what the state was saved for (the number of
+  data-parallel devices).
 
 Saves are asynchronous (orbax's default): :meth:`Checkpointer.save` returns once the
 arrays are copied off the devices, and the files are written in a background thread
@@ -18,9 +21,13 @@ process killed mid-write leaves the earlier checkpoints as they were; the unfini
 directory is removed when the next run opens the manager.
 
 Restoring never adjusts the loss scale or runs a step (case LS-9): the restored state
-is used as it is. A checkpoint that cannot be read, or one written for another model or
-precision setup, raises :class:`CheckpointError`; it is never silently replaced by a
-fresh start. A save that fails (a full disk, a read-only directory) raises
+is used as it is, after its checksums are recomputed and compared and its floating-point
+leaves checked finite. A checkpoint written for another model or precision setup raises
+:class:`CheckpointError` naming the differences. One that fails to read or to verify is
+corrupt: when resuming from the newest checkpoint, it is moved to
+``checkpoints/corrupt/STEP`` with a loud warning (:attr:`Checkpointer.warnings`) and the
+next older one is tried; when none is good, :class:`CheckpointError` names each, and
+nothing is moved. A run never continues from garbage, and never silently starts afresh. A save that fails (a full disk, a read-only directory) raises
 :class:`CheckpointError` naming the directory; orbax deletes old checkpoints only after
 a new one is complete, so the earlier ones stay.
 """
@@ -31,13 +38,20 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxmp.precision._paths import leaf_names
+from jaxmp.precision.loss_scale import all_finite
+
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
+           "state_checksums",
            "config_differences"]
 
 # Config sections that must match between a checkpoint and the run resuming it; the
@@ -133,6 +147,50 @@ def _quiet_orbax_tracebacks() -> None:
         sys.unraisablehook = hook
 
 
+_ODD1, _ODD2 = np.uint32(2654435761), np.uint32(2246822519)  # Knuth's multiplicative constants
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_hash(x: jax.Array) -> jax.Array:
+    """Two 32-bit position-weighted sums of the bits of ``x``: uint32 [2].
+
+    Every weight is odd, so flipping any one bit (``+-2**k`` at one position) changes
+    each sum modulo 2**32; integer sums wrap, so the value does not depend on how the
+    array is sharded or in which order the devices add.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+    bits = bits.reshape(-1)
+    i = jnp.arange(bits.size, dtype=jnp.uint32)
+    h1 = jnp.sum(bits * (i * _ODD1 | 1), dtype=jnp.uint32)
+    h2 = jnp.sum((bits ^ (bits >> 13)) * ((i + np.uint32(0x9E3779B9)) * _ODD2 | 1), dtype=jnp.uint32)
+    return jnp.stack([h1, h2])
+
+
+_hash_leaves = jax.jit(lambda leaves: [_leaf_hash(jnp.asarray(x)) for x in leaves])
+
+
+def state_checksums(state: Any) -> dict:
+    """``{"INDEX:leaf name": 16 hex digits}``: a 64-bit checksum of each array of ``state``.
+
+    Computed on the devices in one jitted pass (no copy of the state to the host); leaf
+    names as :func:`jaxmp.precision._paths.leaf_names`. Any single flipped bit changes the
+    checksum of its leaf; other damage goes unseen with a probability of about 2**-64.
+    """
+    names = leaf_names(state)
+    leaves = jax.tree.leaves(state)
+    hashes = jax.device_get(_hash_leaves(leaves)) if leaves else []
+    return {f"{i}:{n}": f"{int(h[0]):08x}{int(h[1]):08x}" for i, (n, h) in enumerate(zip(names, hashes))}
+
+
+class _Corrupt(Exception):
+    """A checkpoint that cannot be read or does not verify (internal)."""
+
+
 class Checkpointer:
     """Saves and restores ``(state, data_state, config)`` under ``workdir/checkpoints``.
 
@@ -152,6 +210,8 @@ class Checkpointer:
             raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.saved_config: Optional[dict] = None  # the config of the last restored checkpoint
+        self.saved_meta: dict = {}  # what the last restored checkpoint was saved for
+        self.warnings: list = []  # corrupt checkpoints set aside while restoring
         self._pending: Optional[int] = None  # the step being written in the background
         _quiet_orbax_tracebacks()
         try:
@@ -159,7 +219,7 @@ class Checkpointer:
                 self.directory,
                 options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                      cleanup_tmp_directories=True),
-                item_names=("state", "data", "config"),
+                item_names=("state", "data", "config", "verify"),
             )
         except OSError as e:
             raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: "
@@ -187,23 +247,33 @@ class Checkpointer:
             f"checkpoints ({', '.join(map(str, kept)) or 'none'}) are intact. Free disk space or "
             f"make the directory writable, then rerun to resume")
 
-    def save(self, step: int, state: Any, data_state: dict, config: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict, config: dict, meta: Optional[dict] = None) -> None:
         """Starts an asynchronous save of a checkpoint at ``step``.
 
-        Waits for the previous save first; returns once ``state`` is copied off the
-        devices (so it may be donated to the next step right away).
+        Waits for the previous save first; computes the state's checksums on the
+        devices; returns once ``state`` is copied off the devices (so it may be donated
+        to the next step right away).
+
+        Args:
+          step: the step number (the directory's name).
+          state: the pytree of arrays to save.
+          data_state: the data iterator's JSON state.
+          config: the run's config as a dict.
+          meta: JSON facts the state was saved for (e.g. ``{"num_devices": 8}``).
 
         Raises:
           CheckpointError: this or the previous save failed; the message names the
             step, the directory and the checkpoints that remain.
         """
         self.wait()
+        verify = {"format": 1, "checksums": state_checksums(state), **(meta or {})}
         self._pending = step
         try:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 data=ocp.args.JsonSave(data_state),
-                config=ocp.args.JsonSave(config)), force=True)
+                config=ocp.args.JsonSave(config),
+                verify=ocp.args.JsonSave(verify)), force=True)
         except Exception as e:  # orbax raises OSError, ValueError, XlaRuntimeError, ...
             self._pending = None
             raise self._failed(f"saving checkpoint step {step}", e) from None
@@ -220,30 +290,58 @@ class Checkpointer:
         except Exception as e:
             raise self._failed(f"writing checkpoint step {step}", e) from None
 
-    def restore(self, template: Any, config: dict, step: Optional[int] = None) -> Tuple[int, Any, dict]:
-        """Restores the newest (or the given) checkpoint onto ``template``'s shardings.
+    def restore(self, template: Any, config: dict, step: Optional[int] = None,
+                adapt: Optional[Callable[[dict, Any], Any]] = None) -> Tuple[int, Any, dict]:
+        """Restores and verifies a checkpoint onto ``template``'s shardings.
+
+        With ``step=None`` the newest checkpoint is tried first; one that is corrupt
+        (unreadable, checksum mismatch, non-finite values) is moved to
+        ``checkpoints/corrupt/STEP``, a warning is added to :attr:`warnings`, and the next
+        older one is tried. Nothing is moved unless a good checkpoint is found.
 
         Args:
           template: a state pytree of arrays (or ``jax.ShapeDtypeStruct`` with
             shardings) giving the structure, dtypes and shardings to restore to.
           config: the current run's config as a dict, checked against the saved one.
-          step: the step to restore; the latest when None.
+          step: restore exactly this step (no fallback); the newest good one when None.
+          adapt: ``adapt(saved_meta, template) -> template`` to restore a state saved
+            for another setup (e.g. another device count) in its saved shape; the
+            caller converts it afterwards.
 
         Returns:
-          ``(step, state, data_state)``.
+          ``(step, state, data_state)``; :attr:`saved_config` and :attr:`saved_meta`
+          hold the checkpoint's config and meta.
 
         Raises:
-          CheckpointError: no checkpoint, an unreadable one, or one whose saved config
-            differs from ``config`` in any of :data:`INCOMPATIBLE_KEYS`.
+          CheckpointError: no checkpoint; one whose saved config differs from ``config``
+            in any of :data:`INCOMPATIBLE_KEYS`; no checkpoint that reads and verifies
+            (each is named with its fault).
         """
-        step = self.latest_step() if step is None else step
-        if step is None:
+        steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        faults = []
+        for s in steps:
+            try:
+                out = self._restore_one(s, template, config, adapt)
+            except _Corrupt as e:
+                faults.append((s, str(e)))
+                continue
+            for bad, why in faults:  # set the corrupt ones aside, now that a good one exists
+                self._set_aside(bad, why, s)
+            return out
+        listed = "; ".join(f"step {s}: {why}" for s, why in faults)
+        raise CheckpointError(f"no checkpoint in {self.directory} can be restored ({listed}); "
+                              f"use a new --workdir to start afresh")
+
+    def _restore_one(self, step: int, template: Any, config: dict, adapt) -> Tuple[int, Any, dict]:
         try:
-            saved_config = self.manager.restore(step, args=ocp.args.Composite(
-                config=ocp.args.JsonRestore()))["config"]
+            saved = self.manager.restore(step, args=ocp.args.Composite(
+                config=ocp.args.JsonRestore(), verify=ocp.args.JsonRestore()))
+            saved_config, meta = saved["config"], saved["verify"]
         except Exception as e:  # orbax raises many types for a damaged directory
-            raise CheckpointError(self._damaged(step, "its config item is unreadable", e)) from None
+            raise _Corrupt(f"its config or checksums are unreadable ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]})") from None
         diffs = config_differences(saved_config, config)
         if diffs:
             listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
@@ -251,7 +349,10 @@ class Checkpointer:
                 f"checkpoint step {step} in {self.directory} was written with different settings "
                 f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
                 f"use a new --workdir")
-        self.saved_config = saved_config
+        if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict):
+            raise _Corrupt("it holds no checksums")
+        if adapt is not None:
+            template = adapt(meta, template)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             template)
@@ -259,19 +360,30 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         except Exception as e:
-            raise CheckpointError(self._damaged(
-                step, "it is corrupt or does not match this model's state", e)) from None
-        return step, restored["state"], restored["data"]
+            raise _Corrupt(f"it does not read as this model's state ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]})") from None
+        state = restored["state"]
+        sums = state_checksums(state)
+        bad = [k.split(":", 1)[1] for k in sums if meta["checksums"].get(k) != sums[k]]
+        if bad or set(sums) != set(meta["checksums"]):
+            raise _Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was saved "
+                           f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+        if not bool(jax.device_get(all_finite(state))):
+            raise _Corrupt("it holds NaN or inf values")
+        self.saved_config, self.saved_meta = saved_config, meta
+        return step, state, restored["data"]
 
-    def _damaged(self, step: int, what: str, error: Exception) -> str:
-        """The message for an unreadable checkpoint: the cause in one line, and a way out."""
-        cause = " ".join(str(error).split())[:300]
-        others = [s for s in self.manager.all_steps() if s != step]
-        hint = (f"the other checkpoints here are at steps {others}: move {self.directory / str(step)} "
-                f"away to resume from step {max(others)}, or use a new --workdir" if others
-                else "use a new --workdir to start afresh")
-        return (f"checkpoint step {step} in {self.directory} cannot be restored: {what} "
-                f"({type(error).__name__}: {cause}); {hint}")
+    def _set_aside(self, step: int, why: str, good: int) -> None:
+        """Moves a corrupt step directory out of orbax's sight and records a warning."""
+        target = self.directory / "corrupt" / str(step)
+        if jax.process_index() == 0:
+            target.parent.mkdir(exist_ok=True)
+            if target.exists():  # set aside before: keep the newest copy
+                shutil.rmtree(target)
+            (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        self.warnings.append(f"checkpoint step {step} in {self.directory} is corrupt: {why}. It was "
+                             f"moved to {target}; resuming from step {good} instead")
 
     def close(self, raise_errors: bool = True) -> None:
         """Waits for the pending save and releases the manager (idempotent).

@@ -70,6 +70,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict(dict(
         steps=200, batch_size=16, grad_accum_steps=1, num_devices=0, log_every=5,
         eval_every=50, checkpoint_every=100, keep_checkpoints=2, max_consecutive_skips=100,
+        loss_spike_factor=3.0, grad_norm_spike_factor=100.0, max_divergent_steps=10,
         sample_prompt="def ", sample_tokens=80, sample_temperature=0.8))
     return c
 
@@ -306,9 +307,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         ("steps", *positive_int), ("batch_size", *positive_int), ("log_every", *positive_int),
         ("grad_accum_steps", *positive_int), ("keep_checkpoints", *positive_int),
         ("checkpoint_every", *positive_int),
-        ("eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = only at the end)"),
+        ("eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = never)"),
         ("num_devices", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = all devices)"),
         ("max_consecutive_skips", *positive_int),
+        ("loss_spike_factor", lambda v: _is_real(v) and (v == 0 or 1 < v < math.inf), "0 (off) or a finite number > 1"),
+        ("grad_norm_spike_factor", lambda v: _is_real(v) and (v == 0 or 1 < v < math.inf), "0 (off) or a finite number > 1"),
+        ("max_divergent_steps", *positive_int),
         ("sample_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         ("sample_temperature", lambda v: _is_real(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
         ("sample_prompt", lambda v: isinstance(v, str), "a string"),

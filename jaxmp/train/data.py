@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import pathlib
 import sysconfig
@@ -144,35 +145,73 @@ def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
     return docs
 
 
+def _is_text_file(path: str) -> bool:
+    """No NUL byte in the first 8 KiB: git's rule for telling text from binary files."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def _directory_files(root: str) -> list[str]:
+    """Every text file below ``root``, recursively, sorted; hidden files and directories
+    (names starting with ``.``) and ``__pycache__`` are skipped, symlinked directories not
+    followed.
+
+    Raises:
+      ValueError: no text file is found (the message counts what was skipped).
+    """
+    found, skipped = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        for name in filenames:
+            file = os.path.join(dirpath, name)
+            if name.startswith(".") or not os.path.isfile(file):
+                continue
+            if _is_text_file(file):
+                found.append(file)
+            else:
+                skipped += 1
+    if not found:
+        raise ValueError(f"data.path directory {root!r} holds no text file ({skipped} binary "
+                         f"file(s) skipped); give a directory of text files, a glob such as "
+                         f"'{root}/**/*.txt', or .jsonl files")
+    return sorted(found)
+
+
 def load_documents(path: str | None, text_field: str = "text") -> list[tuple[str, bytes]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
 
     Args:
       path: ``None`` or ``""`` for the stdlib corpus (:func:`default_corpus_files`,
-        names are POSIX paths relative to the stdlib root); otherwise a glob
-        (``**`` matches any number of directories) of text files, each one
-        document read as raw bytes, or of ``.jsonl`` files, each non-blank line
-        one JSON object whose ``text_field`` string (UTF-8 encoded) is one
-        document named ``"file:line"``. Files are taken in sorted path order;
-        directories the glob matches are ignored.
+        names are POSIX paths relative to the stdlib root); a directory, meaning every
+        text file below it, recursively (text: no NUL byte in its first 8 KiB; hidden
+        files and directories skipped); or a glob (``**`` matches any number of
+        directories) of files. Each text file is one document read as raw bytes; a
+        ``.jsonl`` file holds one JSON object per non-blank line, whose ``text_field``
+        string (UTF-8 encoded) is one document named ``"file:line"``. Files are taken in
+        sorted path order; directories a glob matches are not expanded.
       text_field: the ``.jsonl`` field holding the text.
 
     Returns:
       Documents in a deterministic order.
 
     Raises:
-      ValueError: no file matches ``path``; a ``.jsonl`` line is not valid JSON
-        or lacks a string ``text_field`` (names the file and line number).
+      ValueError: no file matches ``path`` (or a directory holds no text file); a
+        ``.jsonl`` line is not valid JSON or lacks a string ``text_field`` (names the
+        file and line number).
     """
     if not path:
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])
         docs = [(p.relative_to(root).as_posix(), p.read_bytes())
                 for p in default_corpus_files()]
         return [d for d in docs if d[1]]
-    files = sorted(f for f in glob.glob(os.path.expanduser(path), recursive=True)
-                   if os.path.isfile(f))
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        files = _directory_files(expanded)
+    else:
+        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
     if not files:
-        raise ValueError(f"no file matches data.path glob {path!r}")
+        raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
+                         f"'corpus/**/*.txt', or '' for the standard library's sources)")
     docs = []
     for file in files:
         if file.lower().endswith(".jsonl"):
@@ -313,6 +352,27 @@ class TokenStream:
                 "targets": np.ascontiguousarray(w[:, 1:])}
 
 
+class _EvalBatches(Sequence):
+    """The fixed eval batches, gathered when read (so a huge batch size costs no memory
+    until it is used): batch ``k`` holds windows ``k * B .. (k + 1) * B - 1`` modulo the
+    number of eval windows, this process's rows ``[lo, hi)``."""
+
+    def __init__(self, stream, count: int, batch: int, lo: int, hi: int):
+        self._stream, self._count, self._batch, self._lo, self._hi = stream, count, batch, lo, hi
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not -self._count <= k < self._count:
+            raise IndexError(f"eval batch {k} out of range for {self._count}")
+        k %= self._count
+        ids = (np.arange(k * self._batch + self._lo, k * self._batch + self._hi)) % len(self._stream)
+        return self._stream.batch(ids)
+
+
 @dataclasses.dataclass
 class DataPipeline:
     """Training iterator, eval batches and corpus statistics for one process.
@@ -321,19 +381,23 @@ class DataPipeline:
       train_iter: infinite iterator of ``{"inputs", "targets"}`` int32
         ``[local_batch, seq_len]`` batches, ``local_batch = global_batch /
         process_count``.
-      eval_batches: ``num_eval_batches`` batches of the same form, fixed order.
+      eval_batches: ``num_eval_batches`` batches of the same form, fixed order (a
+        sequence: each batch is gathered when read).
       tokenizer: the :class:`ByteTokenizer`.
       train_tokens: tokens in the (capped) packed train stream.
       eval_tokens: tokens in the (capped) packed eval stream.
       num_documents: non-empty documents in the corpus (both splits).
+      notes: what :func:`create_pipeline` changed in the split to give eval enough text,
+        as sentences for the user (empty when the hash split sufficed).
     """
 
     train_iter: grain.DatasetIterator
-    eval_batches: list[dict]
+    eval_batches: Sequence[dict]
     tokenizer: ByteTokenizer
     train_tokens: int
     eval_tokens: int
     num_documents: int
+    notes: tuple = ()
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -362,6 +426,65 @@ class DataPipeline:
         self.train_iter.set_state(state["iterator"])
 
 
+def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need_eval: bool):
+    """``(train, eval or None, notes)``: the hash split, made to work for small corpora.
+
+    When eval is wanted and the hash split (:func:`split_documents`) leaves either split
+    shorter than one window (``seq_len + 1`` tokens), the split is repaired:
+
+    1. by document: eval gets the documents with the lowest hash scores (those closest to
+       being eval documents), as few as make one window, and train the rest, if that
+       leaves train one window;
+    2. otherwise (e.g. a single document) the last ``max(seq_len + 1, eval_fraction *
+       tokens)`` tokens of the packed stream are held out as eval.
+
+    Both repairs depend only on the corpus, so they are the same on every run.
+
+    Raises:
+      ValueError: train has fewer than ``seq_len + 1`` tokens, or the corpus cannot give
+        both splits one window (the message says it is the eval split that is short).
+    """
+    window = seq_len + 1
+    train_docs, eval_docs = split_documents(docs, eval_fraction)
+    notes = []
+
+    def tokens(ds):
+        return sum(len(d) + 1 for _, d in ds)
+
+    if need_eval and (tokens(eval_docs) < window or tokens(train_docs) < window):
+        by_score = sorted(docs, key=lambda d: _eval_score(d[0]))
+        taken, count = set(), 0
+        for name, d in by_score:
+            if count >= window:
+                break
+            taken.add(name)
+            count += len(d) + 1
+        left = [d for d in docs if d[0] not in taken]
+        if count >= window and tokens(left) >= window:
+            notes.append(f"the hash split (data.eval_fraction={eval_fraction}) gave eval "
+                         f"{len(eval_docs)} and train {len(train_docs)} document(s), one of them "
+                         f"shorter than a sequence of {window} tokens; eval now holds the "
+                         f"{len(taken)} document(s) closest to it by hash, train the other {len(left)}")
+            train_docs, eval_docs = left, [d for d in docs if d[0] in taken]
+        else:
+            stream = TokenStream.from_documents(docs, seq_len, max_tokens=None)
+            total = stream.num_tokens
+            held = max(window, math.ceil(eval_fraction * total))
+            if total - held < window:
+                raise ValueError(
+                    f"the eval split needs at least one sequence of seq_len + 1 = {window} tokens, "
+                    f"and train as many, but the corpus has {total} tokens in {len(docs)} "
+                    f"document(s); add text, lower data.seq_len, or set data.num_eval_batches=0")
+            notes.append(f"the corpus ({len(docs)} document(s)) cannot be split by document; its "
+                         f"last {held} of {total} tokens are held out for eval")
+            cap = max_tokens or None
+            return (TokenStream(stream.tokens[:total - held][:cap], seq_len),
+                    TokenStream(stream.tokens[total - held:][:cap], seq_len), notes)
+    train = TokenStream.from_documents(train_docs, seq_len, max_tokens=max_tokens)
+    evals = TokenStream.from_documents(eval_docs, seq_len, max_tokens=max_tokens) if need_eval else None
+    return train, evals, notes
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -381,10 +504,13 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
 
     Eval: global batch ``k`` holds eval windows ``k * B .. (k + 1) * B - 1``
     modulo the number of eval windows (a small eval split is repeated), unshuffled.
+    A corpus whose hash split leaves eval shorter than one window gets its split
+    repaired (see ``DataPipeline.notes``): documents move to eval, or the stream's last
+    tokens are held out.
 
     Args:
-      data_config: object with attributes ``path`` (glob, ``None``/``""``: the
-        stdlib), ``text_field`` (default ``"text"``), ``seq_len``,
+      data_config: object with attributes ``path`` (a directory, a glob,
+        ``None``/``""``: the stdlib; see :func:`load_documents`), ``text_field`` (default ``"text"``), ``seq_len``,
         ``eval_fraction`` (see :func:`split_documents`), ``num_eval_batches``
         (0 disables eval) and ``max_tokens`` (``None`` or 0: all; otherwise caps
         each split's packed stream, for tests and tiny runs).
@@ -401,7 +527,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         not divisible by ``process_count``; a bad ``process_index``, ``seed``,
         ``eval_fraction``, ``num_eval_batches`` or ``max_tokens``; no file
         matches ``path``; a bad ``.jsonl`` line; a train split shorter than one
-        window; an eval split shorter than one window while eval is enabled.
+        window; a corpus too short to give eval one window too while eval is enabled.
     """
     seq_len = _check_int("data.seq_len", data_config.seq_len, 1)
     batch = _check_int("global_batch_size", global_batch_size, 1)
@@ -425,22 +551,13 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
 
     path = getattr(data_config, "path", None)
     docs = load_documents(path, getattr(data_config, "text_field", None) or "text")
-    train_docs, eval_docs = split_documents(docs, eval_fraction)
-    train = TokenStream.from_documents(train_docs, seq_len, max_tokens=max_tokens)
+    train, evals, notes = _split_streams(docs, eval_fraction, seq_len, max_tokens, need_eval=num_eval > 0)
     lo, hi = index * batch // count, (index + 1) * batch // count
 
-    eval_batches, eval_tokens = [], 0
+    eval_batches, eval_tokens = _EvalBatches(None, 0, 0, 0, 0), 0
     if num_eval:
-        try:
-            evals = TokenStream.from_documents(eval_docs, seq_len, max_tokens=max_tokens)
-        except ValueError as e:
-            raise ValueError(
-                f"eval split ({len(eval_docs)} documents, eval_fraction={eval_fraction}) "
-                f"is too small: {e}; add documents, raise data.eval_fraction, or set "
-                "data.num_eval_batches=0") from None
         eval_tokens = evals.num_tokens
-        ids = (np.arange(num_eval * batch) % len(evals)).reshape(num_eval, batch)
-        eval_batches = [evals.batch(row[lo:hi]) for row in ids]
+        eval_batches = _EvalBatches(evals, num_eval, batch, lo, hi)
 
     ds = (grain.MapDataset.range(len(train)).shuffle(seed=seed).repeat()
           .batch(batch, drop_remainder=True)
@@ -452,6 +569,6 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     return DataPipeline(
         train_iter=train_iter, eval_batches=eval_batches, tokenizer=ByteTokenizer(),
         train_tokens=train.num_tokens, eval_tokens=eval_tokens,
-        num_documents=len(docs),
+        num_documents=len(docs), notes=tuple(notes),
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed})

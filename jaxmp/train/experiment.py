@@ -140,7 +140,9 @@ class Experiment:
                                 abstract, state_sh)
         step = make_train_step(graphdef, optimizer, mesh=mesh, lr_schedule=lr_schedule,
                                bias_update_rate=settings.model.bias_update_rate,
-                               grad_accum_steps=cfg.train.grad_accum_steps, **settings.comm)
+                               grad_accum_steps=cfg.train.grad_accum_steps,
+                               loss_spike_factor=cfg.train.loss_spike_factor,
+                               grad_norm_spike_factor=cfg.train.grad_norm_spike_factor, **settings.comm)
         return cls(
             settings=settings, mesh=mesh, logical_rules=logical_rules, rules=model.rules,
             graphdef=graphdef, module_paths=tuple(module_paths(model)),

@@ -1,4 +1,4 @@
-"""The training loop's periodic actions: log, stall guard, evaluate, checkpoint.
+"""The training loop's periodic actions: log, stall and divergence guards, evaluate, checkpoint.
 
 Each hook is a periodic action in the style of ``clu.periodic_actions`` (clu itself is
 not a dependency: its metric writers import TensorFlow): it is called after every train
@@ -20,12 +20,16 @@ import numpy as np
 
 from jaxmp.train.metrics import MetricsWriter, expert_load_stats
 
-__all__ = ["TrainingStalled", "Stopwatch", "PeriodicAction", "ReportMetrics", "StallGuard",
-           "Evaluate", "SaveCheckpoint", "steps_text"]
+__all__ = ["TrainingStalled", "TrainingDiverged", "Stopwatch", "PeriodicAction", "ReportMetrics",
+           "RunGuard", "Evaluate", "SaveCheckpoint", "steps_text"]
 
 
 class TrainingStalled(RuntimeError):
     """Every step for ``train.max_consecutive_skips`` steps in a row was skipped."""
+
+
+class TrainingDiverged(TrainingStalled):
+    """``train.max_divergent_steps`` applied steps in a row looked divergent."""
 
 
 def steps_text(n: int) -> str:
@@ -111,12 +115,15 @@ class ReportMetrics(PeriodicAction):
         timed = step - self.timed_from
         tps = self.tokens_per_step * timed / seconds if timed > 0 and seconds > 0 else None
         self.timed_from = step
-        record = {k: float(v) for k, v in m.items()
-                  if np.ndim(v) == 0 and k not in ("grads_finite", "applied")}
-        record.update(grads_finite=bool(m["grads_finite"]), applied=bool(m["applied"]),
-                      skipped_steps=int(m["skipped_steps"]),
-                      consecutive_skips=int(m["consecutive_skips"]), tokens_per_s=tps,
-                      **expert_load_stats(m["expert_counts"]))
+        flags, counts = ("grads_finite", "applied", "divergent"), (
+            "skipped_steps", "consecutive_skips", "divergent_steps")
+        record = {k: float(v) for k, v in m.items() if np.ndim(v) == 0 and k not in flags + counts}
+        record.update({k: bool(m[k]) for k in flags}, **{k: int(m[k]) for k in counts},
+                      tokens_per_s=tps, **expert_load_stats(m["expert_counts"]))
+        if record["divergent_steps"]:
+            self.bar.write(f"step {step}: the last {steps_text(record['divergent_steps'])} applied looked "
+                           f"divergent (loss {record['loss']:.4g} vs a running mean of "
+                           f"{record['loss_ema']:.4g}, gradient norm {record['grad_norm']:.4g})")
         newly = record["skipped_steps"] - self.last_skipped
         if newly:
             self.bar.write(f"step {step}: {newly} of the last {steps_text(step - self.last_step_reported)} "
@@ -130,22 +137,25 @@ class ReportMetrics(PeriodicAction):
 
 
 @dataclasses.dataclass
-class StallGuard(PeriodicAction):
-    """Stops a run whose last ``max_skips`` steps in a row were all skipped.
+class RunGuard(PeriodicAction):
+    """Stops the run once a count of bad steps in a row reaches ``limit``.
 
-    Reads ``metrics["consecutive_skips"]`` (kept exactly in the train state), so the
-    count is right at any interval; the stop comes at the first check at or after the
-    ``max_skips``-th skipped step.
+    The count is ``metrics[metric]``, kept exactly in the train state
+    (``consecutive_skips``: steps not applied; ``divergent_steps``: applied steps that
+    looked divergent), so it is right at any interval; the stop comes at the first check
+    at or after the ``limit``-th bad step and raises ``error(describe(state, count))``.
     """
 
-    max_skips: int = 100
+    metric: str = "consecutive_skips"
+    limit: int = 100
+    error: type = TrainingStalled
     describe: Callable[[Any, int], str] = None
 
     def apply(self, step, state, metrics):
-        run = int(jax.device_get(metrics["consecutive_skips"]))
-        if run >= self.max_skips:
-            raise TrainingStalled(self.describe(state, run) if self.describe else
-                                  f"the last {steps_text(run)} (to step {step}) were all skipped")
+        run = int(jax.device_get(metrics[self.metric]))
+        if run >= self.limit:
+            raise self.error(self.describe(state, run) if self.describe else
+                             f"{self.metric} reached {run} at step {step}")
 
 
 @dataclasses.dataclass
@@ -173,15 +183,35 @@ class Evaluate(PeriodicAction):
 
 @dataclasses.dataclass
 class SaveCheckpoint(PeriodicAction):
-    """Saves the state (asynchronously) every ``every_steps`` and at the last step.
+    """Saves the state (asynchronously) every ``every_steps`` and at the last step, while
+    the run is healthy.
 
     ``save(step, state)`` starts the write; the :class:`~jaxmp.train.checkpoint.Checkpointer`
-    waits for it before the next one and on close.
+    waits for it before the next one and on close. A save that falls due while the latest
+    step was skipped or looked divergent (``consecutive_skips`` or ``divergent_steps`` > 0)
+    is put off to the next healthy step, so a stall or a divergence never overwrites the
+    last healthy checkpoints; a line says so once per unhealthy stretch.
     """
 
     save: Callable[[int, Any], None] = None
     stopwatch: Stopwatch = None
+    bar: Any = None
     last_saved: Optional[int] = None
+    pending: bool = False
+
+    def __call__(self, step, state, metrics):
+        if not (self.should_trigger(step) or self.pending):
+            return
+        m = jax.device_get({k: metrics[k] for k in ("consecutive_skips", "divergent_steps")})
+        if int(m["consecutive_skips"]) or int(m["divergent_steps"]):
+            if not self.pending and self.bar is not None:
+                self.bar.write(f"step {step}: checkpoint put off: the latest steps were skipped or "
+                               f"looked divergent; the last checkpoint is "
+                               f"{'step ' + str(self.last_saved) if self.last_saved else 'the one resumed from'}")
+            self.pending = True
+            return
+        self.pending = False
+        self.apply(step, state, metrics)
 
     def apply(self, step, state, metrics):
         with self.stopwatch.paused():

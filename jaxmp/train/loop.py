@@ -22,11 +22,12 @@ import pathlib
 import signal
 import sys
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxmp.models import generate
@@ -34,12 +35,13 @@ from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLo
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.experiment import Experiment, unmatched_rules
-from jaxmp.train.hooks import (Evaluate, ReportMetrics, SaveCheckpoint, StallGuard, Stopwatch,
-                               TrainingStalled, steps_text)
+from jaxmp.train.hooks import (Evaluate, ReportMetrics, RunGuard, SaveCheckpoint, Stopwatch,
+                               TrainingDiverged, TrainingStalled, steps_text)
 from jaxmp.train.metrics import MetricsWriter
+from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
-__all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "describe_loss_scale",
-           "banner"]
+__all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "TrainingDiverged", "WorkdirInUse",
+           "describe_loss_scale", "banner", "check_memory"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -93,29 +95,81 @@ class _SignalCatcher:
             signal.signal(sig, handler)
 
 
-def _compile(exp: Experiment, state, catcher: _SignalCatcher):
-    """Compiles the train step in a worker thread, so that a signal is seen at once.
+class _Compilation:
+    """Compiles the train step in a worker thread while the main thread reads the data,
+    and so that a signal during the compilation is seen at once."""
 
-    Returns the compiled step, or None when a signal arrived first (the compilation is
-    abandoned with the process).
+    def __init__(self, exp: Experiment):
+        self.result: Dict[str, Any] = {}
+
+        def work():
+            try:
+                self.result["step"] = exp.train_step.lower(exp.abstract_state, exp.abstract_batch()).compile()
+            except BaseException as e:  # re-raised in the main thread
+                self.result["error"] = e
+
+        self.worker = threading.Thread(target=work, name="jaxmp-compile", daemon=True)
+        self.worker.start()
+
+    def join(self, catcher: "_SignalCatcher"):
+        """The compiled step, or None when a signal came first (the compilation is then
+        abandoned with the process)."""
+        while self.worker.is_alive():
+            self.worker.join(0.1)
+            if catcher.signum is not None:
+                return None
+        if "error" in self.result:
+            raise self.result["error"]
+        return self.result["step"]
+
+
+def _device_memory(device) -> Tuple[Optional[int], str]:
+    """``(bytes one device can hold, where that figure comes from)``; None when unknown.
+
+    Accelerators report their limit (``memory_stats()["bytes_limit"]``). CPU devices
+    share the host's memory: its available memory (``MemAvailable`` of /proc/meminfo)
+    divided by the local CPU devices.
     """
-    result: Dict[str, Any] = {}
-
-    def work():
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind} memory limit"
+    if device.platform == "cpu":
         try:
-            result["step"] = exp.train_step.lower(state, exp.abstract_batch()).compile()
-        except BaseException as e:  # re-raised in the main thread
-            result["error"] = e
+            with open("/proc/meminfo") as f:
+                info = {line.split(":")[0]: line.split()[1] for line in f if ":" in line}
+            available = int(info["MemAvailable"]) * 1024
+        except (OSError, KeyError, ValueError):
+            return None, "unknown"
+        n = max(1, len([d for d in jax.local_devices() if d.platform == "cpu"]))
+        return available // n, f"the host's available memory shared by {n} CPU device(s)"
+    return None, "unknown"
 
-    worker = threading.Thread(target=work, name="jaxmp-compile", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.1)
-        if catcher.signum is not None:
-            return None
-    if "error" in result:
-        raise result["error"]
-    return result["step"]
+
+def check_memory(compiled, exp: Experiment) -> None:
+    """Refuses a step that cannot fit on a device, before it runs.
+
+    The estimate is XLA's memory analysis of the compiled step, per device: arguments +
+    outputs - aliased (donated) buffers + temporaries.
+
+    Raises:
+      ValueError: the estimate exceeds the device's memory; the message gives both and
+        what to change.
+    """
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    need = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+            - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+    device = exp.mesh.devices.flat[0]
+    have, source = _device_memory(device)
+    if have is not None and need > have:
+        t = exp.config.train
+        raise ValueError(
+            f"the train step needs about {need / 2**30:.2f} GiB per device (XLA's memory analysis "
+            f"of the compiled step: arguments {analysis.argument_size_in_bytes / 2**30:.2f} GiB, "
+            f"temporaries {analysis.temp_size_in_bytes / 2**30:.2f} GiB) but a device has "
+            f"{have / 2**30:.2f} GiB ({source}); lower train.batch_size (now {t.batch_size}), "
+            f"raise train.grad_accum_steps (now {t.grad_accum_steps}) or use more devices")
 
 
 def describe_loss_scale(loss_scale) -> str:
@@ -192,7 +246,14 @@ def _resume_warnings(saved: Optional[dict], config, start: int) -> list:
     return lines
 
 
-def _stall_message(exp: Experiment, directory: pathlib.Path):
+def _last_checkpoint_text(saver: "SaveCheckpoint", directory: pathlib.Path) -> str:
+    if saver.last_saved:
+        return (f"The last checkpoint, step {saver.last_saved} in {directory}, is from before it: "
+                f"a rerun resumes from there")
+    return f"No checkpoint was written in this run (checkpoints: {directory})"
+
+
+def _stall_message(exp: Experiment, saver: "SaveCheckpoint", directory: pathlib.Path):
     def describe(state, run: int) -> str:
         ls = state.loss_scale
         scale = float(jax.device_get(ls.loss_scale))
@@ -206,44 +267,85 @@ def _stall_message(exp: Experiment, directory: pathlib.Path):
         return (f"the last {steps_text(run)} (to step {step}) were all skipped: gradients or "
                 f"updates were not finite, so the parameters have not changed since step "
                 f"{step - run}; loss scale {scale:g} ({type(ls).__name__}). "
-                f"{'; '.join(advice)}. Checkpoints are in {directory}")
+                f"{'; '.join(advice)}. {_last_checkpoint_text(saver, directory)}")
     return describe
 
 
-def _workdir(path) -> pathlib.Path:
-    """The run directory, created, after checking that it can be written."""
-    workdir = pathlib.Path(path)
-    if workdir.exists() and not workdir.is_dir():
-        raise ValueError(f"--workdir {workdir} exists and is not a directory")
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".jaxmp-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--workdir {workdir} is not writable: {e.strerror or e}; choose a "
-                         f"writable directory") from None
-    return workdir
+def _divergence_message(exp: Experiment, saver: "SaveCheckpoint", directory: pathlib.Path):
+    def describe(state, run: int) -> str:
+        step = int(jax.device_get(state.step))
+        t = exp.config.train
+        return (f"the last {steps_text(run)} applied (to step {step}) looked divergent: a loss "
+                f"above {t.loss_spike_factor:g}x its running mean "
+                f"({float(jax.device_get(state.loss_ema)):.4g}), a gradient norm above "
+                f"{t.grad_norm_spike_factor:g}x its running mean, a non-finite loss, or a zero "
+                f"gradient norm. Lower optim.learning_rate or raise optim.warmup_steps. "
+                f"{_last_checkpoint_text(saver, directory)}")
+    return describe
+
+
+def _adapt_residual(exp: Experiment):
+    """An ``adapt`` for :meth:`Checkpointer.restore`: a top-k residual saved for another
+    device count is restored in its saved shape (replicated), for :func:`_reshard_residual`."""
+    def adapt(meta: dict, template):
+        saved_n = meta.get("num_devices")
+        if template.comm_state is None or saved_n in (None, exp.num_devices):
+            return template
+        replicated = NamedSharding(exp.mesh, PartitionSpec())
+        comm = jax.tree.map(lambda x: jax.ShapeDtypeStruct((int(saved_n),) + tuple(x.shape[1:]), x.dtype,
+                                                           sharding=replicated), template.comm_state)
+        return template.replace(comm_state=comm)
+    return adapt
+
+
+def _reshard_residual(exp: Experiment, state, saved_n: Optional[int]):
+    """``(state, note)``: the top-k residual of ``saved_n`` devices given to this mesh.
+
+    Each device's residual is what it has not yet delivered of its own gradients; the
+    exchange sends the mean over devices, so the undelivered part of the mean gradient is
+    ``mean_i residual_i``. Giving every new device that mean keeps it exactly:
+    ``mean_j new_j = mean_i old_i``.
+    """
+    if state.comm_state is None or saved_n in (None, exp.num_devices):
+        return state, None
+    n = exp.num_devices
+    def spread(r, sharding):  # the mean in float64, rounded once to float32
+        mean = np.asarray(jax.device_get(r), np.float64).mean(0, keepdims=True).astype(np.float32)
+        return jax.device_put(np.broadcast_to(mean, (n,) + r.shape[1:]), sharding)
+
+    comm = jax.tree.map(spread, state.comm_state, exp.state_shardings.comm_state)
+    note = (f"the top-k residual was saved for {saved_n} devices and this mesh has {n}: each device now "
+            f"holds the mean of the saved rows, which keeps the gradient not yet delivered")
+    return state.replace(comm_state=comm), note
 
 
 def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dict):
-    """``(start_step, state)``: the newest checkpoint's, with the data iterator moved to
-    it, or step 0 and a freshly initialised state."""
+    """``(start_step, state, notes)``: the newest good checkpoint's, with the data iterator
+    moved to it, or step 0 and a freshly initialised state."""
     if ckpt.latest_step() is None:
-        return 0, exp.init_state()
-    start, state, data_state = ckpt.restore(exp.abstract_state, config_dict)
+        return 0, exp.init_state(), []
+    start, state, data_state = ckpt.restore(exp.abstract_state, config_dict, adapt=_adapt_residual(exp))
+    state, note = _reshard_residual(exp, state, ckpt.saved_meta.get("num_devices"))
     try:
         data.set_state(data_state)
     except ValueError as e:
         raise CheckpointError(f"the data-iterator state in {ckpt.directory} does not fit "
                               f"this run's data: {e}") from None
-    return start, state
+    return start, state, [note] if note else []
 
 
-def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int) -> None:
+def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int, notes, lock) -> None:
     print(banner(exp, data))
     for line in _precision_warnings(exp):
         print(f"warning: {line}")
+    for line in data.notes + tuple(notes):
+        print(f"note: {line}")
+    if lock is not None and lock.taken_over:
+        held = lock.taken_over
+        print(f"note: took over the workdir lock of process {held.get('pid')} on {held.get('host')}, "
+              f"which is no longer running")
+    for line in ckpt.warnings:
+        print(f"WARNING: {line}")
     if start:
         print(f"resumed from {ckpt.directory} at step {start}")
         for line in _resume_warnings(ckpt.saved_config, exp.config, start):
@@ -267,25 +369,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     Raises:
       ValueError: bad config values or data (see :func:`~jaxmp.train.config.validate_config`),
-        or a workdir that cannot be written.
+        a workdir that cannot be written, or a step too large for the device memory
+        (:func:`check_memory`).
+      WorkdirInUse: another trainer holds ``workdir``.
       jaxmp.train.checkpoint.CheckpointError: a checkpoint in ``workdir`` is unreadable
         or was written for another setup, or a save failed.
       TrainingStalled: ``train.max_consecutive_skips`` steps in a row were skipped.
+      TrainingDiverged: ``train.max_divergent_steps`` applied steps in a row looked
+        divergent (a subclass of TrainingStalled).
       Interrupted: SIGINT or SIGTERM (after saving a checkpoint when a step had run).
     """
-    workdir = _workdir(workdir)
+    workdir = prepare_workdir(workdir)
     exp = Experiment.create(config, num_devices=num_devices)
     cfg, t = exp.config, exp.config.train
     main_process = jax.process_index() == 0
     config_dict = config_to_dict(cfg)
+    meta = {"num_devices": exp.num_devices}
 
     with contextlib.ExitStack() as stack:
         catcher = stack.enter_context(_SignalCatcher())
+        lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
+        compilation = _Compilation(exp)  # in the background, while the data is read
         data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
+        step_fn = compilation.join(catcher)
+        if step_fn is not None:
+            check_memory(step_fn, exp)  # before the state takes device memory
         ckpt = stack.enter_context(Checkpointer(workdir, keep=t.keep_checkpoints))
-        start, state = _restore_or_init(exp, ckpt, data, config_dict)
+        start, state, notes = _restore_or_init(exp, ckpt, data, config_dict)
         if main_process:
-            _announce(exp, data, ckpt, start)
+            _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)
         stack.callback(writer.close)
         bar = stack.enter_context(tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True,
@@ -295,17 +407,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                tokens_per_step=t.batch_size * cfg.data.seq_len, bar=bar,
                                last_step_reported=start, last_skipped=int(jax.device_get(state.skipped_steps)),
                                timed_from=start + 1)
-        evaluate = Evaluate(t.eval_every, t.steps, evaluate=exp.evaluate, writer=writer,
-                            stopwatch=stopwatch, bar=bar)
-        saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch,
-                               save=lambda step, s: ckpt.save(step, s, data.get_state(), config_dict))
+        # eval_every=0: never evaluate (last_step=-1 never comes).
+        evaluate = Evaluate(t.eval_every, t.steps if t.eval_every else -1, evaluate=exp.evaluate,
+                            writer=writer, stopwatch=stopwatch, bar=bar)
+        saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
+                               last_saved=start or None,
+                               save=lambda step, s: ckpt.save(step, s, data.get_state(), config_dict, meta))
         hooks = [report,
-                 StallGuard(t.log_every, t.steps, max_skips=t.max_consecutive_skips,
-                            describe=_stall_message(exp, ckpt.directory)),
+                 RunGuard(t.log_every, t.steps, metric="consecutive_skips", limit=t.max_consecutive_skips,
+                          error=TrainingStalled, describe=_stall_message(exp, saver, ckpt.directory)),
+                 RunGuard(t.log_every, t.steps, metric="divergent_steps", limit=t.max_divergent_steps,
+                          error=TrainingDiverged, describe=_divergence_message(exp, saver, ckpt.directory)),
                  evaluate, saver]
 
         step = start
-        step_fn = _compile(exp, state, catcher) if start < t.steps and catcher.signum is None else None
         while step < t.steps and catcher.signum is None:
             batch = exp.batch_to_device(next(data.train_iter))
             state, metrics = step_fn(state, batch)
@@ -319,13 +434,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if catcher.signum is not None:
             saved = step > start
             if saved and saver.last_saved != step:
-                ckpt.save(step, state, data.get_state(), config_dict)
+                ckpt.save(step, state, data.get_state(), config_dict, meta)
             ckpt.close()
             raise Interrupted(catcher.signum, step, saved, ckpt.directory)
         bar.close()
 
     eval_loss = evaluate.last_loss
-    if eval_loss is None and start >= t.steps:  # nothing left to train: report the restored state
+    if eval_loss is None and start >= t.steps and t.eval_every:  # nothing left to train: the restored state
         eval_loss = exp.evaluate(state)
     prompt = data.tokenizer.encode(t.sample_prompt, add_eos=False)
     ids = generate(exp.host_model(state), prompt, max_new_tokens=t.sample_tokens,
@@ -335,7 +450,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if main_process:
         (workdir / "sample.txt").write_text(sample)
-        loss_text = "no eval batches" if eval_loss is None else f"eval loss {eval_loss:.4f}"
+        loss_text = "not evaluated" if eval_loss is None else f"eval loss {eval_loss:.4f}"
         print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} skipped")
         print(f"sample after {steps_text(final_step)}:\n{sample}")
     return {"step": final_step, "train_losses": report.losses, "eval_loss": eval_loss,

@@ -42,6 +42,12 @@ class TrainState:
         applied (0 after an applied step); what the trainer's stall guard reads, exactly,
         at whatever interval it looks (as optax's ``apply_if_finite`` keeps
         ``notfinite_count``).
+      loss_ema: float32 scalar, the running mean (exponential, decay 0.9) of the loss of
+        the applied steps that did not look divergent; 0 before the first one.
+      grad_norm_ema: float32 scalar, the same for the unscaled gradient norm.
+      divergent_steps: int32 scalar, how many of the latest applied steps in a row looked
+        divergent (:func:`jaxmp.train.step.make_train_step`); skipped steps leave it as it
+        is, a healthy applied step resets it to 0.
       rng: uint32 [2] PRNG key data. The train step does not use it (the model has no
         stochastic layers); the trainer draws its closing sample with it.
       comm_state: None, or for top-k gradient compression ``{"residual": tree}`` of
@@ -57,6 +63,9 @@ class TrainState:
     loss_scale: LossScale
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    loss_ema: jax.Array
+    grad_norm_ema: jax.Array
+    divergent_steps: jax.Array
     rng: jax.Array
     comm_state: Any = None
 
@@ -81,11 +90,12 @@ def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformatio
       ValueError: ``loss_scale`` is not a loss scale.
     """
     graphdef, params, biases, rest = split_model(model)
-    zero = jnp.zeros((), jnp.int32)
+    zero, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
     state = TrainState(
         step=zero, params=params, biases=biases, rest=rest,
         opt_state=optimizer.init(params), loss_scale=as_loss_scale(loss_scale),
-        skipped_steps=zero, consecutive_skips=zero,
+        skipped_steps=zero, consecutive_skips=zero, loss_ema=zero_f, grad_norm_ema=zero_f,
+        divergent_steps=zero,
         rng=jax.random.key_data(jax.random.key(seed + 1)), comm_state=comm_state)
     return graphdef, state
 

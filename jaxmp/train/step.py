@@ -159,10 +159,41 @@ def _data_parallel_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh
     return grads, finite, ce, aux, new_comm_state
 
 
+_EMA_DECAY = 0.9
+
+
+def _health(state: TrainState, ce, grad_norm, applied, loss_spike_factor, grad_norm_spike_factor):
+    """``(divergent, loss_ema, grad_norm_ema, divergent_steps)`` after this step.
+
+    An applied step looks divergent when its loss is not finite, when its loss exceeds
+    ``loss_spike_factor`` times the running mean of the healthy applied steps' losses,
+    when its gradient norm exceeds ``grad_norm_spike_factor`` times theirs, or when its
+    gradient norm is exactly 0 (no learning signal: a collapsed model). A factor of 0
+    turns that test off. Only healthy applied steps move the running means.
+    """
+    ce, grad_norm = ce.astype(jnp.float32), grad_norm.astype(jnp.float32)
+    seen = state.loss_ema > 0
+
+    def above(x, ema, factor):
+        return seen & (factor > 0) & (x > factor * ema)
+
+    divergent = applied & (~jnp.isfinite(ce) | above(ce, state.loss_ema, loss_spike_factor)
+                           | above(grad_norm, state.grad_norm_ema, grad_norm_spike_factor)
+                           | (grad_norm == 0))
+    healthy = applied & ~divergent
+
+    def ema(old, x):
+        return jnp.where(healthy, jnp.where(seen, _EMA_DECAY * old + (1 - _EMA_DECAY) * x, x), old)
+
+    steps = jnp.where(divergent, state.divergent_steps + 1, jnp.where(applied, 0, state.divergent_steps))
+    return divergent, ema(state.loss_ema, ce), ema(state.grad_norm_ema, grad_norm), steps.astype(jnp.int32)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: Mesh,
                     lr_schedule: optax.Schedule, bias_update_rate: float = 0.0,
                     grad_accum_steps: int = 1, grad_reduce_dtype: Any = "float32",
-                    grad_compression: str = "none", topk_ratio: float = 0.3) -> Callable:
+                    grad_compression: str = "none", topk_ratio: float = 0.3,
+                    loss_spike_factor: float = 3.0, grad_norm_spike_factor: float = 100.0) -> Callable:
     """Returns the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -180,6 +211,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
       grad_compression: ``"none"`` or ``"topk"`` (:func:`jaxmp.comm.topk_compress`;
         needs ``state.comm_state``).
       topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
+      loss_spike_factor: an applied step whose loss exceeds this many times the running
+        mean of the healthy steps' losses looks divergent (0 = off).
+      grad_norm_spike_factor: likewise for the unscaled gradient norm (0 = off; the
+        default 100 is loose because clipped training tolerates large spikes).
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, B split over the
     mesh's data axis. Metrics (float32 scalars unless noted): ``loss`` (cross-entropy),
@@ -187,7 +222,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
     step), ``grads_finite`` (bool), ``applied`` (bool: finite gradients and a finite new
     state), ``skipped_steps`` and ``consecutive_skips`` (int32, after this step), ``lr``
     (the rate of this step's update), ``expert_counts`` (float32 [num_moe_layers,
-    num_experts]), ``dropped_fraction``.
+    num_experts]), ``dropped_fraction``, ``divergent`` (bool: an applied step that looks
+    divergent, see ``_health``), ``divergent_steps`` (int32, in a row), ``loss_ema``.
 
     Raises:
       ValueError: ``grad_accum_steps`` < 1; bad communication settings (see
@@ -218,10 +254,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
         not_applied = (~update.applied).astype(jnp.int32)
         skipped = state.skipped_steps + not_applied
         consecutive = (state.consecutive_skips + 1) * not_applied
+        divergent, loss_ema, norm_ema, divergent_steps = _health(
+            state, ce, update.grad_norm, update.applied, loss_spike_factor, grad_norm_spike_factor)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=update.extra,
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
-            consecutive_skips=consecutive, comm_state=new_comm_state)
+            consecutive_skips=consecutive, loss_ema=loss_ema, grad_norm_ema=norm_ema,
+            divergent_steps=divergent_steps, comm_state=new_comm_state)
         metrics = {
             "loss": ce.astype(jnp.float32),
             "aux_loss": jnp.asarray(aux["aux_loss"], jnp.float32),
@@ -236,6 +275,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
             "lr": jnp.asarray(lr_schedule(state.step - state.skipped_steps), jnp.float32),
             "expert_counts": aux["expert_counts"],
             "dropped_fraction": jnp.asarray(aux["dropped_fraction"], jnp.float32),
+            "divergent": divergent,
+            "divergent_steps": divergent_steps,
+            "loss_ema": loss_ema,
         }
         return new_state, metrics
 

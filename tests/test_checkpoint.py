@@ -1,0 +1,92 @@
+"""Checkpoint verification: the per-array checksums, and a top-k residual moved between
+device counts."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from _configs import small_config
+from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
+from jaxmp.train.checkpoint import state_checksums
+from jaxmp.train.config import config_to_dict
+from jaxmp.train.loop import _restore_or_init
+
+DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.uint8, np.bool_, jnp.float8_e4m3fn]
+
+
+def _flip(x, index, bit):
+    """``x`` with one bit of element ``index`` flipped, by NumPy on the raw bytes."""
+    raw = np.asarray(x).copy()
+    view = raw.reshape(-1).view(np.uint8).reshape(raw.size, -1)
+    view[index, bit // 8] ^= np.uint8(1 << (bit % 8))
+    return raw
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(1, 300), data=st.data())
+def test_any_single_flipped_bit_changes_the_checksum(dtype, n, data):
+    rng = np.random.default_rng(n)
+    if dtype == np.bool_:
+        x = rng.integers(0, 2, n).astype(bool)
+    else:
+        x = np.asarray(rng.integers(0, 100, n)).astype(dtype)
+    bits = 1 if dtype == np.bool_ else 8 * np.dtype(dtype).itemsize
+    index, bit = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, bits - 1))
+    flipped = _flip(x, index, bit)
+    if dtype == np.bool_:  # a bool is one byte holding 0 or 1: flip the value itself
+        flipped = x.copy()
+        flipped[index] = not x[index]
+    before = state_checksums({"w": jnp.asarray(x)})
+    after = state_checksums({"w": jnp.asarray(flipped)})
+    assert before.keys() == after.keys() == {"0:w"}
+    assert before != after
+
+
+def test_the_checksum_is_the_same_however_the_array_is_sharded():
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6) / 7
+    mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    replicated = jax.device_put(x, NamedSharding(mesh, P()))
+    assert state_checksums([sharded]) == state_checksums([replicated]) == state_checksums([jnp.asarray(x)])
+
+
+def test_swapped_elements_and_renamed_leaves_change_the_checksums():
+    x = np.arange(10, dtype=np.float32)
+    y = x.copy()
+    y[[2, 7]] = y[[7, 2]]
+    assert state_checksums([x]) != state_checksums([y])  # the weights depend on the position
+    assert set(state_checksums({"a": x})) != set(state_checksums({"b": x}))
+
+
+@pytest.mark.slow
+def test_a_topk_residual_saved_on_8_devices_resumes_on_4_keeping_its_mean(tmp_path, capsys):
+    """The residual is what each device has not delivered of its gradients; resumed on 4
+    devices, every device holds the mean of the 8 saved rows, so mean_j new_j equals
+    mean_i old_i exactly (NumPy float64 on the saved rows)."""
+    config = small_config(model=dict(num_layers=1, first_dense_layers=0), steps=2, checkpoint_every=2)
+    config.precision.update(dict(grad_reduce_dtype="bfloat16", grad_compression="topk", topk_ratio=0.3))
+    train_and_evaluate(config, str(tmp_path), num_devices=8)
+    eight = Experiment.create(config, num_devices=8)
+    with Checkpointer(tmp_path) as ckpt:
+        _, saved, _ = ckpt.restore(eight.abstract_state, config_to_dict(eight.config))
+    old = [np.asarray(r, np.float64) for r in jax.tree.leaves(saved.comm_state)]
+    assert all(r.shape[0] == 8 for r in old) and any(np.abs(r).max() > 0 for r in old)
+
+    four = Experiment.create(config, num_devices=4)
+    with Checkpointer(tmp_path) as ckpt:
+        step, state, notes = _restore_or_init(four, ckpt, four.data, config_to_dict(four.config))
+    assert step == 2 and "saved for 8 devices and this mesh has 4" in notes[0]
+    new = [np.asarray(r, np.float64) for r in jax.tree.leaves(state.comm_state)]
+    for a, b in zip(old, new):
+        assert b.shape == (4,) + a.shape[1:]
+        np.testing.assert_allclose(b.mean(0), a.mean(0), rtol=1e-6, atol=1e-12)
+        np.testing.assert_array_equal(b[0], b[3])
+    assert jax.tree.leaves(state.comm_state)[0].sharding.spec[0] == "data"
+    # The trainer resumes on 4 devices and says what it did.
+    capsys.readouterr()
+    longer = config.copy_and_resolve_references()
+    longer.train.steps = 3
+    summary = train_and_evaluate(longer, str(tmp_path), num_devices=4)
+    assert summary["step"] == 3 and "each device now holds the mean of the saved rows" in capsys.readouterr().out
