@@ -4,6 +4,8 @@
 
 Rerunning the same command resumes from the newest checkpoint in --workdir. Ctrl-C or
 SIGTERM saves a checkpoint at the current step and exits with status 130 or 143.
+Several processes: --coordinator_address=HOST:PORT --num_processes=N --process_id=I on
+each (jaxmp.train.distributed), or a cluster's environment (Slurm, Open MPI, ...).
 """
 import sys
 
@@ -11,12 +13,19 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
+from jaxmp.train import distributed
 from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import check_override_keys, load_config
 
 _DEFAULT_CONFIG = "configs/tiny_moe.py"
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Path to a config file.")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Directory for checkpoints and logs.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a "
+                                   "multi-process run (jax.distributed); with --num_processes, --process_id.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process, in [0, num_processes).")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a heartbeat after which "
+                                  "a process counts as dead and the others exit with an error.")
 
 
 def _parse_flags(argv):
@@ -39,6 +48,8 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     try:
+        distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                               _HEARTBEAT.value)  # before anything touches the devices
         train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the

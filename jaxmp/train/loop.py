@@ -160,7 +160,7 @@ def check_memory(compiled, exp: Experiment) -> None:
         return
     need = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
             - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-    device = exp.mesh.devices.flat[0]
+    device = next(d for d in exp.mesh.devices.flat if d.process_index == jax.process_index())
     have, source = _device_memory(device)
     if have is not None and need > have:
         t = exp.config.train
