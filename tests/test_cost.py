@@ -260,3 +260,16 @@ def test_cli_bad_input_exits_2(argv, message, capsys):
         report.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_article_strategy_rows_by_hand():
+    """67e9 parameters on 2048 GPUs: dp 16 B/param, zero1 2 + 12/2048, fsdp 12/2048."""
+    rows = {r.item.split(", ")[1]: r for r in article.strategy_table(2048)}
+    p = 67e9
+    assert rows["dp"].bytes == 16 * p == 1.072e12
+    assert rows["zero1"].bytes == pytest.approx(2 * p + 12 * p / 2048, rel=1e-12)  # 134.39 GB
+    assert rows["fsdp"].bytes == pytest.approx(12 * p / 2048, rel=1e-12)           # 0.393 GB
+    assert all(r.status == "REF" and r.article is None for r in rows.values())
+    assert article.strategy_table(1)[2].bytes_per_param == 12.0
+    with pytest.raises(ValueError, match="num_devices must be an int >= 1"):
+        article.strategy_table(0)

@@ -26,7 +26,7 @@ import numbers
 from typing import List, Optional, Tuple
 
 __all__ = ["ARTICLE_PARAMS", "TOLERANCE", "Row", "ring_allreduce_factor", "memory_table",
-           "communication_table"]
+           "communication_table", "STRATEGY_DEVICES", "strategy_table"]
 
 ARTICLE_PARAMS = 67e9
 TOLERANCE = 0.05  # relative: a printed figure within 5% of ours counts as OK.
@@ -74,7 +74,7 @@ def _judge(ours: float, article_range: Tuple[float, float]) -> str:
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:,.0f} GB"
+    return f"{x / 1e9:,.0f} GB" if x >= 10e9 else f"{x / 1e9:.2f} GB"
 
 
 def ring_allreduce_factor(num_devices: int) -> float:
@@ -206,3 +206,45 @@ def communication_table(num_devices: int = 8) -> List[Row]:
             f"for N = {n}, {gather16 / (ring * dense16):.1f}x the dense 16-bit ring "
             f"and more than the dense FP32 ring for every N > {breakeven:.1f}"),
     ]
+
+
+# The article's setting for its 67e9-parameter model.
+STRATEGY_DEVICES = 2048
+
+
+def strategy_table(num_devices: int = STRATEGY_DEVICES) -> List[Row]:
+    """Per-GPU training state of the article's model under dp, zero1 and fsdp.
+
+    Mixed precision as jaxmp trains it: float32 master weights and Adam moments, bf16
+    compute (``parallel.strategy`` in :mod:`jaxmp.train.config`); P parameters, N
+    data-parallel GPUs. The article prints no figure for these rows (all ``REF``). Bytes
+    per GPU, from ZeRO (Rajbhandari et al. 2020, section 5: stage 1 partitions the
+    optimizer state, stage 3 the parameters too) with DeepSpeed's bf16 layout (a bf16
+    copy of the parameters kept whole under stage 1):
+
+    * dp: master 4P + moments 8P + float32 gradients 4P, everything replicated: 16P;
+    * zero1: the bf16 parameter copy 2P whole, master and moments sharded: 2P + 12P/N;
+      the bf16 gradients 2P exist during the step and are reduce-scattered;
+    * fsdp: everything sharded, 12P/N, plus one layer's gathered bf16 parameters at a
+      time (not counted: it depends on the layer, not on P).
+
+    Activations are left out (they depend on batch, sequence and remat, not on the
+    strategy). GB = 1e9 bytes.
+
+    Raises:
+      ValueError: ``num_devices`` is not an int >= 1.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 1:
+        raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
+    n, p = num_devices, ARTICLE_PARAMS
+    rows = []
+    for name, formula, per_param, note in (
+            ("dp", "4 + 8 + 4 B/param (master, moments, float32 gradients), replicated", 16.0,
+             "more than any GPU holds (an H200 has 141 GB)"),
+            ("zero1", f"2 + 12 / N B/param (bf16 copy whole; master + moments / N), N = {n}", 2 + 12 / n,
+             "the bf16 copy dominates; the sharded float32 state is small"),
+            ("fsdp", f"12 / N B/param (master + moments / N), N = {n}", 12 / n,
+             "plus one layer's gathered bf16 weights while it runs")):
+        rows.append(Row(f"per-GPU state, {name}, {n} GPUs", formula, per_param, per_param * p,
+                        per_param / 16.0, "dp", None, "REF", f"{_gb(per_param * p)} per GPU; {note}"))
+    return rows

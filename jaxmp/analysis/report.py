@@ -47,7 +47,9 @@ def article_report(num_devices: int = 8) -> dict:
       num_devices: data-parallel devices for the communication table.
 
     Returns:
-      ``{"num_params", "num_devices", "gb", "memory": [row...], "communication": [row...]}``
+      ``{"num_params", "num_devices", "gb", "memory": [row...], "communication": [row...],
+      "strategy_devices", "strategies": [row...]}`` (the last: per-GPU state of the
+      article's model under dp, zero1 and fsdp, :func:`jaxmp.analysis.article.strategy_table`)
       with rows as in :class:`jaxmp.analysis.article.Row`.
     """
     return {
@@ -56,6 +58,8 @@ def article_report(num_devices: int = 8) -> dict:
         "gb": 1e9,
         "memory": [r.as_dict() for r in article.memory_table()],
         "communication": [r.as_dict() for r in article.communication_table(num_devices)],
+        "strategy_devices": article.STRATEGY_DEVICES,
+        "strategies": [r.as_dict() for r in article.strategy_table()],
     }
 
 
@@ -115,7 +119,7 @@ def cost_report(total_params: float = cost.DEEPSEEK_V3.total_params,
 
 def _fmt_row(r: dict) -> List[str]:
     if r["bytes"] is not None:
-        computed = f"{r['bytes'] / 1e9:,.0f} GB"
+        computed = f"{r['bytes'] / 1e9:,.0f} GB" if r["bytes"] >= 10e9 else f"{r['bytes'] / 1e9:.2f} GB"
         if r["bytes_per_param"] is not None:
             computed += f" ({r['bytes_per_param']:.3g} B/param)"
     else:
@@ -139,6 +143,10 @@ def format_article(report: dict) -> str:
     lines += ["", f"Article section 2.3: gradient bytes per device per step, "
                   f"{report['num_devices']} data-parallel devices"]
     for r in report["communication"]:
+        lines += _fmt_row(r)
+    lines += ["", f"Per-GPU training state by parallel strategy, {report['strategy_devices']} GPUs "
+                  f"(bf16 compute, float32 master and moments; activations not included)"]
+    for r in report["strategies"]:
         lines += _fmt_row(r)
     rows = report["memory"] + report["communication"]
     wrong = sum(r["status"] == "WRONG" for r in rows)
