@@ -467,3 +467,39 @@ def test_trainer_passes_the_settings_through_and_checkpoints_the_residual(tmp_pa
     # Only the top-k path writes the residual; each device keeps its own row.
     for r in map(np.asarray, residual):
         assert np.abs(r).max() > 0 and not all(np.array_equal(r[0], row) for row in r[1:])
+
+
+# --------------------------------------------------------------------------- per-leaf layouts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reduce_gradients_by_layout_on_a_2d_mesh(dtype):
+    """A (data=2, expert=4) mesh, one gradient per device: the mean over all 8 devices,
+    whole (all-reduce over both axes), reduce-scattered over data (each data row keeps
+    half of dim 0) and summed over expert, summed over data only (an expert-sharded leaf),
+    or left alone (already summed)."""
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "expert"))
+    rng = np.random.default_rng(0)
+    g = rng.integers(-64, 64, (2, 4, 6, 3)).astype(np.float32) / 8  # exact in bfloat16
+    layouts = {"whole": comm.LeafReduce(("data", "expert")),
+               "zero": comm.LeafReduce(("expert",), "data", 0),
+               "expert_param": comm.LeafReduce(("data",)),
+               "done": comm.LeafReduce()}
+
+    def per_device(x):
+        out = comm.reduce_gradients({k: x[0, 0] for k in layouts}, layouts, 8, dtype)
+        return {k: v[None, None] for k, v in out.items()}
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data", "expert"),
+                              out_specs={"whole": P(None, None), "zero": P("data", None),
+                                         "expert_param": P(None, "expert"), "done": P("data", "expert")},
+                              check_vma=False))
+    out = jax.device_get(f(g))
+    ref = g.astype(np.float64) / 8
+    np.testing.assert_array_equal(out["whole"][0, 0], ref.sum((0, 1)))
+    # data row r keeps rows [3r, 3r + 3) of dim 0 of the sum over all devices.
+    np.testing.assert_array_equal(np.concatenate([out["zero"][r, 0] for r in range(2)]), ref.sum((0, 1)))
+    assert out["zero"].shape == (2, 1, 3, 3)
+    for e in range(4):  # each expert column: the sum over data of its own gradients
+        np.testing.assert_array_equal(out["expert_param"][0, e], ref[:, e].sum(0))
+    np.testing.assert_array_equal(out["done"], ref)

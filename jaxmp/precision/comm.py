@@ -30,7 +30,7 @@ where NCCL reduces and gathers bfloat16/float16 natively.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,8 @@ __all__ = [
     "topk_count",
     "init_comm_state",
     "pmean_gradients",
+    "LeafReduce",
+    "reduce_gradients",
     "topk_compress",
     "topk_allgather_mean",
     "exchange_gradients",
@@ -160,6 +162,54 @@ def pmean_gradients(grads: Any, axis_name: str = DATA_AXIS, dtype: Any = jnp.flo
     n = jax.lax.axis_size(axis_name)
     sent = jax.tree.map(lambda g: (g.astype(jnp.float32) / n).astype(dtype), grads)
     return jax.tree.map(lambda s: s.astype(jnp.float32), jax.lax.psum(sent, axis_name))
+
+
+class LeafReduce(NamedTuple):
+    """How one gradient leaf is reduced across devices, inside ``shard_map``.
+
+    Attributes:
+      sum_axes: mesh axes the leaf is summed over whole (all-reduce).
+      scatter_axis: a mesh axis the leaf is reduce-scattered over (ZeRO), or None.
+      scatter_dim: the leaf's dimension split by the reduce-scatter (tiled: each device
+        keeps its ``1/size`` slice of it).
+    """
+
+    sum_axes: Tuple[str, ...] = ()
+    scatter_axis: Optional[str] = None
+    scatter_dim: int = 0
+
+
+def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = jnp.float32) -> Any:
+    """The mean over all devices of each leaf, summed in ``dtype`` by its layout; inside
+    ``shard_map``.
+
+    Each device computes ``cast(g / total_devices, dtype)``; the leaf is reduce-scattered
+    over ``scatter_axis`` (``jax.lax.psum_scatter``, tiled) and all-reduced over
+    ``sum_axes`` (``jax.lax.psum``), in ``dtype``, then cast to float32. Dividing first
+    keeps float16 finite (see :func:`pmean_gradients`). A leaf with an empty layout is
+    only divided: it was already summed (e.g. by the transpose of an all-gather).
+
+    Args:
+      grads: a pytree of per-device floating arrays (the gradient of each device's own
+        mean loss).
+      layouts: a pytree of :class:`LeafReduce` with ``grads``' structure.
+      total_devices: the devices whose losses are averaged (every device of the mesh).
+      dtype: the dtype of the exchanged values and of the sums.
+
+    Returns:
+      The tree of float32 reduced leaves (scattered ones keep their slice).
+    """
+    dtype = jnp.dtype(dtype)
+
+    def one(g, layout):
+        x = (g.astype(jnp.float32) / total_devices).astype(dtype)
+        if layout.scatter_axis is not None:
+            x = jax.lax.psum_scatter(x, layout.scatter_axis, scatter_dimension=layout.scatter_dim, tiled=True)
+        if layout.sum_axes:
+            x = jax.lax.psum(x, tuple(layout.sum_axes))
+        return x.astype(jnp.float32)
+
+    return jax.tree.map(one, grads, layouts, is_leaf=lambda x: isinstance(x, LeafReduce))
 
 
 def _topk_leaf(x: jax.Array, ratio: float, dtype) -> Tuple[jax.Array, jax.Array, jax.Array]:
