@@ -13,19 +13,13 @@ kernel on the GPU. Memory: 15 GB of train state (16 bytes per parameter), activa
 counted by ``python -m jaxmp.report --config configs/dense_1b.py --devices 1 --settings``.
 Not yet measured on a GPU.
 """
-import importlib.util
-import pathlib
-
 import ml_collections
 
-# Loaded by path: config files are run by path (config_flags), not imported as a package.
-_spec = importlib.util.spec_from_file_location("tiny_moe", pathlib.Path(__file__).with_name("tiny_moe.py"))
-tiny_moe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny_moe)
+from jaxmp.train.config import default_config
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = tiny_moe.get_config()
+    config = default_config()  # every key at its default (tiny_moe's values), then this model
     config.model.update(dict(
         vocab_size=32768, num_layers=16, d_model=2048, num_heads=16, d_ff=5632, max_len=2048,
         num_experts=0, num_shared_experts=0, first_dense_layers=0, bias_update_rate=0.0,

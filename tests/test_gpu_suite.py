@@ -14,22 +14,41 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
+SCRIPT = str(ROOT / "benchmarks" / "gpu_suite.py")
+# One train-step case as the suite runs each on a GPU: in a process of its own.
+CASE = {"config": "dense_1b", "toy": True, "policy_name": "mixed_bf16",
+        "policy": "mixed_bf16; router: fp32; norm: fp32", "loss_scale": "none", "steps": 1,
+        "repeats": 10, "warmup": 0, "ring": 1, "hardware": None, "peak_size": 64}
+
+
 def _suite(tmp, *args, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--toy",
-                           "--out", str(tmp / "suite"), *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, SCRIPT, "--toy", "--out", str(tmp / "suite"), *args],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
+    """The toy suite and one isolated case, side by side (2 cores)."""
     tmp = tmp_path_factory.mktemp("suite")
-    proc = _suite(tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp / "suite.json").read_text()), (tmp / "suite.md").read_text()
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd in (
+        [sys.executable, SCRIPT, "--toy", "--out", str(tmp / "suite")],
+        [sys.executable, SCRIPT, "--case", json.dumps(CASE), "--case-out", str(tmp / "case.json")])]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
+    finally:  # a failure or timeout must not leave the other one running
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return (json.loads((tmp / "suite.json").read_text()), (tmp / "suite.md").read_text(),
+            json.loads((tmp / "case.json").read_text()))
 
 
 def test_matmul_rows_by_hand(suite):
-    r, _ = suite
+    r = suite[0]
     rows = {row["dtype"]: row for row in r["matmul"]["rows"]}
     assert {"bfloat16", "float16", "float32"} <= set(rows)
     for row in rows.values():
@@ -43,7 +62,7 @@ def test_matmul_rows_by_hand(suite):
 
 
 def test_attention_rows(suite):
-    r, _ = suite
+    r = suite[0]
     a = r["attention"]
     b, t, h, d = a["shape"]
     rows = {row["implementation"]: row for row in a["rows"]}
@@ -57,7 +76,7 @@ def test_attention_rows(suite):
 
 
 def test_moe_dispatch_rows(suite):
-    r, _ = suite
+    r = suite[0]
     m = r["moe_dispatch"]
     dropless, *capacity = m["rows"]
     assert dropless["capacity_factor"] == 0 and dropless["dropped_fraction"] == 0.0
@@ -77,7 +96,7 @@ def _hand_flops(case):
 
 
 def test_train_step_cases_by_hand(suite):
-    r, _ = suite
+    r = suite[0]
     cases = {(c["config"], c["policy_name"]): c for c in r["train_step"]}
     assert {("dense_1b", "mixed_bf16"), ("moe_bench", "mixed_bf16"), ("dense_1b", "mixed_fp16"),
             ("moe_bench", "mixed_fp16")} <= set(cases)
@@ -99,7 +118,7 @@ def test_train_step_cases_by_hand(suite):
 
 
 def test_overhead_and_the_markdown_table(suite):
-    r, md = suite
+    r, md, _ = suite
     ov = r["overhead"]
     assert ov["ratio"] == pytest.approx(ov["jaxmp_ms"] / ov["baseline_ms"], rel=1e-12)
     lines = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
@@ -110,17 +129,10 @@ def test_overhead_and_the_markdown_table(suite):
     assert "toy sizes" in md and r["toy"] and r["elapsed_s"] < r["budget_s"]
 
 
-def test_an_isolated_case_reports_as_the_in_process_one(suite, tmp_path):
-    r, _ = suite
+def test_an_isolated_case_reports_as_the_in_process_one(suite):
+    r, _, isolated = suite
     (case,) = [c for c in r["train_step"] if (c["config"], c["policy_name"]) == ("dense_1b", "mixed_bf16")]
-    spec = {"config": "dense_1b", "toy": True, "policy_name": "mixed_bf16",
-            "policy": r["policies"]["mixed_bf16"], "loss_scale": "none", "steps": 1, "repeats": 10,
-            "warmup": 0, "ring": 1, "hardware": None, "peak_size": 64}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--case",
-                           json.dumps(spec), "--case-out", str(tmp_path / "case.json")], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    isolated = json.loads((tmp_path / "case.json").read_text())
+    assert r["policies"]["mixed_bf16"] == CASE["policy"]
     for key in ("total_params", "tokens_per_step", "model_flops_per_step", "policy", "loss_scale"):
         assert isolated[key] == case[key], key
     # Same seed, same batches, same program: the same first steps.
