@@ -28,9 +28,8 @@ table (one row per figure, with its target and verdict):
    via ``benchmarks/train_step.py``) on ``configs/dense_1b.py`` (0.96B dense) and
    ``configs/bench_h200.py`` (MoE), in mixed_bf16, mixed_fp16 with dynamic loss scaling,
    and each ``fp8_*`` policy of ``jaxmp.fp8`` if present: tokens/s, model TFLOP/s, MFU,
-   compile seconds, peak device memory (``memory_stats()["peak_bytes_in_use"]``; on a GPU
-   each case runs in its own process so that the high-water mark is the case's own) and
-   XLA's planned program bytes.
+   compile seconds, peak device memory (``memory_stats()["peak_bytes_in_use"]``, the
+   case's own high-water mark: see below) and XLA's planned program bytes.
 5. ``overhead``: ``benchmarks/overhead.py``'s ratio of the trainer's step to a
    hand-written Flax NNX + optax + jmp step on ``configs/bench_h200.py``, mixed_bf16.
 
@@ -39,6 +38,12 @@ included). Parts and cases run in the order above (the train-step cases bf16 fir
 overhead after the bf16 cases); one that would start with less than ``--reserve_s`` left
 is skipped and listed as skipped, and an isolated case is killed at the deadline, so the
 suite ends inside the budget and says what it did not measure. ``--parts`` picks parts.
+
+Without ``--toy``, every part and case runs in a child process of its own
+(``--no-isolate`` keeps them in this one): the device's memory statistics and allocator
+are then the case's own, and a crash or an out-of-memory error is a failed row, not a
+failed suite. The orchestrating process starts JAX without preallocating and with the
+platform allocator, so that it holds no device memory the children need.
 
 ``--toy`` shrinks every size (2-layer models of width 64, 64 x 64 matmuls) so that the
 whole suite runs on a CPU in well under a minute: ``tests/test_gpu_suite.py`` runs it
@@ -77,7 +82,7 @@ from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train.config import load_config
 
 __all__ = ["CONFIGS", "TOY_OVERRIDES", "TARGETS", "PARTS", "fp8_recipes", "suite_policies",
-           "run_matmul", "run_attention", "run_moe_dispatch", "run_case", "run_overhead",
+           "run_matmul", "run_attention", "run_moe_dispatch", "run_case", "run_overhead", "run_part",
            "run_suite", "markdown_table", "main"]
 
 CONFIGS = {"dense_1b": ROOT / "configs" / "dense_1b.py", "moe_bench": ROOT / "configs" / "bench_h200.py"}
@@ -323,7 +328,7 @@ def run_moe_dispatch(config, repeats: int, capacity_factors=(1.0, 1.25), dtype="
 def run_case(spec: dict) -> dict:
     """One train-step case: ``benchmarks/train_step.run`` of one config in one policy.
 
-    ``spec``: ``{"config": name of CONFIGS, "toy": bool, "policy_name", "policy",
+    ``spec``: ``{"part": "train_step", "config": name of CONFIGS, "toy": bool, "policy_name", "policy",
     "loss_scale", "steps", "repeats", "warmup", "ring", "hardware", "peak_size"}``.
 
     Returns:
@@ -342,14 +347,39 @@ def run_case(spec: dict) -> dict:
             **{k: v for k, v in result.items() if k != "samples_ms"}, "samples_ms": result["samples_ms"]}
 
 
+def run_part(spec: dict) -> dict:
+    """One part (or train-step case) of the suite from its JSON ``spec``: what a child
+    process runs. ``spec["part"]`` names it; ``train_step`` specs are :func:`run_case`'s."""
+    part, toy = spec["part"], spec["toy"]
+    if part == "matmul":
+        return run_matmul(spec["n"], spec["repeats"], spec["hardware"], spec["peak_size"])
+    if part == "attention":
+        return run_attention(_config("moe_bench", toy), spec["repeats"])
+    if part == "moe_dispatch":
+        return run_moe_dispatch(_config("moe_bench", toy), spec["repeats"])
+    if part == "overhead":
+        return run_overhead(_config("moe_bench", toy), spec["steps"], spec["repeats"])
+    if part == "train_step":
+        return run_case(spec)
+    raise ValueError(f"part {part!r}; allowed: {', '.join(PARTS)}")
+
+
+# The variables a child gets back: the orchestrating parent holds no device memory.
+_ALLOCATOR_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_ALLOCATOR")
+_ORIGINAL_ENV = {k: os.environ.get(k) for k in _ALLOCATOR_ENV}
+
+
 def _run_isolated(spec: dict, timeout_s: float) -> dict:
-    """:func:`run_case` in a child process (its own memory high-water mark); killed at
-    ``timeout_s``."""
+    """:func:`run_part` in a child process (its own memory high-water mark, its own
+    allocator with the device to itself); killed at ``timeout_s``."""
     out = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"gpu_suite_case_{os.getpid()}_{time.time_ns()}.json"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--case", json.dumps(spec),
            "--case-out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in _ALLOCATOR_ENV}
+    env.update({k: v for k, v in _ORIGINAL_ENV.items() if v is not None})
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout_s, 1.0))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=max(timeout_s, 1.0))
     except subprocess.TimeoutExpired:
         return {"error": f"killed at the suite's deadline after {timeout_s:.0f} s"}
     if proc.returncode != 0 or not out.exists():
@@ -399,7 +429,10 @@ def run_suite(toy: bool = False, budget_s: float = 480.0, parts: Sequence[str] =
       parts: which of :data:`PARTS`, run in that order whatever the order given.
       hardware: a :data:`jaxmp.analysis.cost.HARDWARE` key; None = detect the GPU
         (CPU: measured peaks).
-      isolate: run each train-step case in its own process (default: on GPUs).
+      isolate: run every part and train-step case in a process of its own (default:
+        unless ``toy``); the caller should then keep this process off the device's
+        memory (``main`` sets ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` and the platform
+        allocator before JAX starts).
       log: where progress lines go.
 
     Returns:
@@ -424,7 +457,7 @@ def run_suite(toy: bool = False, budget_s: float = 480.0, parts: Sequence[str] =
         raise ValueError(f"GPU {device.device_kind!r} is not in jaxmp.analysis.cost.HARDWARE; pass "
                          f"--hardware with one of {', '.join(cost.HARDWARE)}")
     sizes = TOY_SIZES if toy else GPU_SIZES
-    isolate = device.platform != "cpu" if isolate is None else isolate
+    isolate = (not toy) if isolate is None else isolate
     recipes, fp8_note = fp8_recipes()
     policies = suite_policies(list(recipes))
     report: Dict[str, Any] = {"device": device_info(device), "hardware": hardware, "commit": _git_commit(),
@@ -445,29 +478,31 @@ def run_suite(toy: bool = False, budget_s: float = 480.0, parts: Sequence[str] =
         log(f"  {part} {case}: {time.perf_counter() - t0:.1f} s")
         return out
 
-    moe_config = _config("moe_bench", toy)
+    def execute(spec):
+        return _run_isolated(spec, left()) if isolate else run_part(spec)
+
+    common = {"toy": toy, "repeats": sizes["repeats"], "hardware": hardware}
     if "matmul" in parts:
-        report["matmul"] = timed("matmul", "", lambda: run_matmul(
-            sizes["matmul_n"], sizes["repeats"], hardware, sizes["peak_size"], device))
-    if "attention" in parts:
-        report["attention"] = timed("attention", "", lambda: run_attention(moe_config, sizes["repeats"]))
-    if "moe_dispatch" in parts:
-        report["moe_dispatch"] = timed("moe_dispatch", "", lambda: run_moe_dispatch(moe_config, sizes["repeats"]))
+        report["matmul"] = timed("matmul", "", lambda: execute(
+            {"part": "matmul", **common, "n": sizes["matmul_n"], "peak_size": sizes["peak_size"]}))
+    for part in ("attention", "moe_dispatch"):
+        if part in parts:
+            report[part] = timed(part, "", lambda part=part: execute({"part": part, **common}))
     cases = [(c, p) for p in policies for c in CONFIGS] if "train_step" in parts else []
     order = [x for x in cases if x[1] == "mixed_bf16"] + (["overhead"] if "overhead" in parts else []) \
         + [x for x in cases if x[1] != "mixed_bf16"]
     for item in order:
         if item == "overhead":
-            report["overhead"] = timed("overhead", "moe_bench", lambda: run_overhead(
-                moe_config, sizes["overhead_steps"], sizes["overhead_repeats"]))
+            report["overhead"] = timed("overhead", "moe_bench", lambda: execute(
+                {"part": "overhead", **common, "steps": sizes["overhead_steps"],
+                 "repeats": sizes["overhead_repeats"]}))
             continue
         config_name, policy_name = item
-        spec = {"config": config_name, "toy": toy, "policy_name": policy_name,
+        spec = {"part": "train_step", "config": config_name, "toy": toy, "policy_name": policy_name,
                 "policy": policies[policy_name][0], "loss_scale": policies[policy_name][1],
                 "steps": sizes["steps"], "repeats": sizes["repeats"], "warmup": sizes["warmup"],
                 "ring": sizes["ring"], "hardware": hardware, "peak_size": sizes["peak_size"]}
-        row = timed("train_step", f"{config_name} {policy_name}",
-                    lambda: _run_isolated(spec, left()) if isolate else run_case(spec))
+        row = timed("train_step", f"{config_name} {policy_name}", lambda: execute(spec))
         if row is not None:
             report["train_step"].append({"config": config_name, "policy_name": policy_name, **row})
     report["elapsed_s"] = time.perf_counter() - start
@@ -490,6 +525,10 @@ def _rows(report: dict) -> List[List[str]]:
     """``[part, case, result, target, verdict]`` rows of the markdown table."""
     h200 = report.get("hardware") == "H200" and not report["toy"]
     rows = []
+    for part in ("matmul", "attention", "moe_dispatch", "overhead"):
+        if isinstance(report.get(part), dict) and "error" in report[part]:
+            rows.append([part, "", f"failed: {report[part]['error']}", "", ""])
+            report[part] = None  # nothing else to show for it
     for r in (report.get("matmul") or {}).get("rows", []):
         rows.append(["matmul", f"{r['dtype']} ({r['mode']}) n={r['n']}",
                      f"{r['tflops']:.4g} TFLOP/s = {r['fraction_of_peak']:.1%} of {r['peak_tflops']:.4g} "
@@ -573,14 +612,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--hardware", default=None, choices=list(cost.HARDWARE),
                         help="the chip's datasheet peaks (default: detected on GPUs)")
     parser.add_argument("--isolate", dest="isolate", action="store_true", default=None,
-                        help="run each train-step case in its own process (default on GPUs)")
+                        help="run each part and train-step case in its own process (default "
+                             "without --toy)")
     parser.add_argument("--no-isolate", dest="isolate", action="store_false")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one isolated case (JSON spec)
     parser.add_argument("--case-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
-        write_json(args.case_out, run_case(json.loads(args.case)))
+        write_json(args.case_out, run_part(json.loads(args.case)))
         return 0
+    if (not args.toy) if args.isolate is None else args.isolate:
+        # Before JAX starts its backend: this process only orchestrates; the children
+        # (which get the original settings back) must find the device's memory free.
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     try:
         report = run_suite(args.toy, args.budget_s, parts, args.hardware, args.isolate)

@@ -16,7 +16,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_DISABLE_MOST_
 
 SCRIPT = str(ROOT / "benchmarks" / "gpu_suite.py")
 # One train-step case as the suite runs each on a GPU: in a process of its own.
-CASE = {"config": "dense_1b", "toy": True, "policy_name": "mixed_bf16",
+CASE = {"part": "train_step", "config": "dense_1b", "toy": True, "policy_name": "mixed_bf16",
         "policy": "mixed_bf16; router: fp32; norm: fp32", "loss_scale": "none", "steps": 1,
         "repeats": 10, "warmup": 0, "ring": 1, "hardware": None, "peak_size": 64}
 

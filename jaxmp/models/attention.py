@@ -49,6 +49,7 @@ import math
 from typing import Optional, Tuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
@@ -105,7 +106,8 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
     if backend != "gpu":
         return False, f"the default JAX backend is {backend!r}, not an NVIDIA GPU"
     device = jax.devices()[0]
-    if "cuda" not in str(getattr(device.client, "platform_version", "")).lower():
+    # The backend's platform version ("cuda 12080", ...), as JAX's cuDNN check reads it.
+    if "cuda" not in str(jax.extend.backend.get_backend().platform_version).lower():
         return False, f"the GPU {device.device_kind!r} is not driven by CUDA"
     if _cudnn_version() is None:
         return False, "JAX finds no cuDNN library"
