@@ -150,10 +150,12 @@ def make_baseline_step(graphdef, optimizer: optax.GradientTransformation, policy
         new_biases = biases
         if bias_update_rate:
             model = nnx.merge(graphdef, params, biases, rest)
-            moe_blocks = [block for block in model.blocks if hasattr(block, "moe")]
-            for block, layer_counts in zip(moe_blocks, counts):
-                bias = block.moe.router.bias
+            row = 0
+            for router, num_layers in model.routers():  # layer order: the rows of counts
+                bias = router.bias
+                layer_counts = counts[row:row + num_layers].reshape(bias[...].shape)
                 bias[...] = update_router_bias(bias[...], layer_counts, bias_update_rate)
+                row += num_layers
             new_biases = nnx.state(model, RouterBias)
         params, opt_state, biases = jmp.select_tree(
             finite, (new_params, new_opt_state, new_biases), (params, opt_state, biases))

@@ -53,11 +53,11 @@ from benchmarks._common import DEFAULT_CONFIG, device_info, experiment, random_b
 from benchmarks._timing import MIN_REPEATS, check_repeats
 from jaxmp.analysis import cost
 from jaxmp.precision.loss_scale import get_loss_scale
-from jaxmp.precision.policy import get_policy
+from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train.config import config_to_dict
 
 __all__ = ["PRECISIONS", "DEFAULT_FP16_LOSS_SCALE", "detect_hardware", "resolve_peak",
-           "model_flops_per_step", "time_steps", "run"]
+           "model_flops_per_step", "time_steps", "device_memory", "run"]
 
 PRECISIONS = ("fp32", "mixed_bf16", "mixed_fp16")
 # float16's largest finite value is 65504: start high and let backoff find the scale
@@ -152,9 +152,31 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
+def device_memory(device: Any, compiled: Any = None) -> Dict[str, Any]:
+    """Device memory figures after a run: ``{"peak_bytes_in_use", "bytes_in_use",
+    "program_bytes"}``.
+
+    ``peak_bytes_in_use`` / ``bytes_in_use``: ``device.memory_stats()`` (the allocator's
+    high-water mark since the process started, and now; None where the backend keeps no
+    statistics, e.g. CPU). ``program_bytes``: what XLA planned for ``compiled``
+    (``memory_analysis()``: arguments + outputs + temporaries - aliased donations;
+    None without a program or an analysis).
+    """
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    stats = stats or {}
+    planned = None
+    analysis = compiled.memory_analysis() if compiled is not None else None
+    if analysis is not None:
+        planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                      + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    return {"peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+            "bytes_in_use": stats.get("bytes_in_use"), "program_bytes": planned}
+
+
 def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS, *,
         warmup: int = 1, ring: int = 4, fp16_loss_scale: str = DEFAULT_FP16_LOSS_SCALE,
         hardware: Optional[str] = None, peak_size: int = 1024,
+        policies: Optional[Dict[str, Sequence[str]]] = None,
         log=print) -> Dict[str, Any]:
     """Times the trainer's step in each precision; returns the JSON report.
 
@@ -169,6 +191,10 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
       fp16_loss_scale: the ``mixed_fp16`` loss scale (:func:`jaxmp.get_loss_scale` grammar).
       hardware: a :data:`jaxmp.analysis.cost.HARDWARE` key; None = detect on GPUs, measure elsewhere.
       peak_size: matrix size of the measured peak, >= 1.
+      policies: instead of the presets, ``{name: (policy, loss_scale)}``: each
+        ``precisions`` entry is a key of it, run with ``precision.policy = policy``
+        (any policy string, e.g. an FP8 rule set) and ``precision.loss_scale =
+        loss_scale``; the peak is that of the policy's default compute dtype.
       log: where progress lines go.
 
     Returns:
@@ -177,7 +203,9 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
       "steps", "repeats", "warmup", "results": [...]}``; each result holds
       ``precision, policy, loss_scale, math_mode, step_ms`` (median ms per step),
       ``samples_ms, tokens_per_s, achieved_tflops, peak_tflops, peak_kind,
-      peak_source, mfu, compile_s, final_loss, skipped_steps``.
+      peak_source, mfu, compile_s, final_loss, skipped_steps`` and the
+      :func:`device_memory` figures (``peak_bytes_in_use`` is the process's high-water
+      mark: run one precision per process to read it per precision).
 
     Raises:
       ValueError: bad counts, an unknown precision, hardware or loss scale, or an
@@ -187,9 +215,13 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
     steps, warmup = _check_int("steps", steps, 1), _check_int("warmup", warmup, 0)
     ring, peak_size = _check_int("ring", ring, 1), _check_int("peak_size", peak_size, 1)
     precisions = list(precisions)
-    bad = [p for p in precisions if p not in PRECISIONS]
+    allowed = list(policies) if policies is not None else list(PRECISIONS)
+    bad = [p for p in precisions if p not in allowed]
     if not precisions or bad:
-        raise ValueError(f"precisions {precisions!r}: allowed {', '.join(PRECISIONS)} (at least one)")
+        raise ValueError(f"precisions {precisions!r}: allowed {', '.join(allowed)} (at least one)")
+    for name, (policy, loss_scale) in (policies or {}).items():
+        get_policy_rules(policy)
+        get_loss_scale(loss_scale)
     if hardware is not None:
         known = {name.lower(): name for name in cost.HARDWARE}
         if str(hardware).lower() not in known:
@@ -206,8 +238,11 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
     batches = None
     for precision in precisions:
         cfg = config.copy_and_resolve_references()
-        cfg.precision.policy = precision
-        cfg.precision.loss_scale = fp16_loss_scale if precision == "mixed_fp16" else "none"
+        if policies is not None:
+            cfg.precision.policy, cfg.precision.loss_scale = policies[precision]
+        else:
+            cfg.precision.policy = precision
+            cfg.precision.loss_scale = fp16_loss_scale if precision == "mixed_fp16" else "none"
         exp = experiment(cfg)
         model_config, (total, active) = exp.model_config, exp.param_counts
         if batches is None:
@@ -218,19 +253,22 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
         compiled = exp.train_step.lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - start
         samples, state, metrics = time_steps(compiled, state, batches, steps, repeats, warmup)
+        memory = device_memory(device, compiled)
         del state, compiled  # free the device memory before the next precision
 
         width = model_config.num_heads * model_config.head_dim
         flops = model_flops_per_step(active, batch * seq_len, model_config.num_layers, seq_len, width)
         step_ms = float(np.median(samples))
         achieved = flops / (step_ms / 1e3) / 1e12
-        peak = resolve_peak(device, get_policy(precision).compute_dtype, hardware, peak_size)
+        peak = resolve_peak(device, get_policy_rules(cfg.precision.policy).default.compute_dtype,
+                            hardware, peak_size)
         result = {
             "precision": precision, "policy": cfg.precision.policy,
             "loss_scale": cfg.precision.loss_scale, "step_ms": step_ms, "samples_ms": samples,
             "tokens_per_s": batch * seq_len / (step_ms / 1e3), "achieved_tflops": achieved,
             **peak, "mfu": achieved / peak["peak_tflops"], "compile_s": compile_s,
             "final_loss": float(metrics["loss"]), "skipped_steps": int(metrics["skipped_steps"]),
+            **memory,
         }
         report["results"].append(result)
         report.update(total_params=int(total), active_params=int(active),

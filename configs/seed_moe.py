@@ -21,7 +21,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.update(dict(
         vocab_size=50304, num_layers=24, d_model=2048, num_heads=32, d_ff=8192, max_len=4096,
         num_experts=4, num_shared_experts=0, top_k=1, d_expert=8192, first_dense_layers=0,
-        score_fn="softmax", aux_loss_weight=0.01, bias_update_rate=0.0, capacity_factor=0.0))
+        score_fn="softmax", aux_loss_weight=0.01, bias_update_rate=0.0, capacity_factor=0.0,
+        attention="auto",          # cuDNN's fused kernel on a GPU; see benchmarks/README.md
+        scan_layers=True,          # 24 layers compile as one (benchmarks/compile_time.py)
+        remat="none"))             # "full" to fit a GPU: python -m jaxmp.report ... --settings
     config.precision.policy = "mixed_fp16; router: fp32; norm: fp32; experts: p=f32,c=f16,o=f32"
     config.precision.loss_scale = "dynamic:init=256,growth_interval=500"
     config.optim.update(dict(learning_rate=1e-4, weight_decay=0.01, warmup_steps=2000))

@@ -7,7 +7,7 @@ table* maps each logical name to a mesh axis name, a tuple of mesh axis names, o
 parallelism layout is a new table, not a model change:
 
 * :data:`DATA_PARALLEL_RULES`: the batch is split over mesh axis ``"data"``, every
-  parameter is replicated.
+  parameter is replicated (the scanned layout's stacked ``layers`` axis included).
 * :data:`FSDP_RULES`: as above, plus every parameter's ``embed`` axis split over
   ``"data"`` (ZeRO-3 / FSDP style sharding of the weights; XLA inserts the gathers).
 """
@@ -35,7 +35,10 @@ __all__ = [
 ]
 
 # Every logical name the models use; a rule table must map each (None = replicated).
-LOGICAL_AXES = ("batch", "vocab", "embed", "heads", "head_dim", "mlp", "expert", "expert_mlp")
+# "layers" is the leading axis of the scanned layout's stacked variables
+# (jaxmp.models.transformer): replicated in every table here, one slice per scan step.
+LOGICAL_AXES = ("batch", "vocab", "embed", "heads", "head_dim", "mlp", "expert", "expert_mlp",
+                "layers")
 
 DATA_PARALLEL_RULES: Tuple[Tuple[str, Any], ...] = (
     ("batch", "data"),
@@ -46,6 +49,7 @@ DATA_PARALLEL_RULES: Tuple[Tuple[str, Any], ...] = (
     ("mlp", None),
     ("expert", None),
     ("expert_mlp", None),
+    ("layers", None),
 )
 
 FSDP_RULES: Tuple[Tuple[str, Any], ...] = tuple(

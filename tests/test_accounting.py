@@ -270,9 +270,13 @@ def test_bad_device_counts_are_rejected():
 def tiny_cli(tmp_path_factory):
     out = tmp_path_factory.mktemp("acct") / "tiny.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # The reference attention keeps its probabilities in the compute dtype, so the
+    # activation ratio below measures the policy; XLA's jax.nn.dot_product_attention (what
+    # model.attention=auto runs on CPU) keeps float32 scores in every policy, which no
+    # precision setting can halve (see test_attention.py for its saved bytes).
     proc = subprocess.run([sys.executable, "-m", "jaxmp.report", "--config", "configs/tiny_moe.py",
-                           "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                           "--config.model.attention=reference", "--json", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -332,3 +336,58 @@ def test_cli_bad_input(argv, message, capsys, monkeypatch):
         report.main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- attention x remat
+
+
+def settings_config():
+    cfg = hand_config()
+    cfg.model.num_heads = 1  # head dimension 8: cuDNN's fused kernel needs a multiple of 8
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def hand_settings():
+    return accounting.activation_settings(settings_config(), "mixed_bf16", 8,
+                                          attentions=("reference", "cudnn"),
+                                          remats=("none", "attention", "full"), flops=True)
+
+
+def test_settings_by_hand(hand_settings):
+    rows = {(r["attention"], r["remat"]): r for r in hand_settings["rows"]}
+    b, h, t, d = 1, 1, T, D  # one sequence per device, one head
+    # State: float32 params and grads, two float32 Adam moments, two int32 counts.
+    for r in rows.values():
+        assert r["total_bytes"] - r["activation_bytes"] == 4 * HAND_PARAMS * 2 + 8 * HAND_PARAMS + 8
+        assert r["traced_only"] == (r["attention"] == "cudnn")  # no cuDNN on this machine
+    # One attention sublayer: the fused kernel keeps a float32 statistic per query and head
+    # where the reference keeps the bf16 [B, H, T, T] probabilities; all else is the same.
+    ref, fused = rows[("reference", "none")], rows[("cudnn", "none")]
+    assert ref["attention_bytes_per_layer"] - fused["attention_bytes_per_layer"] == \
+        b * h * t * t * 2 - b * h * t * 4
+    assert ref["activation_bytes"] - fused["activation_bytes"] == b * h * t * t * 2 - b * h * t * 4
+    # Full remat keeps the block's float32 input and what lies outside the block: token
+    # indices (int32 [1, T, 1]), the final norm's float32 input and rsqrt, the head's bf16
+    # input, the bf16 logits and the float32 logsumexp.
+    outside = b * t * 4 + (b * t * d * 4 + b * t * 4) + b * t * d * 2 + b * t * V * 2 + b * t * 4
+    for attention in ("reference", "cudnn"):
+        assert rows[(attention, "full")]["activation_bytes"] == b * t * d * 4 + outside
+        assert rows[(attention, "attention")]["activation_bytes"] < rows[(attention, "none")]["activation_bytes"]
+
+
+def test_settings_recompute_flops(hand_settings):
+    flops = {f["remat"]: f for f in hand_settings["flops"]}
+    assert flops["none"]["recompute_flops"] == 0
+    # Recomputing the reference core redoes at least its q k^T product: 2 B H T T h FLOPs.
+    assert flops["attention"]["recompute_flops"] >= 2 * 1 * 1 * T * T * D
+    assert flops["full"]["recompute_flops"] > flops["attention"]["recompute_flops"]
+    for f in flops.values():
+        assert f["recompute_flops"] == f["step_flops"] - flops["none"]["step_flops"]
+
+
+def test_settings_reject_bad_names_before_work():
+    with pytest.raises(ValueError, match="attention path 'flash'"):
+        accounting.activation_settings(hand_config(), attentions=("flash",))
+    with pytest.raises(ValueError, match="remat setting 'some'"):
+        accounting.activation_settings(hand_config(), remats=("some",))

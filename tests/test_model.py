@@ -430,6 +430,7 @@ def test_count_params_by_hand():
     active = total - 2 * (4 - 2) * expert
     assert (total, active) == (38368, 32224)
     assert count_params(abstract_model("mixed_bf16")) == (total, active)
+    assert count_params(abstract_model("mixed_bf16", scan_layers=True)) == (total, active)
 
 
 def test_generate_greedy_matches_step_by_step_argmax(fp32_model):
@@ -458,6 +459,9 @@ def test_generate_greedy_matches_step_by_step_argmax(fp32_model):
     (dict(score_fn="relu"), "score_fn='relu'"),
     (dict(capacity_factor=-1.0), "capacity_factor=-1.0"),
     (dict(d_expert=0), "d_expert=0"),
+    (dict(attention="flash"), "attention='flash'; allowed: reference, xla, cudnn, auto"),
+    (dict(remat="some"), "remat='some'; allowed: none, attention, dots_saveable, full"),
+    (dict(scan_layers="yes"), "scan_layers='yes' must be True or False"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -29,8 +29,12 @@ def test_logical_to_sharding(mesh):
     assert sharding.logical_to_sharding(("expert", "embed", "expert_mlp"), mesh, dp).spec == P(None, None, None)
     assert sharding.logical_to_sharding(("vocab", "embed"), mesh, fsdp).spec == P(None, "data")
     assert sharding.logical_to_sharding(("batch",), mesh, {"batch": ("data",)}).spec == P(("data",))
-    with pytest.raises(ValueError, match="logical axis 'layers' has no rule"):
-        sharding.logical_to_sharding(("layers",), mesh, dp)
+    # The scanned layout's stacked-layer axis is replicated in both tables.
+    for rules in (dp, fsdp):
+        assert sharding.logical_to_sharding(("layers", "embed", "heads"), mesh, rules).spec == \
+            P(None, None if rules is dp else "data", None)
+    with pytest.raises(ValueError, match="logical axis 'stage' has no rule"):
+        sharding.logical_to_sharding(("stage",), mesh, dp)
     with pytest.raises(ValueError, match="mesh axis 'model' is not in the mesh"):
         sharding.logical_to_sharding(("heads",), mesh, {"heads": "model"})
     with pytest.raises(ValueError, match="mesh axis 'data' would shard two dimensions"):

@@ -211,6 +211,12 @@ def test_every_config_builds_and_traces_under_eval_shape(name):
     (dict(optim=dict(warmup_steps=-3)), r"optim.warmup_steps=-3"),
     (dict(optim=dict(mu_dtype="bfloat17")), r"optim.mu_dtype.*bfloat17"),
     (dict(model=dict(vocab_size=200)), r"vocab_size=200 is smaller"),
+    (dict(model=dict(remat="some")), r"model.remat='some' is not allowed; it must be one of none, "
+                                     r"attention, dots_saveable, full"),
+    (dict(model=dict(scan_layers=1)), r"model.scan_layers=1 is not allowed; it must be True or False"),
+    # Off a GPU the fused kernel cannot run: one line before any work, not an XLA crash.
+    *([(dict(model=dict(attention="cudnn")), r"model.attention='cudnn' cannot run here")]
+      if jax.default_backend() != "gpu" else []),
 ])
 def test_bad_input_is_a_clear_error_before_training(tmp_path, overrides, match):
     config = small_config().to_dict()  # a plain dict takes any type, as a config file may

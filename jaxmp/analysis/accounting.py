@@ -49,6 +49,7 @@ the same model under one precision recipe whatever the config itself chose.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import os
@@ -62,6 +63,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxmp.models.attention import Attention, cudnn_support, resolve_attention, trace_cudnn_without_gpu
+from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
@@ -83,6 +86,9 @@ __all__ = [
     "account_mode",
     "accounting_report",
     "format_accounting",
+    "SETTING_ATTENTIONS",
+    "activation_settings",
+    "format_settings",
 ]
 
 # The DeepSeek mixed-precision article's top-k fraction (section 2.3), also jaxmp.comm's default.
@@ -509,6 +515,34 @@ def _memory_analysis(compiled) -> Optional[dict]:
     return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
 
 
+def _micro_batch(exp: Experiment) -> jax.ShapeDtypeStruct:
+    """The per-device micro-batch of token ids: ``[batch / accum / devices, seq_len]``."""
+    t = exp.config.train
+    return jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // exp.num_devices,
+                                 exp.config.data.seq_len), jnp.int32)
+
+
+def _step_residuals(exp: Experiment) -> List[Residual]:
+    """The residuals the train step's loss keeps at the per-device micro-batch."""
+    state, micro = exp.abstract_state, _micro_batch(exp)
+
+    def loss(params, biases, rest, loss_scale, batch):
+        return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
+
+    return saved_residuals(loss, state.params, state.biases, state.rest, state.loss_scale,
+                           {"inputs": micro, "targets": micro}, argnums=0)
+
+
+def _state_bytes(exp: Experiment) -> Dict[str, int]:
+    """Per-device params, gradient, optimizer-state and top-k residual bytes."""
+    state, state_sh = exp.abstract_state, exp.state_shardings
+    params = _per_device_bytes(state.params, state_sh.params)
+    return {"params_bytes": params,
+            "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
+            "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
+            "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state)}
+
+
 def _lower_step(exp: Experiment, global_batch: int):
     """The experiment's jitted train step lowered with abstract inputs (nothing allocated)."""
     return exp.train_step.lower(exp.abstract_state, exp.abstract_batch(global_batch))
@@ -539,8 +573,10 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
       ``{"policy": str, "params_bytes": int, "grads_bytes": int, "opt_state_bytes": int,
       "comm_state_bytes": int, "activation_bytes": int, "grad_allreduce_bytes": int,
       "total_bytes": int}`` plus ``"xla_memory"`` (the ``memory_analysis()`` byte counts,
-      None on CPU), ``"hlo_source"`` (which HLO the collectives were read from) and,
-      if asked, ``"breakdown"`` (rows of :func:`residual_breakdown`).
+      None on CPU), ``"hlo_source"`` (which HLO the collectives were read from),
+      ``"attention_path"`` (what ``model.attention`` resolved to on this machine, e.g.
+      ``"xla"`` for ``"auto"`` on CPU) and, if asked, ``"breakdown"`` (rows of
+      :func:`residual_breakdown`).
 
     Raises:
       ValueError: an unknown mode, a config the trainer rejects (e.g. a micro-batch the
@@ -561,24 +597,10 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
-    micro = jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // n, exp.config.data.seq_len), jnp.int32)
-
-    def loss(params, biases, rest, loss_scale, batch):
-        return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
-
-    residuals = saved_residuals(loss, state.params, state.biases, state.rest, state.loss_scale,
-                                {"inputs": micro, "targets": micro}, argnums=0)
-
-    params = _per_device_bytes(state.params, state_sh.params)
-    out = {
-        "policy": cfg.precision.policy,
-        "params_bytes": params,
-        "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
-        "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
-        "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state),
-        "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
-        "grad_allreduce_bytes": gradient_collective_bytes(hlo_collectives(hlo), dense, sparse),
-    }
+    residuals = _step_residuals(exp)
+    out = {"policy": cfg.precision.policy, **_state_bytes(exp),
+           "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
+           "grad_allreduce_bytes": gradient_collective_bytes(hlo_collectives(hlo), dense, sparse)}
     out["total_bytes"] = sum(out[k] for k in MEMORY_KEYS)
     out["xla_memory"] = None
     if jax.default_backend() != "cpu":
@@ -588,6 +610,9 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
             one = Experiment.create(cfg, mesh=Mesh(np.asarray(jax.devices()[:1]), (comm.DATA_AXIS,)))
             out["xla_memory"] = _memory_analysis(_lower_step(one, t.batch_size // n).compile())
     out["hlo_source"] = hlo_source
+    m = exp.model_config
+    out["attention_path"] = resolve_attention(m.attention, exp.rules.resolve("blocks/0/attn").compute_dtype,
+                                              m.head_dim)
     if breakdown:
         out["breakdown"] = residual_breakdown(residuals, breakdown)
     return out
@@ -610,7 +635,8 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
       ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
       {NAME: {"policy", "params_bytes", "grads_bytes", "opt_state_bytes",
       "comm_state_bytes", "activation_bytes", "grad_allreduce_bytes", "total_bytes"}},
-      "details": {NAME: {"xla_memory", "hlo_source"[, "breakdown"]}}}``, bytes per device.
+      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}}}``,
+      bytes per device.
 
     Raises:
       ValueError: an unknown mode (before any work), or as :func:`account_mode`.
@@ -627,6 +653,8 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
         "model": {"params": int(total), "active_params": int(active)},
         "setup": {"devices": num_devices, "platform": mesh.devices.flat[0].platform,
                   "default_backend": jax.default_backend(),
+                  "attention": str(config.model.attention), "remat": str(config.model.remat),
+                  "scan_layers": bool(config.model.scan_layers),
                   "micro_batch_per_device": t.batch_size // t.grad_accum_steps // num_devices,
                   "grad_accum_steps": int(t.grad_accum_steps), "seq_len": int(config.data.seq_len)},
         "modes": {},
@@ -634,9 +662,181 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
     }
     for mode in modes:
         row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
-        out["details"][mode] = {k: row.pop(k) for k in ("xla_memory", "hlo_source", "breakdown") if k in row}
+        out["details"][mode] = {k: row.pop(k) for k in ("xla_memory", "hlo_source", "attention_path",
+                                                        "breakdown") if k in row}
         out["modes"][mode] = row
     return out
+
+
+# ----------------------------------------------------------------------------- attention x remat
+
+SETTING_ATTENTIONS = ("reference", "xla", "cudnn")
+
+
+def _attention_residual_bytes(exp: Experiment) -> int:
+    """Bytes one attention sublayer (``blocks/0/attn``: projections, RoPE, core) keeps
+    for its backward pass at the per-device micro-batch, differentiated in its weights
+    and its input, outside any block-level checkpoint."""
+    from flax import nnx  # deferred, as in jaxmp.sharding
+
+    cfg, rules = exp.model_config, exp.rules
+    module = nnx.eval_shape(lambda: Attention(
+        cfg.d_model, cfg.num_heads, cfg.rope_theta, path="blocks/0/attn", rules=rules,
+        rngs=nnx.Rngs(0), implementation=cfg.attention, recompute_core=cfg.remat == "attention"))
+    graphdef, params = nnx.split(module, nnx.Param)
+    micro = _micro_batch(exp)
+    # The residual stream's dtype: the embedding's output dtype.
+    x = jax.ShapeDtypeStruct(micro.shape + (cfg.d_model,), rules.resolve("embed").output_dtype)
+    res = saved_residuals(lambda p, x: nnx.merge(graphdef, p)(x).astype(jnp.float32).sum(),
+                          params, x, argnums=(0, 1))
+    return sum(r.nbytes for r in res if r.kind == "computed")
+
+
+def _cost_flops(analysis) -> Optional[float]:
+    if isinstance(analysis, (list, tuple)):  # older jax: one dict per computation
+        analysis = analysis[0] if analysis else None
+    return None if not analysis or "flops" not in analysis else float(analysis["flops"])
+
+
+def _step_flops(config: ml_collections.ConfigDict) -> Tuple[Optional[float], Optional[float]]:
+    """``(lowered, compiled)`` cost-analysis FLOPs of the train step on one device at the
+    per-device micro-batch. ``lowered`` is the program JAX hands XLA (recomputation
+    included); ``compiled`` is XLA's optimized program, None on CPU: XLA:CPU expands the
+    optimization barriers that keep ``jax.checkpoint`` 's recomputation apart before it
+    eliminates common subexpressions, so it merges the recomputation back into the
+    forward pass (measured: a checkpointed attention core compiles to the un-checkpointed
+    program), which XLA:GPU, whose barriers hold until scheduling, does not."""
+    exp = Experiment.create(config, mesh=data_mesh(1))
+    lowered = _lower_step(exp, config.train.batch_size)
+    if exp.mesh.devices.flat[0].platform == "cpu":
+        return _cost_flops(lowered.cost_analysis()), None
+    return _cost_flops(lowered.cost_analysis()), _cost_flops(lowered.compile().cost_analysis())
+
+
+def activation_settings(config: ml_collections.ConfigDict, mode: str = "mixed_bf16",
+                        num_devices: int = 8, *,
+                        attentions: Sequence[str] = SETTING_ATTENTIONS,
+                        remats: Sequence[str] = REMAT_POLICIES, flops: bool = False,
+                        flops_attention: str = "reference") -> dict:
+    """Per-device memory of ``config``'s model under each attention path x remat setting.
+
+    For each pair, the experiment of ``mode_config(config, mode)`` with
+    ``model.attention`` and ``model.remat`` set is built abstractly and the train
+    step's loss is traced as in :func:`account_mode` (``activation_bytes``: every
+    residual the forward keeps; ``total_bytes``: plus params, gradients, optimizer state
+    and top-k residual); ``attention_bytes_per_layer`` is what one attention sublayer
+    keeps (projections, RoPE and core, its block-level checkpoint aside). Where cuDNN
+    is absent (CPU), the ``"cudnn"`` rows are traced with
+    :func:`~jaxmp.models.attention.trace_cudnn_without_gpu`: the residuals of JAX's
+    own cuDNN forward/backward rule, not run.
+
+    With ``flops``, each remat setting's train step is also lowered (and, off CPU,
+    compiled) on one device at the per-device micro-batch, with
+    ``attention=flops_attention`` and ``scan_layers=False`` (XLA's cost analysis counts
+    a loop body once and a custom call, such as the cuDNN kernel, as 0 FLOPs), and its
+    cost-analysis FLOPs are reported with ``recompute_flops`` = FLOPs minus those of
+    ``remat="none"``: what the setting recomputes, per device and step. The figure is
+    the lowered program's (what JAX asks XLA to run); the compiled program's is added
+    off CPU only (see :func:`_step_flops` for why XLA:CPU's is not the recompute).
+
+    Args:
+      config: a trainer config.
+      mode: a key of :data:`MODES`.
+      num_devices: data-parallel devices (the per-device micro-batch is
+        ``batch_size / grad_accum_steps / num_devices``).
+      attentions: paths among :data:`SETTING_ATTENTIONS`.
+      remats: settings among :data:`~jaxmp.models.transformer.REMAT_POLICIES`.
+      flops: also lower (off CPU: compile) for the FLOPs (slow for deep models: one
+        unscanned lowering per remat setting).
+      flops_attention: the path the FLOPs are compiled with (``"reference"`` or
+        ``"xla"``: paths XLA counts).
+
+    Returns:
+      ``{"mode", "setup": {...}, "rows": [{"attention", "remat", "activation_bytes",
+      "attention_bytes_per_layer", "total_bytes", "traced_only"}, ...], "flops": [{"remat",
+      "attention", "step_flops", "recompute_flops", "compiled_step_flops"}, ...]}``
+      (``flops`` empty unless asked; ``compiled_step_flops`` None on CPU), bytes per
+      device.
+
+    Raises:
+      ValueError: an unknown mode, path or remat setting (before any work), or a config
+        the trainer rejects.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
+    for a in attentions:
+        if a not in SETTING_ATTENTIONS:
+            raise ValueError(f"attention path {a!r}; allowed: {', '.join(SETTING_ATTENTIONS)}")
+    for r in remats:
+        if r not in REMAT_POLICIES:
+            raise ValueError(f"remat setting {r!r}; allowed: {', '.join(REMAT_POLICIES)}")
+    if flops_attention not in ("reference", "xla"):
+        raise ValueError(f"flops_attention={flops_attention!r}; allowed: reference, xla")
+    mesh = data_mesh(num_devices)
+    base = mode_config(config, mode)
+    head_dim = base.model.d_model // base.model.num_heads
+    rows, flop_rows = [], []
+    for attention in attentions:
+        for remat in remats:
+            cfg = base.copy_and_resolve_references()
+            cfg.model.attention, cfg.model.remat = attention, remat
+            trace_only = attention == "cudnn" and not cudnn_support(jnp.bfloat16, head_dim)[0]
+            with trace_cudnn_without_gpu() if trace_only else contextlib.nullcontext():
+                exp = Experiment.create(cfg, mesh=mesh)
+                activations = sum(r.nbytes for r in _step_residuals(exp) if r.kind == "computed")
+                attention_bytes = _attention_residual_bytes(exp)
+            state = _state_bytes(exp)
+            rows.append({"attention": attention, "remat": remat, "activation_bytes": activations,
+                         "attention_bytes_per_layer": attention_bytes,
+                         "total_bytes": sum(state.values()) + activations, "traced_only": trace_only})
+    if flops:
+        t = base.train
+        none_flops = None
+        for remat in ["none"] + [r for r in remats if r != "none"]:
+            cfg = base.copy_and_resolve_references()
+            cfg.model.update(dict(attention=flops_attention, remat=remat, scan_layers=False))
+            cfg.train.batch_size = t.batch_size // num_devices
+            value, compiled = _step_flops(cfg)
+            none_flops = value if remat == "none" else none_flops
+            flop_rows.append({"remat": remat, "attention": flops_attention, "step_flops": value,
+                              "recompute_flops": value - none_flops,
+                              "compiled_step_flops": compiled})
+    t = base.train
+    return {"mode": mode, "rows": rows, "flops": flop_rows,
+            "setup": {"devices": num_devices, "micro_batch_per_device":
+                      t.batch_size // t.grad_accum_steps // num_devices,
+                      "seq_len": int(base.data.seq_len), "num_layers": int(base.model.num_layers),
+                      "scan_layers": bool(base.model.scan_layers),
+                      "state_bytes": sum(_state_bytes(exp).values())}}
+
+
+def format_settings(report: dict) -> str:
+    """Formats :func:`activation_settings` for the terminal (GB = 1e9 bytes)."""
+    s = report["setup"]
+    lines = [f"Saved activations per attention path x remat setting, mode {report['mode']}: "
+             f"{s['devices']} devices, micro-batch {s['micro_batch_per_device']} x {s['seq_len']} "
+             f"tokens, {s['num_layers']} layers; state (params + grads + optimizer) "
+             f"{s['state_bytes'] / 1e9:,.3f} GB per device",
+             f"  {'attention':10s}{'remat':15s}{'activations GB':>16s}{'attention/layer GB':>20s}"
+             f"{'total GB':>11s}"]
+    for r in report["rows"]:
+        note = "  (traced, not run: no cuDNN here)" if r["traced_only"] else ""
+        lines.append(f"  {r['attention']:10s}{r['remat']:15s}{r['activation_bytes'] / 1e9:16,.3f}"
+                     f"{r['attention_bytes_per_layer'] / 1e9:20,.4f}{r['total_bytes'] / 1e9:11,.3f}{note}")
+    if report["flops"]:
+        base = report["flops"][0]["step_flops"]
+        lines += ["", f"Train-step FLOPs per device of the lowered program, recomputation included "
+                      f"(attention {report['flops'][0]['attention']}, layers unscanned, one device at "
+                      f"the micro-batch):"]
+        for f in report["flops"]:
+            share = f"{f['recompute_flops'] / base:+.1%}" if base else "-"
+            compiled = (f"  compiled {f['compiled_step_flops']:.4g}" if f["compiled_step_flops"]
+                        else "")
+            lines.append(f"  {f['remat']:15s}{f['step_flops']:14.4g} FLOPs  recompute "
+                         f"{f['recompute_flops']:12.4g} ({share}){compiled}")
+    lines.append("activations: residuals the loss's forward keeps for the backward pass (as in the "
+                 "mode tables); the working set of one block's recomputation is not included.")
+    return "\n".join(lines)
 
 
 def _mib(x: int) -> str:
@@ -651,6 +851,8 @@ def format_accounting(report: dict, title: str = "") -> str:
              f"token); {s['devices']} data-parallel devices; per-device micro-batch "
              f"{s['micro_batch_per_device']} x {s['seq_len']} tokens"
              f"{', ' + str(s['grad_accum_steps']) + ' micro-batches per step' if s['grad_accum_steps'] > 1 else ''}",
+             f"  model.attention={s.get('attention')}, model.remat={s.get('remat')}, "
+             f"model.scan_layers={s.get('scan_layers')}",
              "  bytes per device (MiB = 2**20 bytes); 'vs fp32' divides by the fp32 mode's figure"]
     base = report["modes"].get("fp32")
     rows = (("params", "params_bytes", True), ("grads", "grads_bytes", True),
@@ -671,6 +873,12 @@ def format_accounting(report: dict, title: str = "") -> str:
             note = "  (traffic per step, not memory)" if key == "grad_allreduce_bytes" else ""
             lines.append(f"  {label:18s}{v:19,d}{_mib(v):>14s}{bpp}{ratio}{note}")
         d = report.get("details", {}).get(mode, {})
+        if d.get("attention_path"):
+            lines.append(f"  attention path on this machine: {d['attention_path']}"
+                         + (" (model.attention=auto: cuDNN's fused kernel on an NVIDIA GPU for a 16-bit "
+                            "compute dtype; compare "
+                            "--settings)" if s.get("attention") == "auto" and d["attention_path"] != "cudnn"
+                            else ""))
         if d.get("xla_memory"):
             m = d["xla_memory"]
             lines.append(f"  XLA memory_analysis ({s['default_backend']}): temp "

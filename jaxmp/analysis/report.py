@@ -8,7 +8,7 @@
     DeepSeek-V3's published GPU-hours beside :func:`jaxmp.analysis.cost.estimate` for the same
     inputs, and the MFU the published hours imply (:mod:`jaxmp.analysis.cost`).
 
-``python -m jaxmp.report --config configs/X.py [--config.KEY=VALUE ...] [--devices N] [--modes a,b] [--breakdown [K]]``
+``python -m jaxmp.report --config configs/X.py [--config.KEY=VALUE ...] [--devices N] [--modes a,b] [--breakdown [K]] [--settings [--flops]]``
     Per-device memory (params, gradients, optimizer state, activations) and gradient
     all-reduce bytes of the config's model for each precision mode of
     :data:`jaxmp.analysis.accounting.MODES`, measured from the trainer's own step
@@ -20,7 +20,12 @@
     ``configs/tiny_moe.py`` (six modes) about 30 s of CPU time, measured at 57 s of wall
     time on a 2-core machine under a load average of 2 to 5 (a busier machine takes
     longer); about two minutes per mode for ``configs/seed_moe.py`` (24 layers; pick a
-    few ``--modes``). The device count changes the per-device batch, not the compile time.
+    few ``--modes``). The device count changes the per-device batch, not the compile time. ``--settings`` adds, for the first mode, the saved activation
+    bytes and per-device total of every attention path x remat setting
+    (:func:`jaxmp.analysis.accounting.activation_settings`; the cuDNN path is traced, not
+    run, where there is no GPU), and ``--flops`` the train step's FLOPs from the compiled
+    program per remat setting, i.e. what each recomputes (one unscanned compile per
+    setting: minutes for the seed config).
 
 ``--json OUT`` also writes the printed tables to ``OUT`` as JSON: one top-level key per
 mode (``"article"``, ``"cost"``), or for ``--config`` the accounting report itself
@@ -218,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated precision modes (default: all of jaxmp.analysis.accounting.MODES)")
     a.add_argument("--breakdown", type=int, nargs="?", const=15, default=0, metavar="K",
                    help="list the K (default 15) largest saved residuals per mode with their source")
+    a.add_argument("--settings", action="store_true",
+                   help="also list saved activation bytes per attention path x remat setting "
+                        "(first mode)")
+    a.add_argument("--flops", action="store_true",
+                   help="with --settings: the compiled step's FLOPs per remat setting (the "
+                        "recompute cost; one compile each)")
     c = p.add_argument_group("--cost options (defaults: DeepSeek-V3 pre-training)")
     c.add_argument("--params", type=float, default=run.total_params, help="total parameters")
     c.add_argument("--active-params", type=float, default=run.active_params,
@@ -281,13 +292,21 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
     from jaxmp.analysis import accounting  # imports JAX's backends' users: after XLA_FLAGS is set
     from jaxmp.train.config import load_config
 
+    if args.flops and not args.settings:
+        parser.error("--flops goes with --settings")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
     try:
         config = load_config(args.config, args.overrides)
         out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown)
+        if args.settings:
+            out["settings"] = accounting.activation_settings(
+                config, next(iter(out["modes"])), args.devices, flops=args.flops)
     except ValueError as e:
         parser.error(str(e))
     print(accounting.format_accounting(out, args.config))
+    if args.settings:
+        print()
+        print(accounting.format_settings(out["settings"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

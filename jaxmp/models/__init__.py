@@ -2,12 +2,13 @@
 
 * :mod:`~jaxmp.models.layers`: parameters with logical axes, RMSNorm, embedding, head,
   SwiGLU, RoPE;
-* :mod:`~jaxmp.models.attention`: causal self-attention;
+* :mod:`~jaxmp.models.attention`: causal self-attention on the reference, XLA or cuDNN path;
 * :mod:`~jaxmp.models.moe`: router, routed and shared experts, auxiliary-loss-free biases;
-* :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer`;
+* :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer` (scanned
+  layers, per-block rematerialization);
 * :mod:`~jaxmp.models.sampling`: :func:`generate`.
 """
-from jaxmp.models.attention import Attention
+from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, attention_core
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU, apply_rope, make_param
 from jaxmp.models.moe import (
     MoE,
@@ -20,11 +21,20 @@ from jaxmp.models.moe import (
     update_router_bias,
 )
 from jaxmp.models.sampling import generate
-from jaxmp.models.transformer import FLOAT32_ISLANDS, Block, ModelConfig, MoETransformer, count_params
+from jaxmp.models.transformer import (
+    FLOAT32_ISLANDS,
+    REMAT_POLICIES,
+    Block,
+    ModelConfig,
+    MoETransformer,
+    count_params,
+    layer_stacks,
+)
 
 __all__ = [
     "ModelConfig", "MoETransformer", "RouterBias", "update_router_bias", "count_params",
     "generate", "apply_rope", "make_param", "MoE", "MoEStats", "Router", "Routing",
     "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
-    "Block", "FLOAT32_ISLANDS",
+    "Block", "FLOAT32_ISLANDS", "ATTENTION_IMPLEMENTATIONS", "attention_core", "REMAT_POLICIES",
+    "layer_stacks",
 ]

@@ -1,14 +1,55 @@
-"""Causal multi-head self-attention with rotary position embeddings.
+"""Causal multi-head self-attention with rotary position embeddings, on one of three paths.
 
-The softmax is a float32 island (:func:`jaxmp.ops.masked_softmax`); the projections run
-in the module's compute dtype. Parameters carry the logical axes ``embed``, ``heads``,
-``head_dim``.
+The projections run in the module's compute dtype through :func:`jaxmp.ops.cast_matmul`;
+the attention core (``softmax(q k^T / sqrt(h)) v``) runs on the path that
+``model.attention`` names (:data:`ATTENTION_IMPLEMENTATIONS`):
+
+``"reference"``
+    jaxmp's own float32 island: the scores ``q k^T`` are accumulated in float32 and
+    normalized by :func:`jaxmp.ops.masked_softmax`, the probabilities go back to the
+    compute dtype for the product with ``v``. It materializes ``[B, H, T, T]`` and keeps
+    the compute-dtype probabilities for the backward pass (2 bytes per score in bf16).
+``"xla"``
+    ``jax.nn.dot_product_attention(implementation="xla")``: scores accumulated in float32
+    (``preferred_element_type=float32``), softmax in float32, probabilities cast to the
+    compute dtype for the product with ``v``: the same arithmetic as ``"reference"``
+    written by JAX. It materializes the scores too and keeps more of them for the
+    backward pass than ``"reference"`` (a boolean mask, the float32 masked scores and
+    exponentials and the compute-dtype probabilities: 11 bytes per score in bf16,
+    measured by :func:`jaxmp.analysis.accounting.saved_residuals`).
+``"cudnn"``
+    ``jax.nn.dot_product_attention(implementation="cudnn")``: cuDNN's fused
+    (FlashAttention-style, Dao et al. 2022) kernel on NVIDIA GPUs. The scores never
+    reach device memory; the softmax statistics are float32 inside the kernel, and the
+    backward pass keeps only ``q``, ``k``, ``v``, the output and one float32 softmax
+    statistic per query and head. It needs float16/bfloat16 ``q``/``k``/``v`` and a
+    head dimension that is a multiple of 8, at most 128 (256 on Hopper and newer).
+``"auto"`` (the default)
+    ``"cudnn"`` where :func:`cudnn_support` says it runs (an NVIDIA GPU with cuDNN, a
+    16-bit compute dtype, a supported head dimension), else ``"xla"``, except for a
+    float16 compute dtype on CPU, where ``"xla"`` does not compile (:func:`xla_support`)
+    and ``"reference"`` runs. Resolved once per attention module, when the model is
+    built, from that module's compute dtype.
+
+Every path is causal and takes optional per-sequence ``lengths`` (right padding): a
+padded position neither attends nor is attended to, and its output row is exactly 0
+with gradient 0 (the fully-masked-row guarantee of :func:`jaxmp.ops.masked_softmax`,
+enforced with a select after the core on the ``"xla"`` and ``"cudnn"`` paths, which
+would otherwise return a uniform average over the masked keys or leave the row to the
+kernel). ``tests/test_attention.py`` checks values and gradients of every path that can
+run against the reference, per dtype.
+
+Parameters carry the logical axes ``embed``, ``heads``, ``head_dim``.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from typing import Optional, Tuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
@@ -16,15 +57,197 @@ from jaxmp.models.layers import apply_rope, make_param
 from jaxmp.precision import ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "ATTENTION_IMPLEMENTATIONS", "cudnn_support", "xla_support",
+           "resolve_attention",
+           "attention_core", "trace_cudnn_without_gpu"]
+
+ATTENTION_IMPLEMENTATIONS = ("reference", "xla", "cudnn", "auto")
+
+# Set by trace_cudnn_without_gpu(): the cudnn path may be traced (never compiled) here.
+_TRACE_ONLY_CUDNN = [False]
+
+
+def _cudnn_version() -> Optional[int]:
+    """cuDNN's version as JAX's fused attention reads it, or None when it finds none."""
+    # Private but the check jax.nn.dot_product_attention(implementation="cudnn") itself
+    # makes before tracing; there is no public query.
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    try:
+        return int(fused.check_cudnn_version())
+    except Exception:  # RuntimeError("cuDNN is not detected.") off CUDA
+        return None
+
+
+def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
+    """Whether cuDNN's fused attention runs here for this compute dtype and head size.
+
+    The conditions are those ``jax.nn.dot_product_attention(implementation="cudnn")``
+    checks (jax/_src/cudnn/fused_attention_stablehlo.py: ``check_layout``,
+    ``check_is_flash_attention``): an NVIDIA GPU as the default backend with cuDNN
+    found, float16 or bfloat16 operands, and a head dimension that is a multiple of 8
+    and at most 128 (256 on compute capability >= 9.0).
+
+    Args:
+      dtype: the attention's compute dtype.
+      head_dim: ``d_model / num_heads``.
+
+    Returns:
+      ``(supported, reason)``; the reason names the first condition that fails.
+    """
+    dtype = jnp.dtype(dtype)
+    if _TRACE_ONLY_CUDNN[0]:
+        ok = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 \
+            and head_dim <= 256
+        return ok, ("traced without a GPU (trace_cudnn_without_gpu)" if ok else
+                    f"cuDNN needs float16/bfloat16 operands and a head dimension that is a "
+                    f"multiple of 8 and <= 256; got {dtype.name}, {head_dim}")
+    backend = jax.default_backend()
+    if backend != "gpu":
+        return False, f"the default JAX backend is {backend!r}, not an NVIDIA GPU"
+    device = jax.devices()[0]
+    # The backend's platform version ("cuda 12080", ...), as JAX's cuDNN check reads it.
+    if "cuda" not in str(jax.extend.backend.get_backend().platform_version).lower():
+        return False, f"the GPU {device.device_kind!r} is not driven by CUDA"
+    if _cudnn_version() is None:
+        return False, "JAX finds no cuDNN library"
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False, (f"cuDNN fused attention takes float16 or bfloat16 q/k/v; this "
+                       f"module computes in {dtype.name}")
+    cc = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+    limit = 256 if cc >= (9, 0) else 128
+    if head_dim % 8 or head_dim > limit:
+        return False, (f"cuDNN fused attention needs a head dimension that is a multiple of 8 "
+                       f"and <= {limit} on compute capability {cc[0]}.{cc[1]}; got {head_dim}")
+    return True, f"cuDNN {_cudnn_version()} on {device.device_kind}"
+
+
+def resolve_attention(name: str, dtype, head_dim: int) -> str:
+    """The path an attention module runs: ``name`` itself, or for ``"auto"`` cudnn/xla.
+
+    Args:
+      name: one of :data:`ATTENTION_IMPLEMENTATIONS`.
+      dtype: the module's compute dtype.
+      head_dim: its head dimension.
+
+    Returns:
+      ``"reference"``, ``"xla"`` or ``"cudnn"``.
+
+    Raises:
+      ValueError: an unknown name, ``"cudnn"`` where :func:`cudnn_support` says it
+        cannot run, or ``"xla"`` where :func:`xla_support` says it cannot (the message
+        gives the reason and the alternatives).
+    """
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"model.attention={name!r}; allowed: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    xla_ok, xla_reason = xla_support(dtype)
+    if name == "auto":
+        if cudnn_support(dtype, head_dim)[0]:
+            return "cudnn"
+        return "xla" if xla_ok else "reference"
+    if name == "cudnn":
+        ok, reason = cudnn_support(dtype, head_dim)
+        if not ok:
+            raise ValueError(f"model.attention='cudnn' cannot run here: {reason}; use 'auto' "
+                             f"(cudnn where it runs, else xla), 'xla' or 'reference'")
+    if name == "xla" and not xla_ok:
+        raise ValueError(f"model.attention='xla' cannot run here: {xla_reason}; use 'auto' or "
+                         f"'reference'")
+    return name
+
+
+def xla_support(dtype) -> Tuple[bool, str]:
+    """Whether ``jax.nn.dot_product_attention(implementation="xla")`` compiles here.
+
+    For float16 operands it asks XLA for the ``F16_F16_F32`` dot algorithm (float16
+    inputs, float32 accumulation), which XLA:CPU rejects when compiling ("not supported
+    by dot_general on CPU"); every other case runs.
+
+    Returns:
+      ``(supported, reason)``.
+    """
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float16) and jax.default_backend() == "cpu" \
+            and not _TRACE_ONLY_CUDNN[0]:
+        return False, ("for float16 q/k/v it requests the F16_F16_F32 dot algorithm, which "
+                       "XLA:CPU does not support")
+    return True, "supported"
+
+
+@contextlib.contextmanager
+def trace_cudnn_without_gpu():
+    """Lets the ``"cudnn"`` path be *traced* where there is no cuDNN, to count its memory.
+
+    Inside the context, ``model.attention="cudnn"`` builds on any backend and JAX's cuDNN
+    version check reports 9.8, so ``jax.make_jaxpr``, ``jax.eval_shape`` and
+    :func:`jaxmp.analysis.accounting.saved_residuals` see the fused kernel's real
+    forward/backward rule (its residuals are what a GPU run keeps). A program traced
+    here cannot be compiled or run off a GPU: use it for abstract evaluation only.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    original = fused.check_cudnn_version
+    if _cudnn_version() is None:
+        fused.check_cudnn_version = lambda: 90800
+    _TRACE_ONLY_CUDNN[0] = True
+    try:
+        yield
+    finally:
+        fused.check_cudnn_version = original
+        _TRACE_ONLY_CUDNN[0] = False
+
+
+def _padding_masks(t: int, lengths: Optional[jax.Array]):
+    """``(attend [B|1, 1, T, T] bool, query_valid [B, T] bool or None)``."""
+    causal = ops.causal_mask(t)[None, None]
+    if lengths is None:
+        return causal, None
+    valid = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+    return causal & valid[:, None, None, :] & valid[:, None, :, None], valid
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
+                   lengths: Optional[jax.Array] = None) -> jax.Array:
+    """Causal ``softmax(q k^T / sqrt(h)) v`` on one path, softmax statistics in float32.
+
+    Args:
+      q, k, v: ``[B, T, H, h]`` in the compute dtype (one dtype for all three).
+      implementation: ``"reference"``, ``"xla"`` or ``"cudnn"`` (resolved: see
+        :func:`resolve_attention`).
+      lengths: optional int ``[B]``, the non-padding tokens of each sequence (right
+        padding); positions ``>= lengths[b]`` neither attend nor are attended to and
+        their output rows are exactly 0, gradient included.
+
+    Returns:
+      ``[B, T, H, h]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: an unknown implementation, or q/k/v of different shapes or dtypes.
+    """
+    if implementation not in ("reference", "xla", "cudnn"):
+        raise ValueError(f"attention implementation {implementation!r}; allowed: reference, xla, "
+                         f"cudnn (resolve 'auto' with resolve_attention first)")
+    if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype) or q.ndim != 4:
+        raise ValueError(f"q, k, v must be [B, T, H, h] of one shape and dtype, got "
+                         f"{q.shape} {q.dtype}, {k.shape} {k.dtype}, {v.shape} {v.dtype}")
+    t = q.shape[1]
+    attend, query_valid = _padding_masks(t, lengths)
+    if implementation == "reference":
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(q.shape[-1])
+        probs = ops.masked_softmax(scores, attend, axis=-1, dtype=q.dtype)
+        return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    padding = {} if lengths is None else dict(
+        query_seq_lengths=jnp.asarray(lengths, jnp.int32),
+        key_value_seq_lengths=jnp.asarray(lengths, jnp.int32))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
+                                       **padding)
+    if query_valid is not None:  # a select, not a product: 0 * inf would be NaN
+        out = jnp.where(query_valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return out
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention with RoPE; softmax in a float32 island.
-
-    Scores ``q k^T / sqrt(head_dim)`` are accumulated in float32 and normalized by
-    ``ops.masked_softmax`` with ``ops.causal_mask``; the probabilities go back to the
-    compute dtype for the product with ``v``.
+    """Causal multi-head self-attention with RoPE on a chosen core path.
 
     Args:
       d_model: model width.
@@ -35,38 +258,52 @@ class Attention(nnx.Module):
       rngs: NNX rngs.
       init_std: normal init std of ``wq``, ``wk``, ``wv``.
       out_std: normal init std of ``wo`` (scaled down for a residual branch, GPT-2).
+      implementation: one of :data:`ATTENTION_IMPLEMENTATIONS`, resolved here with
+        this module's compute dtype (:func:`resolve_attention`); the result is
+        ``self.implementation``.
+      recompute_core: run the attention core under ``jax.checkpoint`` with nothing
+        saveable (``model.remat="attention"``: selective activation recomputation,
+        Korthikanti et al. 2022, section 4.2): the backward pass keeps q, k, v and
+        recomputes the scores, softmax and context instead of keeping them.
 
     Parameters: ``wq``, ``wk``, ``wv`` [d_model, H, head_dim] (``embed``, ``heads``,
     ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``, ``head_dim``, ``embed``).
+
+    Raises:
+      ValueError: from :func:`resolve_attention` (e.g. ``"cudnn"`` off a GPU).
     """
 
     def __init__(self, d_model: int, num_heads: int, rope_theta: float = 10000.0, *, path: str,
-                 rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
+                 rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
+                 implementation: str = "reference", recompute_core: bool = False):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.rope_theta = rope_theta
         d, h = d_model, num_heads
         k = d // h
+        self.implementation = resolve_attention(implementation, self.policy.compute_dtype, k)
+        self.recompute_core = bool(recompute_core)
         dt = self.policy.param_dtype
         for name in ("wq", "wk", "wv"):
             setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std), (d, h, k), dt,
                                            ("embed", "heads", "head_dim")))
         self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt, ("heads", "head_dim", "embed"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``."""
+    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:
+        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``.
+
+        ``lengths``: optional int [B] non-padding tokens per sequence (see
+        :func:`attention_core`).
+        """
         p = self.policy
         x = p.cast_to_compute(x)
-        t = x.shape[1]
-        positions = jnp.arange(t)
+        positions = jnp.arange(x.shape[1])
         # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for backward).
         q = apply_rope(ops.cast_matmul(x, self.wq[...], "btd,dhk->bthk"), positions, self.rope_theta)
         k = apply_rope(ops.cast_matmul(x, self.wk[...], "btd,dhk->bthk"), positions, self.rope_theta)
         v = ops.cast_matmul(x, self.wv[...], "btd,dhk->bthk")
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1])
-        probs = ops.masked_softmax(scores, ops.causal_mask(t), axis=-1, dtype=p.compute_dtype)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        core = functools.partial(attention_core, implementation=self.implementation)
+        if self.recompute_core:
+            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
+        out = core(q, k, v, lengths=lengths)
         return p.cast_to_output(ops.cast_matmul(out, self.wo[...], "bthk,hkd->btd"))
-
-

@@ -39,28 +39,79 @@ of keeping low-precision copies; norms and softmaxes save only their input / out
 
 Logical axis names of parameters (``out_sharding`` metadata; mapped to mesh axes only in
 :mod:`jaxmp.sharding`): ``vocab``, ``embed`` (model width), ``heads``, ``head_dim``,
-``mlp`` (dense / shared-expert hidden), ``expert``, ``expert_mlp`` (routed-expert hidden).
+``mlp`` (dense / shared-expert hidden), ``expert``, ``expert_mlp`` (routed-expert hidden),
+and in the scanned layout ``layers`` first (the stacked-layer axis).
 Activations ``[B, T, d_model]`` are annotated ``("batch", None, None)`` through
 :func:`jaxmp.sharding.constrain` (a no-op outside :func:`jaxmp.sharding.use_rules`).
+
+Scanned layers (``ModelConfig.scan_layers=True``): the blocks are grouped into *stacks*
+(:func:`layer_stacks`): runs of consecutive layers of one kind (dense or MoE) whose
+modules all resolve to the same policies. Stack ``s`` is one :class:`Block` at attribute
+``stacks/{s}`` whose every variable has a leading axis of the stack's length, with the
+logical axis name ``layers`` (mapped to None, replicated, in every rule table of
+:mod:`jaxmp.sharding`), and the stack runs under ``jax.lax.scan``, so a deep model is
+traced and compiled as one layer per stack. Policy rules keep matching the per-layer
+paths ``blocks/{i}/...``: a rule that names one layer (``blocks/2/moe/router: fp32``)
+ends a stack there and starts another, so every layer runs in exactly the policies it
+would unscanned. Attribute paths become ``stacks/{s}/attn``, ``stacks/{s}/moe/router``,
+...; each stacked module's ``path`` holds the first layer's path (``blocks/{first}/...``,
+the one its policy was resolved from) and :meth:`MoETransformer.module_paths` lists the
+path of every layer. The router bias of a MoE stack is float32 ``[layers, num_experts]``,
+one row per layer. Initial weights equal the unscanned model's for the same seed (the
+layers are created in the same order, then stacked), but the two layouts' states have
+different trees: a checkpoint of one does not restore into the other (the saved config
+differs in ``model.scan_layers``, which the trainer names).
+
+Rematerialization (``ModelConfig.remat``, :data:`REMAT_POLICIES`), per block:
+
+* ``"none"``: the backward pass keeps everything autodiff keeps (beyond the
+  fine-grained recomputation of :mod:`jaxmp.ops` described above).
+* ``"attention"``: only the attention core (scores, softmax, context) is recomputed;
+  q, k, v and everything else are kept (selective activation recomputation,
+  Korthikanti et al. 2022, section 4.2). Removes the ``[B, H, T, T]`` probabilities of
+  the ``reference``/``xla`` paths from memory for about one attention-core forward of
+  extra FLOPs.
+* ``"dots_saveable"``: each block under ``jax.checkpoint`` with
+  ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``: the outputs of the weight
+  matmuls (dots without batch dimensions, which :func:`jaxmp.ops.cast_matmul` and
+  :func:`~jaxmp.models.layers.apply_rope` wrap in their own checkpoints, so what is kept
+  is q and k after RoPE, v, the attention output projection, the dense and shared-expert
+  SwiGLU gate and up products, and the router logits) are kept; everything else is
+  recomputed: norms, the attention core (its dots have batch dimensions), SwiGLU's
+  gating, and the routed experts (``ragged_dot`` is not a dot_general; the capacity
+  path's dots have a batch dimension). (JAX's own ``dots_saveable`` would also keep the
+  batched attention-score dots, i.e. the float32 ``[B, H, T, T]`` scores: not offered.)
+* ``"full"``: each block under ``jax.checkpoint`` with ``nothing_saveable``: only the
+  block's input ``[B, T, d_model]`` is kept; the backward pass recomputes the whole
+  block's forward (about one more forward of the layers).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.models.attention import Attention
+from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
-from jaxmp.models.moe import SCORE_FNS, MoE
+from jaxmp.models.moe import SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands
 from jaxmp.sharding import constrain
 
-__all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS"]
+__all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
+           "REMAT_POLICIES", "layer_stacks"]
+
+# model.remat settings, in order of growing recomputation (module docstring).
+REMAT_POLICIES = ("none", "attention", "dots_saveable", "full")
+
+_BLOCK_CHECKPOINT_POLICIES = {
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 # Module-path patterns that compute in float32 unless a user rule matches them first.
 FLOAT32_ISLANDS = ("router", "norm")
@@ -93,6 +144,13 @@ class ModelConfig:
       bias_update_rate: gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0
         disables it (read by the trainer).
       capacity_factor: None or 0 = dropless; > 0 = GShard capacity per sequence.
+      attention: the attention core's path, one of
+        :data:`~jaxmp.models.attention.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
+        fused kernel where it runs, else XLA; see :mod:`jaxmp.models.attention`).
+      scan_layers: stack the blocks and run them with ``jax.lax.scan`` (module
+        docstring); False runs them in a Python loop.
+      remat: per-block rematerialization, one of :data:`REMAT_POLICIES` (module
+        docstring says what each keeps).
 
     MoE fields are ignored when ``num_experts == 0``.
     """
@@ -114,6 +172,9 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     bias_update_rate: float = 0.0
     capacity_factor: Optional[float] = None
+    attention: str = "auto"
+    scan_layers: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         def need(ok, msg):
@@ -136,6 +197,11 @@ class ModelConfig:
              f"first_dense_layers={self.first_dense_layers} must be in [0, num_layers={self.num_layers}]")
         need(self.aux_loss_weight >= 0, f"aux_loss_weight={self.aux_loss_weight} must be >= 0")
         need(self.bias_update_rate >= 0, f"bias_update_rate={self.bias_update_rate} must be >= 0")
+        need(self.attention in ATTENTION_IMPLEMENTATIONS,
+             f"attention={self.attention!r}; allowed: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        need(isinstance(self.scan_layers, (bool, np.bool_)),
+             f"scan_layers={self.scan_layers!r} must be True or False")
+        need(self.remat in REMAT_POLICIES, f"remat={self.remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
         if self.num_dense_layers > 0:
             need(self.d_ff >= 1, f"d_ff={self.d_ff} must be >= 1 with {self.num_dense_layers} dense layers")
         if self.num_experts > 0:
@@ -187,18 +253,59 @@ def _std(config: ModelConfig):
     return 0.02, 0.02 / math.sqrt(2 * config.num_layers)
 
 
+def _block_module_suffixes(config: ModelConfig, i: int) -> Tuple[str, ...]:
+    """The paths, relative to ``blocks/{i}``, of layer ``i``'s modules that have a policy."""
+    common = ("attn_norm", "attn", "ffn_norm")
+    if not config.is_moe_layer(i):
+        return common + ("mlp",)
+    shared = ("moe/shared_experts",) if config.num_shared_experts > 0 else ()
+    return common + ("moe", "moe/router", "moe/experts") + shared
+
+
+def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ...], ...]:
+    """The layer indices of each stack of the scanned layout, in layer order.
+
+    A stack is a maximal run of consecutive layers of the same kind (dense FFN or MoE)
+    whose modules (``blocks/{i}/attn_norm``, ``.../attn``, ``.../ffn_norm``, ``.../mlp``
+    or ``.../moe``, ``.../moe/router``, ``.../moe/experts``, ``.../moe/shared_experts``)
+    resolve to the same policies under ``rules`` (the model's rules, float32 islands
+    included). Without per-layer rules there is one dense and one MoE stack.
+
+    Returns:
+      e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers.
+    """
+    def signature(i):
+        return (config.is_moe_layer(i),
+                tuple(rules.resolve(f"blocks/{i}/{sub}") for sub in _block_module_suffixes(config, i)))
+
+    stacks, current = [], [0]
+    for i in range(1, config.num_layers):
+        if signature(i) == signature(current[-1]):
+            current.append(i)
+        else:
+            stacks.append(tuple(current))
+            current = [i]
+    stacks.append(tuple(current))
+    return tuple(stacks)
+
+
 class Block(nnx.Module):
     """Pre-norm block: attention and a dense (``mlp``) or MoE (``moe``) FFN, each residual.
 
     ``__call__(h [B, T, d]) -> (h, MoEStats or None)``; the residual keeps ``h``'s dtype.
+    ``layers`` holds the indices of the layers this block is: ``(index,)``, or in the
+    scanned layout the stack's layers (its variables then have a leading ``layers`` axis).
     """
 
     def __init__(self, config: ModelConfig, index: int, *, rules: PolicyRules, rngs: nnx.Rngs):
         path = f"blocks/{index}"
+        self.layers = (index,)
         std, out_std = _std(config)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/attn_norm", rules=rules, rngs=rngs)
         self.attn = Attention(config.d_model, config.num_heads, config.rope_theta, path=f"{path}/attn",
-                              rules=rules, rngs=rngs, init_std=std, out_std=out_std)
+                              rules=rules, rngs=rngs, init_std=std, out_std=out_std,
+                              implementation=config.attention,
+                              recompute_core=config.remat == "attention")
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm", rules=rules, rngs=rngs)
         if config.is_moe_layer(index):
             self.moe = MoE(config.d_model, config.num_experts, config.num_shared_experts, config.top_k,
@@ -218,6 +325,33 @@ class Block(nnx.Module):
         return h + y.astype(h.dtype), stats
 
 
+def _stack(blocks) -> Block:
+    """One :class:`Block` holding ``blocks``' variables stacked on a new leading axis.
+
+    The first block is reused as the template (its policies are every block's, by
+    :func:`layer_stacks`); each variable gets the logical axis ``layers`` first.
+    """
+    template = blocks[0]
+    nnx.update(template, jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks]))
+    for _, var in nnx.iter_graph(template):
+        if isinstance(var, nnx.Variable):
+            axes = var.get_metadata().get("out_sharding") or (None,) * (var.get_value().ndim - 1)
+            var.set_metadata(out_sharding=("layers",) + tuple(axes))
+    template.layers = tuple(i for b in blocks for i in b.layers)
+    return template
+
+
+def _run_block(graphdef, remat: str, prevent_cse: bool):
+    """``(block state, h) -> (h, stats)`` for one block, under ``jax.checkpoint`` when
+    ``remat`` asks for a block-level policy."""
+    def run(state, h):
+        return nnx.merge(graphdef, state)(h)
+
+    if remat not in _BLOCK_CHECKPOINT_POLICIES:
+        return run
+    return jax.checkpoint(run, policy=_BLOCK_CHECKPOINT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
 class MoETransformer(nnx.Module):
     """Decoder-only MoE Transformer; see the module docstring for paths and precision.
 
@@ -226,6 +360,13 @@ class MoETransformer(nnx.Module):
       rules: per-module precision (a :class:`~jaxmp.precision.policy.PolicyRules` or anything
         :func:`~jaxmp.precision.policy.get_policy_rules` parses, e.g. ``"mixed_bf16; router: fp32"``).
       rngs: NNX rngs (stream ``params``).
+
+    Attributes: ``embed``, ``final_norm``, ``head``, and ``blocks`` (a list of
+    :class:`Block`, one per layer) or, with ``config.scan_layers``, ``stacks`` (one
+    stacked :class:`Block` per entry of :func:`layer_stacks`).
+
+    Raises:
+      ValueError: an attention path that cannot run here (``"cudnn"`` off a GPU).
     """
 
     def __init__(self, config: ModelConfig, rules: PolicyRules, *, rngs: nnx.Rngs):
@@ -234,9 +375,38 @@ class MoETransformer(nnx.Module):
         self.rules = rules
         self.config = config
         self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs)
-        self.blocks = nnx.List([Block(config, i, rules=rules, rngs=rngs) for i in range(config.num_layers)])
+        blocks = [Block(config, i, rules=rules, rngs=rngs) for i in range(config.num_layers)]
+        if config.scan_layers:
+            self.stacks = nnx.List([_stack([blocks[i] for i in layers])
+                                    for layers in layer_stacks(config, rules)])
+        else:
+            self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, path="final_norm", rules=rules, rngs=rngs)
         self.head = Head(config.d_model, config.vocab_size, path="head", rules=rules, rngs=rngs)
+
+    def layer_blocks(self):
+        """The model's :class:`Block` s in layer order: one per layer, or one per stack."""
+        return list(self.stacks if self.config.scan_layers else self.blocks)
+
+    def routers(self):
+        """``[(Router, num_layers)]`` of the MoE layers in layer order: one router per MoE
+        layer, or per MoE stack with its ``[num_layers, E]`` bias (the rows of
+        ``aux["expert_counts"]`` follow this order)."""
+        return [(b.moe.router, len(b.layers)) for b in self.layer_blocks() if hasattr(b, "moe")]
+
+    def module_paths(self):
+        """The per-layer paths (``blocks/{i}/attn``, ...) of every module with a policy,
+        which policy rules are matched against, in either layout."""
+        out = []
+        for path, module in nnx.iter_modules(self):
+            if not path or not hasattr(module, "policy"):
+                continue
+            if self.config.scan_layers and path[0] == "stacks":
+                rest = module.path.split("/", 2)[2]
+                out.extend(f"blocks/{i}/{rest}" for i in self.stacks[int(path[1])].layers)
+            else:
+                out.append(module.path)
+        return out
 
     def __call__(self, tokens: jax.Array):
         """Forward pass.
@@ -250,7 +420,7 @@ class MoETransformer(nnx.Module):
           which computes in float32, or upcast them); aux a dict of float32
           ``aux_loss`` (scalar, ``aux_loss_weight * sum`` of the MoE layers' balance
           losses), ``expert_counts`` ([num_moe_layers, num_experts], token-expert
-          assignments per expert over the whole batch, rows in block order; [0, 0]
+          assignments per expert over the whole batch, rows in layer order; [0, 0]
           without MoE layers) and ``dropped_fraction`` (scalar, mean over MoE layers of
           the fraction of assignments dropped by capacity; 0 dropless).
 
@@ -264,17 +434,28 @@ class MoETransformer(nnx.Module):
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={cfg.max_len}")
         h = constrain(self.embed(tokens), _ACT_AXES)
-        stats = []
-        for block in self.blocks:
-            h, s = block(h)
-            h = constrain(h, _ACT_AXES)
+        stats = []  # MoEStats with a leading layer axis, in layer order
+        for block in self.layer_blocks():
+            graphdef, state = nnx.split(block)
+            if cfg.scan_layers:
+                run = _run_block(graphdef, cfg.remat, prevent_cse=False)  # scan needs no CSE guard
+
+                def body(h, layer_state, run=run):
+                    h, s = run(layer_state, h)
+                    return constrain(h, _ACT_AXES), s
+
+                h, s = jax.lax.scan(body, h, state)
+            else:
+                h, s = _run_block(graphdef, cfg.remat, prevent_cse=True)(state, h)
+                h = constrain(h, _ACT_AXES)
+                s = None if s is None else jax.tree.map(lambda x: x[None], s)
             if s is not None:
                 stats.append(s)
         logits = self.head(self.final_norm(h))
         if stats:
-            balance = jnp.sum(jnp.stack([s.balance_loss for s in stats]))
-            counts = jnp.stack([s.expert_counts for s in stats])
-            dropped = jnp.mean(jnp.stack([s.dropped_fraction for s in stats]))
+            stats = MoEStats(*(jnp.concatenate(parts) for parts in zip(*stats)))
+            balance, counts = jnp.sum(stats.balance_loss), stats.expert_counts
+            dropped = jnp.mean(stats.dropped_fraction)
         else:
             balance = dropped = jnp.zeros((), jnp.float32)
             counts = jnp.zeros((0, 0), jnp.float32)
@@ -291,7 +472,8 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
     attention, norms, head, dense FFNs, shared experts, routers, and ``top_k`` of the
     ``num_experts`` routed experts per MoE layer. Embedding table and output head are
     counted in both numbers, as in DeepSeek-V3's "671B total, 37B activated" (that 37B
-    is only reached with its 2 x 0.93B embedding/head parameters included).
+    is only reached with its 2 x 0.93B embedding/head parameters included). The same in
+    either layout (a stack's routed experts hold all its layers).
 
     Returns:
       ``(total, active_per_token)`` as Python ints.
@@ -299,11 +481,8 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
     total = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
     inactive = 0
     cfg = model.config
-    for block in model.blocks:
-        if hasattr(block, "moe"):
-            e = block.moe.experts
-            routed = sum(int(np.prod(w.shape)) for w in (e.w_gate, e.w_up, e.w_down))
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, RoutedExperts):
+            routed = sum(int(np.prod(w.shape)) for w in (module.w_gate, module.w_up, module.w_down))
             inactive += routed // cfg.num_experts * (cfg.num_experts - cfg.top_k)
     return total, total - inactive
-
-

@@ -32,6 +32,8 @@ import ml_collections
 import numpy as np
 
 from jaxmp.models import ModelConfig
+from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
+from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PolicyRules, canonical_dtype, get_policy_rules
@@ -48,7 +50,9 @@ def default_config() -> ml_collections.ConfigDict:
     """Every key the trainer reads, with its default (configs/tiny_moe.py sets the model).
 
     The model section here has the required shape keys of
-    :class:`~jaxmp.models.ModelConfig` at tiny_moe's values; see that class for each.
+    :class:`~jaxmp.models.ModelConfig` at tiny_moe's values; see that class for each
+    (``attention``, ``scan_layers`` and ``remat`` are explained in
+    :mod:`jaxmp.models.attention` and :mod:`jaxmp.models.transformer`).
     """
     c = ml_collections.ConfigDict()
     c.seed = 0
@@ -56,7 +60,8 @@ def default_config() -> ml_collections.ConfigDict:
         vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=256, max_len=128,
         rope_theta=10000.0, norm_eps=1e-6, num_experts=4, num_shared_experts=1, top_k=2,
         d_expert=64, first_dense_layers=1, score_fn="softmax", aux_loss_weight=0.01,
-        bias_update_rate=0.001, capacity_factor=0.0))
+        bias_update_rate=0.001, capacity_factor=0.0, attention="auto", scan_layers=False,
+        remat="none"))
     c.precision = ml_collections.ConfigDict(dict(
         policy="mixed_bf16; router: fp32; norm: fp32", loss_scale="none",
         grad_reduce_dtype="float32", grad_compression="none", topk_ratio=0.3))
@@ -292,7 +297,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
       The :class:`Settings`.
 
     Raises:
-      ValueError: an unknown key (named with the closest valid one); a count that must
+      ValueError: an unknown key (named with the closest valid one); a model.attention,
+        model.scan_layers or model.remat value outside its set; a count that must
         be positive is not; the global batch cannot be split into ``grad_accum_steps``
         micro-batches that the data axis divides; an optimizer setting out of range; a
         bad model shape or value (e.g. heads not dividing the width, top-k above the
@@ -355,6 +361,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     if not _is_int(config.seed) or not 0 <= config.seed < 2**31 - 1:
         raise ValueError(f"seed={config.seed!r} is not allowed; it must be an integer in [0, 2**31 - 1)")
     m = config.model
+    _check("model", m, [
+        ("attention", lambda v: v in ATTENTION_IMPLEMENTATIONS, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
+        ("scan_layers", lambda v: isinstance(v, bool), "True or False"),
+        ("remat", lambda v: v in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
+    ])
     for key in ("rope_theta", "norm_eps", "aux_loss_weight", "bias_update_rate"):
         if not _is_real(m[key]) or not math.isfinite(m[key]):
             raise ValueError(f"model.{key}={m[key]!r} is not allowed; it must be a finite number")

@@ -41,7 +41,10 @@ __all__ = ["Experiment", "module_paths", "unmatched_rules"]
 
 def module_paths(model: nnx.Module) -> List[str]:
     """The ``/``-joined paths of a model's modules that have a policy: what policy rules
-    match against."""
+    match against (per layer, ``blocks/{i}/...``, also in the scanned layout: the model's
+    own ``module_paths()`` where it has one)."""
+    if callable(getattr(model, "module_paths", None)):
+        return list(model.module_paths())
     return ["/".join(str(k) for k in path) for path, m in nnx.iter_modules(model)
             if path and hasattr(m, "policy")]
 

@@ -69,16 +69,26 @@ def _layer_order(path) -> list:
 def _update_biases(biases, expert_counts, rate):
     """Moves each MoE layer's router bias toward balance (DeepSeek-V3 section 2.1.2).
 
-    The bias leaves, sorted by their block index, are in the order of the rows of
-    ``aux["expert_counts"]`` (block order).
+    The bias leaves, sorted by their block (or, scanned, stack) index, cover the rows of
+    ``aux["expert_counts"]`` (layer order) in turn: a ``[num_experts]`` leaf one row, a
+    stacked ``[layers, num_experts]`` leaf one row per layer, each layer moved by its own
+    counts.
     """
-    paths = sorted((p for p, _ in jax.tree_util.tree_flatten_with_path(biases)[0]), key=_layer_order)
-    if not paths:
+    flat = sorted(jax.tree_util.tree_flatten_with_path(biases)[0], key=lambda pl: _layer_order(pl[0]))
+    if not flat:
         return biases
-    layer_of = {path_name(p): i for i, p in enumerate(paths)}
+    rows, start = {}, 0
+    for path, leaf in flat:
+        n = 1 if jnp.ndim(leaf) == 1 else int(jnp.shape(leaf)[0])
+        rows[path_name(path)] = (start, n)
+        start += n
+    if start != expert_counts.shape[0]:
+        raise ValueError(f"router biases cover {start} MoE layers but expert_counts has "
+                         f"{expert_counts.shape[0]} rows")
 
     def update(path, bias):
-        return update_router_bias(bias, expert_counts[layer_of[path_name(path)]], rate)
+        first, n = rows[path_name(path)]
+        return update_router_bias(bias, expert_counts[first:first + n].reshape(jnp.shape(bias)), rate)
 
     return jax.tree_util.tree_map_with_path(update, biases)
 
