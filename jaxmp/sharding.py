@@ -9,11 +9,32 @@ parallelism layout is a new table, not a model change:
 * :data:`DATA_PARALLEL_RULES`: the batch is split over mesh axis ``"data"``, every
   parameter is replicated (the scanned layout's stacked ``layers`` axis included).
 * :data:`FSDP_RULES`: as above, plus every parameter's ``embed`` axis split over
-  ``"data"`` (ZeRO-3 / FSDP style sharding of the weights; XLA inserts the gathers).
+  ``"data"``.
+
+The trainer runs on a 2-D mesh ``("data", "expert")`` (:func:`make_mesh` with
+``expert=``) and takes its tables from :func:`layout` (``parallel.strategy`` and
+``parallel.expert``): where the float32 master weights and optimizer state live at
+rest, and where the parameters are as the forward pass reads them:
+
+============ ================================ =====================================
+strategy     state at rest (master, moments)  parameters in the forward pass
+============ ================================ =====================================
+``dp``       replicated                       replicated
+``zero1``    ``embed`` split over ``data``    a compute-dtype copy, replicated
+``fsdp``     ``embed`` split over ``data``    split; each layer gathers its own
+============ ================================ =====================================
+
+In every strategy the routed experts' ``expert`` axis is split over ``"expert"``
+(expert parallelism) and the batch over both mesh axes. The router's output axis is
+``expert_logit``, never split: every device routes to every expert. Inside the train
+step (``shard_map``), :func:`in_step` tells the model which mesh axis carries expert
+parallelism and how to gather an FSDP-split parameter (:func:`expert_axis`,
+:func:`param_gather`); outside it both are None and the model runs on whole arrays.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
@@ -25,6 +46,11 @@ __all__ = [
     "LOGICAL_AXES",
     "DATA_PARALLEL_RULES",
     "FSDP_RULES",
+    "DATA_AXIS",
+    "EXPERT_AXIS",
+    "STRATEGIES",
+    "Layout",
+    "layout",
     "make_mesh",
     "logical_to_sharding",
     "state_shardings",
@@ -32,13 +58,16 @@ __all__ = [
     "check_batch_divisible",
     "use_rules",
     "constrain",
+    "in_step",
+    "expert_axis",
+    "param_gather",
 ]
 
 # Every logical name the models use; a rule table must map each (None = replicated).
 # "layers" is the leading axis of the scanned layout's stacked variables
 # (jaxmp.models.transformer): replicated in every table here, one slice per scan step.
 LOGICAL_AXES = ("batch", "vocab", "embed", "heads", "head_dim", "mlp", "expert", "expert_mlp",
-                "layers")
+                "layers", "expert_logit")
 
 DATA_PARALLEL_RULES: Tuple[Tuple[str, Any], ...] = (
     ("batch", "data"),
@@ -50,6 +79,7 @@ DATA_PARALLEL_RULES: Tuple[Tuple[str, Any], ...] = (
     ("expert", None),
     ("expert_mlp", None),
     ("layers", None),
+    ("expert_logit", None),
 )
 
 FSDP_RULES: Tuple[Tuple[str, Any], ...] = tuple(
@@ -58,29 +88,106 @@ FSDP_RULES: Tuple[Tuple[str, Any], ...] = tuple(
 Rules = Union[Sequence[Tuple[str, Any]], Mapping[str, Any]]
 
 
+DATA_AXIS, EXPERT_AXIS = "data", "expert"
+STRATEGIES = ("dp", "zero1", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A run's layout on the ``("data", "expert")`` mesh (module docstring's table).
+
+    Attributes:
+      strategy: one of :data:`STRATEGIES`.
+      expert: devices along ``"expert"`` (expert parallelism; 1 = none).
+      state_rules: the rule table of the master weights and optimizer state at rest.
+      compute_rules: the rule table of the parameters as the forward pass reads them.
+      batch_axes: the mesh axes the batch is split over (every device holds a share).
+    """
+
+    strategy: str
+    expert: int
+    state_rules: Tuple[Tuple[str, Any], ...]
+    compute_rules: Tuple[Tuple[str, Any], ...]
+    batch_axes: Tuple[str, ...] = (DATA_AXIS, EXPERT_AXIS)
+
+    @property
+    def compute_copy(self) -> bool:
+        """True when the state keeps a compute-dtype copy of the parameters (zero1)."""
+        return self.strategy == "zero1"
+
+    def on(self, mesh: Mesh) -> "Layout":
+        """This layout with the mesh axes ``mesh`` lacks dropped from its tables (a 1-D
+        ``("data",)`` mesh is the 2-D mesh with ``expert=1``).
+
+        Raises:
+          ValueError: expert parallelism on a mesh without an ``"expert"`` axis.
+        """
+        if self.expert > 1 and mesh.shape.get(EXPERT_AXIS) != self.expert:
+            raise ValueError(f"parallel.expert={self.expert} needs a mesh with an {EXPERT_AXIS!r} axis of "
+                             f"{self.expert} devices, got {dict(mesh.shape)}")
+
+        def fit(rules):
+            out = []
+            for name, target in rules:
+                axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+                kept = tuple(a for a in axes if a in mesh.axis_names)
+                out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
+            return tuple(out)
+
+        return dataclasses.replace(self, state_rules=fit(self.state_rules), compute_rules=fit(self.compute_rules),
+                                   batch_axes=tuple(a for a in self.batch_axes if a in mesh.axis_names))
+
+
+def layout(strategy: str = "dp", expert: int = 1) -> Layout:
+    """The :class:`Layout` of ``parallel.strategy`` and ``parallel.expert``.
+
+    Raises:
+      ValueError: an unknown strategy or an expert count below 1.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"parallel.strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
+    if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or expert < 1:
+        raise ValueError(f"parallel.expert={expert!r} must be an integer >= 1")
+    base = dict(DATA_PARALLEL_RULES, batch=(DATA_AXIS, EXPERT_AXIS), expert=EXPERT_AXIS)
+    split = dict(base, embed=DATA_AXIS)
+    state = base if strategy == "dp" else split
+    compute = split if strategy == "fsdp" else base
+    return Layout(strategy, int(expert), tuple(state.items()), tuple(compute.items()))
+
+
 def _as_dict(rules: Rules) -> dict:
     return dict(rules.items() if isinstance(rules, Mapping) else rules)
 
 
-def make_mesh(num_devices: Optional[int] = None, axis_name: str = "data") -> Mesh:
-    """A 1-D mesh over the first ``num_devices`` of ``jax.devices()``.
+def make_mesh(num_devices: Optional[int] = None, axis_name: str = "data", *,
+              expert: Optional[int] = None) -> Mesh:
+    """A mesh over the first ``num_devices`` of ``jax.devices()``.
 
     Args:
       num_devices: devices in the mesh; None = all.
-      axis_name: the mesh axis name.
+      axis_name: the axis name of a 1-D mesh.
+      expert: when given, a 2-D mesh ``("data", "expert")`` of shape
+        ``(num_devices / expert, expert)``: neighbouring devices share an expert group
+        (they exchange tokens by all-to-all).
 
     Returns:
-      ``jax.sharding.Mesh`` of shape ``(num_devices,)``.
+      ``jax.sharding.Mesh``.
 
     Raises:
-      ValueError: ``num_devices`` < 1 or more than are available.
+      ValueError: ``num_devices`` < 1 or more than are available, or ``expert`` not an
+        integer >= 1 dividing it.
     """
     devices = jax.devices()
     n = len(devices) if num_devices is None else num_devices
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= len(devices):
         raise ValueError(f"num_devices={num_devices!r} must be an integer in [1, {len(devices)}] "
                          f"(the available {devices[0].platform} devices)")
-    return Mesh(np.asarray(devices[:n]), (axis_name,))
+    if expert is None:
+        return Mesh(np.asarray(devices[:n]), (axis_name,))
+    if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or expert < 1 or n % expert:
+        raise ValueError(f"parallel.expert={expert!r} must be an integer >= 1 that divides the {n} "
+                         f"devices of the mesh")
+    return Mesh(np.asarray(devices[:n]).reshape(n // expert, expert), (DATA_AXIS, EXPERT_AXIS))
 
 
 def logical_to_sharding(logical_axes: Sequence[Optional[str]], mesh: Mesh, rules: Rules) -> NamedSharding:
@@ -210,3 +317,36 @@ def constrain(x: jax.Array, logical_axes: Sequence[Optional[str]]) -> jax.Array:
     if ctx is None:
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_sharding(logical_axes, *ctx))
+
+
+_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def in_step(expert_axis_name: Optional[str] = None, gather: Optional[Any] = None):
+    """Within this context (entered by the train step, inside ``shard_map``, at trace time),
+    :func:`expert_axis` and :func:`param_gather` return the given values.
+
+    Args:
+      expert_axis_name: the mesh axis the routed experts are split over, or None.
+      gather: ``gather(value, logical_axes, dtype) -> value``, the FSDP all-gather of a
+        parameter split over the data axis (:func:`jaxmp.comm.gather_param`), or None.
+    """
+    previous = getattr(_STEP, "value", None)
+    _STEP.value = (expert_axis_name, gather)
+    try:
+        yield
+    finally:
+        _STEP.value = previous
+
+
+def expert_axis() -> Optional[str]:
+    """The mesh axis of expert parallelism inside the train step; None elsewhere."""
+    ctx = getattr(_STEP, "value", None)
+    return None if ctx is None else ctx[0]
+
+
+def param_gather() -> Optional[Any]:
+    """The FSDP parameter gather inside the train step (see :func:`in_step`); None elsewhere."""
+    ctx = getattr(_STEP, "value", None)
+    return None if ctx is None else ctx[1]

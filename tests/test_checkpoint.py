@@ -83,7 +83,7 @@ def test_a_topk_residual_saved_on_8_devices_resumes_on_4_keeping_its_mean(tmp_pa
         assert b.shape == (4,) + a.shape[1:]
         np.testing.assert_allclose(b.mean(0), a.mean(0), rtol=1e-6, atol=1e-12)
         np.testing.assert_array_equal(b[0], b[3])
-    assert jax.tree.leaves(state.comm_state)[0].sharding.spec[0] == "data"
+    assert jax.tree.leaves(state.comm_state)[0].sharding.spec[0] == ("data", "expert")  # the batch axes
     # The trainer resumes on 4 devices and says what it did.
     capsys.readouterr()
     longer = config.copy_and_resolve_references()

@@ -19,7 +19,7 @@ import pytest
 from _configs import ROOT, load_config
 from jaxmp.train import train_and_evaluate
 
-OVERRIDES = ["model.num_layers=1", "model.first_dense_layers=0", "data.max_tokens=50000",
+OVERRIDES = ["precision.policy=float32", "model.num_layers=1", "model.first_dense_layers=0", "data.max_tokens=50000",
              "data.num_eval_batches=1", "train.log_every=1", "train.eval_every=0",
              "train.sample_tokens=0", "optim.decay_steps=200"]
 LIMIT_S = 900

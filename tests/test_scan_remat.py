@@ -112,7 +112,11 @@ def test_stacked_variables_carry_the_layers_axis_and_shard_by_the_rules():
     state = exp.abstract_state
     specs = {path_name(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(exp.state_shardings.params)[0]}
     assert any(n.startswith("stacks/1/moe/experts") for n in specs)
-    assert all(spec == jax.sharding.PartitionSpec(*([None] * len(spec))) for spec in specs.values())
+    for name, spec in specs.items():  # replicated (dp), but the routed experts' expert axis
+        want = [None] * len(spec)
+        if "/moe/experts/" in name:
+            want[1 if name.startswith("stacks/") else 0] = "expert"  # [layers,] expert, ...
+        assert spec == jax.sharding.PartitionSpec(*want), (name, spec)
     m = nnx.eval_shape(lambda: MoETransformer(exp.model_config, exp.settings.rules, rngs=nnx.Rngs(0)))
     variables = [v for _, v in nnx.iter_graph(m) if isinstance(v, nnx.Variable)]
     stacked = [v for _, v in nnx.iter_graph(m.stacks) if isinstance(v, nnx.Variable)]

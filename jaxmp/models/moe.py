@@ -40,6 +40,7 @@ from flax import nnx
 from jaxmp.models.layers import SwiGLU, make_param
 from jaxmp.precision import ops
 from jaxmp.precision.policy import Policy, PolicyRules
+from jaxmp.sharding import expert_axis
 
 __all__ = [
     "RouterBias",
@@ -129,8 +130,8 @@ class Router(nnx.Module):
       rules: per-module precision rules.
       rngs: NNX rngs.
 
-    Variables: ``kernel`` [d_model, E] (``embed``, ``expert``) in ``policy.param_dtype``;
-    ``bias`` :class:`RouterBias` float32 [E] (``expert``), zeros.
+    Variables: ``kernel`` [d_model, E] (``embed``, ``expert_logit``) in ``policy.param_dtype``;
+    ``bias`` :class:`RouterBias` float32 [E] (``expert_logit``: never split, every device routes to every expert), zeros.
 
     Raises:
       ValueError: bad ``top_k`` or ``score_fn``.
@@ -147,8 +148,8 @@ class Router(nnx.Module):
         self.top_k = top_k
         self.score_fn = score_fn
         self.kernel = make_param(rngs, nnx.initializers.normal(init_std), (d_model, num_experts),
-                                 self.policy.param_dtype, ("embed", "expert"))
-        self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32), out_sharding=("expert",),
+                                 self.policy.param_dtype, ("embed", "expert_logit"))
+        self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32), out_sharding=("expert_logit",),
                                eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> Routing:
@@ -198,16 +199,23 @@ def _dropless(x, expert_ids, gates, w_gate, w_up, w_down):
     return ops.cast_matmul(gates, ys, "nk,nkd->nd")
 
 
-def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity):
+def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity, num_experts,
+                   expert_axis=None):
     """GShard dispatch with ``capacity`` slots per expert and sequence.
 
     x [B, T, D] (compute dtype), expert_ids/gates [B, T, k]. Within a sequence, all first
     choices are placed before any second choice, each in token order (GShard Algorithm 1);
     assignments past an expert's capacity are dropped (their gate weight is lost, the token
     keeps its residual). Returns (float32 [B, T, D], float32 fraction of assignments dropped).
+
+    With ``expert_axis`` (expert parallelism, inside ``shard_map``) the weights are this
+    device's ``num_experts / X`` experts; the dispatched slots ``[B, E, C, D]`` travel to
+    the devices of their experts by ``all_to_all`` over ``expert_axis`` (X devices) in the
+    compute dtype, each device runs its experts on every peer's slots, and the outputs
+    travel back the same way (GShard section 3.2). The result equals the one-device
+    dispatch: capacity is counted per sequence, on the device that holds it.
     """
     b, t, k = expert_ids.shape
-    num_experts = w_gate.shape[0]
     onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32)  # [B, T, k, E]
     by_choice = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, num_experts)
     slot = (jnp.cumsum(by_choice, axis=1) - 1).reshape(b, k, t, num_experts).transpose(0, 2, 1, 3)
@@ -218,9 +226,19 @@ def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity):
     dispatch = jnp.einsum("btke,btkc->btec", expert, slots)
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
     xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
-    h = (jax.nn.silu(ops.cast_matmul(xe, w_gate, "becd,edf->becf"))
-         * ops.cast_matmul(xe, w_up, "becd,edf->becf"))
-    ye = ops.cast_matmul(h, w_down, "becf,efd->becd")
+    if expert_axis is None:
+        h = (jax.nn.silu(ops.cast_matmul(xe, w_gate, "becd,edf->becf"))
+             * ops.cast_matmul(xe, w_up, "becd,edf->becf"))
+        ye = ops.cast_matmul(h, w_down, "becf,efd->becd")
+    else:
+        groups = jax.lax.axis_size(expert_axis)
+        local = num_experts // groups
+        # [B, X, E/X, C, D]: axis 1 is the expert group going out, the source device coming in.
+        xs = jax.lax.all_to_all(xe.reshape(b, groups, local, capacity, -1), expert_axis, 1, 1)
+        h = (jax.nn.silu(ops.cast_matmul(xs, w_gate, "bsecd,edf->bsecf"))
+             * ops.cast_matmul(xs, w_up, "bsecd,edf->bsecf"))
+        ys = ops.cast_matmul(h, w_down, "bsecf,efd->bsecd")
+        ye = jax.lax.all_to_all(ys, expert_axis, 1, 1).reshape(b, num_experts, capacity, -1)
     y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
     dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
     return y, dropped
@@ -243,7 +261,9 @@ class RoutedExperts(nnx.Module):
 
     Parameters: ``w_gate``, ``w_up`` [E, d_model, d_expert] (``expert``, ``embed``,
     ``expert_mlp``); ``w_down`` [E, d_expert, d_model] (``expert``, ``expert_mlp``,
-    ``embed``), in ``policy.param_dtype``.
+    ``embed``), in ``policy.param_dtype``. Under expert parallelism (inside the train step,
+    :func:`jaxmp.sharding.expert_axis`) a device holds ``E / X`` of them and capacity
+    dispatch exchanges the tokens by all-to-all.
 
     Raises:
       ValueError: negative ``capacity_factor``.
@@ -257,6 +277,7 @@ class RoutedExperts(nnx.Module):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.capacity_factor = float(capacity_factor or 0.0)
+        self.num_experts = num_experts
         dt = self.policy.param_dtype
         shape_in, shape_out = (num_experts, d_model, d_expert), (num_experts, d_expert, d_model)
         axes_in, axes_out = ("expert", "embed", "expert_mlp"), ("expert", "expert_mlp", "embed")
@@ -282,9 +303,13 @@ class RoutedExperts(nnx.Module):
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])  # cast by ops.cast_matmul
         gates = gates.astype(jnp.float32)
         b, t, d = x.shape
+        axis = expert_axis()
         if self.capacity_factor > 0:
-            capacity = expert_capacity(self.capacity_factor, t, expert_ids.shape[-1], w[0].shape[0])
-            y, dropped = _with_capacity(x, expert_ids, gates, *w, capacity)
+            capacity = expert_capacity(self.capacity_factor, t, expert_ids.shape[-1], self.num_experts)
+            y, dropped = _with_capacity(x, expert_ids, gates, *w, capacity, self.num_experts, axis)
+        elif axis is not None:
+            raise ValueError("expert parallelism exchanges fixed-size slots: set model.capacity_factor > 0 "
+                             "(dropless dispatch runs with parallel.expert=1)")
         else:
             k = expert_ids.shape[-1]
             y = _dropless(x.reshape(b * t, d), expert_ids.reshape(b * t, k), gates.reshape(b * t, k), *w)

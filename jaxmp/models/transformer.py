@@ -100,10 +100,10 @@ from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
 from jaxmp.models.moe import SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands
-from jaxmp.sharding import constrain
+from jaxmp.sharding import constrain, param_gather
 
 __all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
-           "REMAT_POLICIES", "layer_stacks"]
+           "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes"]
 
 # model.remat settings, in order of growing recomputation (module docstring).
 REMAT_POLICIES = ("none", "attention", "dots_saveable", "full")
@@ -341,15 +341,59 @@ def _stack(blocks) -> Block:
     return template
 
 
-def _run_block(graphdef, remat: str, prevent_cse: bool):
+def _run_block(graphdef, remat: str, prevent_cse: bool, gather=None, dtypes=None):
     """``(block state, h) -> (h, stats)`` for one block, under ``jax.checkpoint`` when
-    ``remat`` asks for a block-level policy."""
+    ``remat`` asks for a block-level policy. With ``gather`` (FSDP) the block's
+    parameters are gathered inside, so that a checkpointed block keeps its split
+    parameters and gathers them again for the backward pass."""
     def run(state, h):
+        if gather is not None:
+            state = _gathered(state, dtypes, gather)
         return nnx.merge(graphdef, state)(h)
 
     if remat not in _BLOCK_CHECKPOINT_POLICIES:
         return run
     return jax.checkpoint(run, policy=_BLOCK_CHECKPOINT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def param_compute_dtypes(module: nnx.Module) -> dict:
+    """``{path: compute dtype}`` of every parameter of ``module``, from the policy of the
+    module that holds it: what a compute-dtype copy (ZeRO-1) or gather (FSDP) casts it
+    to. Paths are those of ``nnx.to_flat_state(nnx.state(module, nnx.Param))``."""
+    out = {}
+    for path, m in nnx.iter_modules(module):
+        policy = getattr(m, "policy", None)
+        if policy is None:
+            continue
+        for name, value in vars(m).items():
+            if isinstance(value, nnx.Param):
+                out[tuple(path) + (name,)] = policy.compute_dtype
+    return out
+
+
+def _gathered(state, dtypes: dict, gather):
+    """``state`` with each parameter gathered whole by ``gather`` (FSDP, inside the train
+    step); other variables (router biases) pass through. A scanned layer's slice keeps
+    its stacked variable's axis names: the leading ``layers`` is dropped to match."""
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        if isinstance(var, nnx.Param) and path in dtypes:
+            value = var.get_value()
+            axes = tuple(var.get_metadata().get("out_sharding") or ())
+            if len(axes) == value.ndim + 1 and axes[:1] == ("layers",):
+                axes = axes[1:]
+            var = var.replace(gather(value, axes, dtypes[path]))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
+def _call_gathered(module: nnx.Module, *args):
+    """``module(*args)``, with its parameters gathered first inside an FSDP step."""
+    gather = param_gather()
+    if gather is None:
+        return module(*args)
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, _gathered(state, param_compute_dtypes(module), gather))(*args)
 
 
 class MoETransformer(nnx.Module):
@@ -433,25 +477,26 @@ class MoETransformer(nnx.Module):
                              f"dtype {jnp.result_type(tokens)}")
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={cfg.max_len}")
-        h = constrain(self.embed(tokens), _ACT_AXES)
+        gather = param_gather()  # FSDP inside the train step: each layer gathers its own weights
+        h = constrain(_call_gathered(self.embed, tokens), _ACT_AXES)
         stats = []  # MoEStats with a leading layer axis, in layer order
         for block in self.layer_blocks():
             graphdef, state = nnx.split(block)
+            run = _run_block(graphdef, cfg.remat, prevent_cse=not cfg.scan_layers,  # scan needs no CSE guard
+                             gather=gather, dtypes=param_compute_dtypes(block) if gather else None)
             if cfg.scan_layers:
-                run = _run_block(graphdef, cfg.remat, prevent_cse=False)  # scan needs no CSE guard
-
                 def body(h, layer_state, run=run):
                     h, s = run(layer_state, h)
                     return constrain(h, _ACT_AXES), s
 
                 h, s = jax.lax.scan(body, h, state)
             else:
-                h, s = _run_block(graphdef, cfg.remat, prevent_cse=True)(state, h)
+                h, s = run(state, h)
                 h = constrain(h, _ACT_AXES)
                 s = None if s is None else jax.tree.map(lambda x: x[None], s)
             if s is not None:
                 stats.append(s)
-        logits = self.head(self.final_norm(h))
+        logits = _call_gathered(self.head, _call_gathered(self.final_norm, h))
         if stats:
             stats = MoEStats(*(jnp.concatenate(parts) for parts in zip(*stats)))
             balance, counts = jnp.sum(stats.balance_loss), stats.expert_counts

@@ -29,6 +29,7 @@ where NCCL reduces and gathers bfloat16/float16 natively.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -51,6 +52,7 @@ __all__ = [
     "pmean_gradients",
     "LeafReduce",
     "reduce_gradients",
+    "gather_param",
     "topk_compress",
     "topk_allgather_mean",
     "exchange_gradients",
@@ -172,11 +174,14 @@ class LeafReduce(NamedTuple):
       scatter_axis: a mesh axis the leaf is reduce-scattered over (ZeRO), or None.
       scatter_dim: the leaf's dimension split by the reduce-scatter (tiled: each device
         keeps its ``1/size`` slice of it).
+      divided: True when the leaf was already divided by the device count (and partly
+        reduced) on its way here, by :func:`gather_param`'s backward pass.
     """
 
     sum_axes: Tuple[str, ...] = ()
     scatter_axis: Optional[str] = None
     scatter_dim: int = 0
+    divided: bool = False
 
 
 def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = jnp.float32) -> Any:
@@ -202,7 +207,7 @@ def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = 
     dtype = jnp.dtype(dtype)
 
     def one(g, layout):
-        x = (g.astype(jnp.float32) / total_devices).astype(dtype)
+        x = (g.astype(jnp.float32) / (1 if layout.divided else total_devices)).astype(dtype)
         if layout.scatter_axis is not None:
             x = jax.lax.psum_scatter(x, layout.scatter_axis, scatter_dimension=layout.scatter_dim, tiled=True)
         if layout.sum_axes:
@@ -210,6 +215,46 @@ def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = 
         return x.astype(jnp.float32)
 
     return jax.tree.map(one, grads, layouts, is_leaf=lambda x: isinstance(x, LeafReduce))
+
+
+def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any, reduce_dtype: Any = jnp.float32,
+                 total_devices: int = 1) -> jax.Array:
+    """FSDP: the whole parameter from this device's slice, in ``dtype``; inside ``shard_map``.
+
+    Forward: ``all_gather`` of ``x.astype(dtype)`` over ``axis_name`` along ``dim``
+    (tiled), so the compute dtype crosses the wire, not float32. Backward (ZeRO-3's
+    reduce-scatter): the cotangent is divided by ``total_devices``, cast to
+    ``reduce_dtype``, reduce-scattered over ``axis_name`` back to the slice, and cast to
+    ``x.dtype``: the slice's share of the gradient of the mean loss, summed over the axis
+    (mark it ``LeafReduce(divided=True)`` for :func:`reduce_gradients`).
+
+    Args:
+      x: this device's slice of the (float32 master) parameter.
+      axis_name: the mesh axis the parameter is split over.
+      dim: the split dimension.
+      dtype: the compute dtype to gather in.
+      reduce_dtype: the dtype of the reduce-scatter.
+      total_devices: the devices whose mean loss is differentiated.
+    """
+    return _gather_param(x, axis_name, int(dim), jnp.dtype(dtype), jnp.dtype(reduce_dtype), int(total_devices))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _gather_param(x, axis_name, dim, dtype, reduce_dtype, total):
+    return jax.lax.all_gather(x.astype(dtype), axis_name, axis=dim, tiled=True)
+
+
+def _gather_param_fwd(x, axis_name, dim, dtype, reduce_dtype, total):
+    return _gather_param(x, axis_name, dim, dtype, reduce_dtype, total), jnp.zeros((0,), x.dtype)
+
+
+def _gather_param_bwd(axis_name, dim, dtype, reduce_dtype, total, res, g):
+    sent = (g.astype(jnp.float32) / total).astype(reduce_dtype)
+    out = jax.lax.psum_scatter(sent, axis_name, scatter_dimension=dim, tiled=True)
+    return (out.astype(res.dtype),)
+
+
+_gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
 
 
 def _topk_leaf(x: jax.Array, ratio: float, dtype) -> Tuple[jax.Array, jax.Array, jax.Array]:

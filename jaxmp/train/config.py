@@ -31,6 +31,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import ml_collections
 import numpy as np
 
+from jaxmp import sharding
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.transformer import REMAT_POLICIES
@@ -77,6 +78,7 @@ def default_config() -> ml_collections.ConfigDict:
         eval_every=50, checkpoint_every=100, keep_checkpoints=2, max_consecutive_skips=100,
         loss_spike_factor=3.0, grad_norm_spike_factor=100.0, max_divergent_steps=10,
         sample_prompt="def ", sample_tokens=80, sample_temperature=0.8))
+    c.parallel = ml_collections.ConfigDict(dict(strategy="dp", expert=1))
     return c
 
 
@@ -256,7 +258,9 @@ class Settings:
       loss_scale: the initial loss scale.
       comm: ``make_train_step``'s gradient-communication keywords
         (``grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``).
-      num_devices: devices of the mesh's data axis.
+      num_devices: devices of the mesh (the batch is split over all of them).
+      layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy`` and
+        ``parallel.expert``.
     """
 
     config: ml_collections.ConfigDict
@@ -265,6 +269,7 @@ class Settings:
     loss_scale: LossScale
     comm: Dict[str, Any]
     num_devices: int
+    layout: Any = None
 
 
 def _is_int(v: Any) -> bool:
@@ -291,7 +296,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
 
     Args:
       config: a run config (missing keys take :func:`default_config`'s values).
-      num_devices: devices of the mesh's ``"data"`` axis.
+      num_devices: devices of the mesh, ``data`` times ``expert`` (the batch is split
+        over all of them).
 
     Returns:
       The :class:`Settings`.
@@ -303,8 +309,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         micro-batches that the data axis divides; an optimizer setting out of range; a
         bad model shape or value (e.g. heads not dividing the width, top-k above the
         number of experts, a non-finite ``aux_loss_weight`` or ``rope_theta``), policy,
-        loss scale, schedule, data setting or gradient communication. The message names
-        the value and what is allowed.
+        loss scale, schedule, data setting or gradient communication; a parallel
+        layout that the devices or the model cannot take (``parallel.expert`` not
+        dividing the devices or the experts, expert parallelism without capacity
+        dispatch, zero1/fsdp with ``d_model`` not divisible by the data axis, top-k
+        compression outside data parallelism). The message names the value and what is
+        allowed.
     """
     config = complete_config(config)
     t, d, o, p = config.train, config.data, config.optim, config.precision
@@ -331,7 +341,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         raise ValueError(
             f"the micro-batch of {micro} sequences (train.batch_size={t.batch_size} / "
             f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by the "
-            f"{num_devices} devices of the mesh's 'data' axis; use a multiple of {num_devices}")
+            f"{num_devices} devices of the mesh; use a multiple of {num_devices}")
     _check("optim", o, [
         ("learning_rate", lambda v: _is_real(v) and 0 < v <= _F32_MAX, "a number > 0 that float32 can hold"),
         ("warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
@@ -380,5 +390,31 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         comm.check_comm_config(**comm_kwargs)
     except ValueError as e:
         raise ValueError(f"precision: {e}") from None
+    layout = _check_parallel(config, model, int(num_devices))
     return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale,
-                    comm=comm_kwargs, num_devices=int(num_devices))
+                    comm=comm_kwargs, num_devices=int(num_devices), layout=layout)
+
+
+def _check_parallel(config, model: ModelConfig, num_devices: int):
+    """The parallel layout, after checking the devices and the model can take it."""
+    par = config.parallel
+    layout = sharding.layout(par.strategy, par.expert)  # names a bad strategy or count
+    x = layout.expert
+    if num_devices % x:
+        raise ValueError(f"parallel.expert={x} does not divide the {num_devices} devices")
+    data = num_devices // x
+    if x > 1:
+        if model.num_moe_layers == 0:
+            raise ValueError(f"parallel.expert={x}: the model has no MoE layer (model.num_experts=0)")
+        if model.num_experts % x:
+            raise ValueError(f"parallel.expert={x} does not divide model.num_experts={model.num_experts}")
+        if not model.capacity_factor:
+            raise ValueError(f"parallel.expert={x}: expert parallelism exchanges fixed-size slots; set "
+                             f"model.capacity_factor > 0 (e.g. 2.0), or parallel.expert=1 for dropless")
+    if layout.strategy != "dp" and model.d_model % data:
+        raise ValueError(f"parallel.strategy={layout.strategy!r} splits every parameter's d_model axis over "
+                         f"the {data} devices of the data axis, which do not divide model.d_model={model.d_model}")
+    if config.precision.grad_compression == "topk" and (layout.strategy != "dp" or x > 1):
+        raise ValueError(f"precision.grad_compression='topk' runs with parallel.strategy='dp' and "
+                         f"parallel.expert=1, not {layout.strategy!r} and {x}")
+    return layout

@@ -28,9 +28,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmp import sharding
 from jaxmp.models import MoETransformer, count_params
+from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
-from jaxmp.train.config import Settings, validate_config
+from jaxmp.train.config import Settings, complete_config, validate_config
 from jaxmp.train.data import ByteTokenizer, DataPipeline, create_pipeline
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
@@ -67,8 +68,9 @@ class Experiment:
     Attributes:
       settings: what :func:`~jaxmp.train.config.validate_config` parsed (``config``,
         ``model``, user ``rules``, initial ``loss_scale``, ``comm`` keywords).
-      mesh: the device mesh; its ``"data"`` axis splits the batch.
-      logical_rules: the :mod:`jaxmp.sharding` rule table used for every layout.
+      mesh: the device mesh ``("data", "expert")``; the batch is split over both axes.
+      layout: the :class:`jaxmp.sharding.Layout` (``parallel.strategy`` and
+        ``parallel.expert``): where the state and the parameters live.
       rules: the model's resolved policy rules (the user's plus the float32 islands).
       graphdef: the model's NNX graph definition.
       module_paths: the paths policy rules match against (``blocks/0/attn``, ...).
@@ -87,7 +89,7 @@ class Experiment:
 
     settings: Settings
     mesh: Mesh
-    logical_rules: Any
+    layout: sharding.Layout
     rules: PolicyRules
     graphdef: Any
     module_paths: Tuple[str, ...]
@@ -108,21 +110,27 @@ class Experiment:
 
         Args:
           config: a run config (e.g. ``load_config("configs/tiny_moe.py")``).
-          num_devices: devices of the mesh (default ``train.num_devices``, 0 = all).
-          mesh: a ready mesh with a ``"data"`` axis instead (``num_devices`` is then
-            ignored).
+          num_devices: devices of the mesh (default ``train.num_devices``, 0 = all);
+            the mesh is ``(num_devices / parallel.expert, parallel.expert)``.
+          mesh: a ready mesh with a ``"data"`` axis (and an ``"expert"`` one for expert
+            parallelism) instead; ``num_devices`` is then ignored.
 
         Raises:
           ValueError: any bad config value (:func:`validate_config`), or more devices
             than exist.
         """
         if mesh is None:
-            num_devices = num_devices or config.get("train", {}).get("num_devices") or None
-            mesh = sharding.make_mesh(num_devices)
-        n = int(mesh.shape[comm.DATA_AXIS])
+            complete = complete_config(config)
+            num_devices = num_devices or complete.train.num_devices or None
+            total = num_devices or len(jax.devices())
+            if total % complete.parallel.expert:  # named before the mesh is built
+                raise ValueError(f"parallel.expert={complete.parallel.expert} does not divide the "
+                                 f"{total} devices")
+            mesh = sharding.make_mesh(num_devices, expert=complete.parallel.expert)
+        n = int(mesh.devices.size)
         settings = validate_config(config, n)
         cfg = settings.config
-        logical_rules = sharding.DATA_PARALLEL_RULES
+        layout = settings.layout.on(mesh)
         lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
         optimizer = make_optimizer(cfg.optim, lr_schedule)
 
@@ -130,30 +138,37 @@ class Experiment:
             model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
             comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
                                               settings.comm["grad_compression"])
-            return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
-                                      comm_state=comm_state)[1]
+            state = create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
+                                       comm_state=comm_state)[1]
+            if layout.compute_copy:
+                dtypes = param_compute_dtypes(model)
+                copy = [(path, var.replace(var.get_value().astype(dtypes[path])))
+                        for path, var in nnx.to_flat_state(state.params)]
+                state = state.replace(compute_params=nnx.from_flat_state(copy))
+            return state
 
         model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
                                                       rngs=nnx.Rngs(cfg.seed)))
         graphdef = split_model(model)[0]
         abstract = jax.eval_shape(init)
-        state_sh = train_state_shardings(abstract, mesh, logical_rules)
-        batch_sh = sharding.batch_sharding(mesh, logical_rules)
+        state_sh = train_state_shardings(abstract, mesh, layout)
+        batch_sh = sharding.batch_sharding(mesh, layout.state_rules)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 abstract, state_sh)
         step = make_train_step(graphdef, optimizer, mesh=mesh, lr_schedule=lr_schedule,
                                bias_update_rate=settings.model.bias_update_rate,
                                grad_accum_steps=cfg.train.grad_accum_steps,
                                loss_spike_factor=cfg.train.loss_spike_factor,
-                               grad_norm_spike_factor=cfg.train.grad_norm_spike_factor, **settings.comm)
+                               grad_norm_spike_factor=cfg.train.grad_norm_spike_factor,
+                               layout=layout, **settings.comm)
         return cls(
-            settings=settings, mesh=mesh, logical_rules=logical_rules, rules=model.rules,
+            settings=settings, mesh=mesh, layout=layout, rules=model.rules,
             graphdef=graphdef, module_paths=tuple(module_paths(model)),
             param_counts=count_params(model), lr_schedule=lr_schedule, optimizer=optimizer,
             abstract_state=abstract, state_shardings=state_sh, batch_sharding=batch_sh,
             train_step=jax.jit(step, in_shardings=(state_sh, batch_sh),
                                out_shardings=(state_sh, None), donate_argnums=0),
-            eval_step=jax.jit(make_eval_step(graphdef, mesh), in_shardings=(state_sh, batch_sh)),
+            eval_step=jax.jit(make_eval_step(graphdef, mesh, layout), in_shardings=(state_sh, batch_sh)),
             _init=jax.jit(init, out_shardings=state_sh))
 
     @property
@@ -168,7 +183,7 @@ class Experiment:
 
     @property
     def num_devices(self) -> int:
-        """Devices of the mesh's data axis."""
+        """Devices of the mesh (the batch is split over all of them)."""
         return self.settings.num_devices
 
     def init_state(self) -> TrainState:

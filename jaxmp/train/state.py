@@ -8,7 +8,7 @@ saves, what ``train_step(state, batch)`` returns, and what
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax
 import jax
@@ -53,6 +53,10 @@ class TrainState:
       comm_state: None, or for top-k gradient compression ``{"residual": tree}`` of
         float32 ``[num_devices, *param.shape]`` error-feedback residuals, sharded over
         the data axis (:func:`jaxmp.comm.init_comm_state`).
+      compute_params: None, or under ZeRO-1 (``parallel.strategy="zero1"``) the
+        parameters cast to their modules' compute dtypes, whole on every device (the
+        forward pass reads them; the float32 ``params`` are split), gathered anew from
+        the master weights after every step.
     """
 
     step: jax.Array
@@ -68,6 +72,7 @@ class TrainState:
     divergent_steps: jax.Array
     rng: jax.Array
     comm_state: Any = None
+    compute_params: Any = None
 
 
 def split_model(model: nnx.Module):
@@ -100,18 +105,21 @@ def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformatio
     return graphdef, state
 
 
-def train_state_shardings(state: TrainState, mesh: Mesh, rules: sharding.Rules) -> TrainState:
-    """Shardings of a train state on ``mesh`` by the logical-axis ``rules``.
-
-    Parameters, router biases and every optimizer-state leaf shaped like a parameter
-    follow the parameters' logical axes (:func:`jaxmp.sharding.state_shardings`); the
-    per-device top-k residual (``comm_state``) has its leading device axis split like
-    the batch, so each device holds its own row; everything else is replicated.
+def train_state_shardings(state: TrainState, mesh: Mesh, rules) -> TrainState:
+    """Shardings of a train state on ``mesh``.
 
     Args:
       state: a :class:`TrainState` of arrays or ``jax.ShapeDtypeStruct``.
       mesh: the device mesh.
-      rules: a rule table of :mod:`jaxmp.sharding`.
+      rules: a rule table of :mod:`jaxmp.sharding` (every part laid out by it), or a
+        :class:`jaxmp.sharding.Layout`: the parameters, router biases and optimizer
+        state by its ``state_rules``, the compute copy by its ``compute_rules``.
+
+    Every ``nnx.Variable`` leaf with logical axes (the parameters, and the optimizer
+    moments, which keep the parameters' wrappers) follows them
+    (:func:`jaxmp.sharding.state_shardings`); the per-device top-k residual
+    (``comm_state``) has its leading device axis split like the batch, so each device
+    holds its own row; everything else is replicated.
 
     Returns:
       A :class:`TrainState` of ``NamedSharding`` (variables keep their wrappers).
@@ -119,18 +127,15 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules: sharding.Rules) 
     Raises:
       ValueError: as :func:`jaxmp.sharding.logical_to_sharding`.
     """
-    shardings = sharding.state_shardings(state, mesh, rules)
+    state_rules = getattr(rules, "state_rules", rules)
+    compute_rules = getattr(rules, "compute_rules", rules)
+    shardings = sharding.state_shardings(state.replace(comm_state=None, compute_params=None), mesh, state_rules)
     comm = state.comm_state
     if comm is not None:
         comm = jax.tree.map(
-            lambda x: sharding.logical_to_sharding(("batch",) + (None,) * (jnp.ndim(x) - 1), mesh, rules),
+            lambda x: sharding.logical_to_sharding(("batch",) + (None,) * (jnp.ndim(x) - 1), mesh, state_rules),
             comm)
-    return shardings.replace(comm_state=comm)
-
-
-def abstract_like(tree: Any, shardings: Optional[Any] = None) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves for ``tree`` (with ``shardings`` when given)."""
-    if shardings is None:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=s),
-                        tree, shardings)
+    compute = None
+    if state.compute_params is not None:
+        compute = sharding.state_shardings(state.compute_params, mesh, compute_rules)
+    return shardings.replace(comm_state=comm, compute_params=compute)

@@ -23,18 +23,23 @@ is one gradient path, whatever the number of devices (one device is a 1-device m
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmp import sharding
 
 from jaxmp.models import update_router_bias
 from jaxmp.precision import comm, ops, optim
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.loss_scale import all_finite, select_tree
+from jaxmp.sharding import DATA_AXIS, EXPERT_AXIS, Layout
 from jaxmp.train.state import TrainState
 
 __all__ = ["loss_fn", "make_train_step", "make_eval_step"]
@@ -103,16 +108,102 @@ def _mean_aux(ces, auxes):
                         "dropped_fraction": auxes["dropped_fraction"].mean()}
 
 
-def _data_parallel_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh, comm_kwargs):
-    """Per-device gradients inside ``shard_map``, averaged by :func:`jaxmp.comm.exchange_gradients`.
+class _Plan:
+    """How one train or eval step lays its arrays out, derived at trace time from the
+    state's logical axes and the run's :class:`~jaxmp.sharding.Layout`.
 
-    Returns ``(grads, finite, ce, aux, new_comm_state)``: float32 unscaled mean
-    gradients (replicated), the verdict of every device's *local* gradients (``pmin``,
-    taken before compression), the cross-entropy and ``aux_loss`` averaged over devices
-    (the balance loss of each device's own batch), expert counts summed over devices.
+    Attributes:
+      axes: the mesh axes the batch is split over (those of ``layout.batch_axes`` the
+        mesh has).
+      total: the devices (product of ``axes``): each holds a share of the batch.
+      expert_axis: the mesh axis of expert parallelism, or None.
+      compute_specs: ``PartitionSpec`` per parameter leaf as the forward reads it.
+      state_specs: ``PartitionSpec`` per parameter leaf at rest (master, moments).
+      layouts: :class:`jaxmp.comm.LeafReduce` per gradient leaf.
+      gather: the FSDP gather for :func:`jaxmp.sharding.in_step`, or None.
     """
-    axis = comm.DATA_AXIS
-    n = mesh.shape[axis]
+
+    def __init__(self, mesh: Mesh, layout: Layout, compute_params, master_params, reduce_dtype):
+        layout = layout.on(mesh)
+        self.mesh, self.layout = mesh, layout
+        self.axes = tuple(a for a in layout.batch_axes if a in mesh.axis_names)
+        self.total = int(np.prod([mesh.shape[a] for a in self.axes]))
+        self.expert_axis = EXPERT_AXIS if mesh.shape.get(EXPERT_AXIS, 1) > 1 else None
+
+        def specs(tree, rules):
+            return jax.tree.map(lambda s: s.spec, sharding.state_shardings(tree, mesh, rules),
+                                is_leaf=lambda x: isinstance(x, NamedSharding))
+
+        self.compute_specs = specs(compute_params, layout.compute_rules)
+        self.state_specs = specs(master_params, layout.state_rules)
+        compute_rules = dict(layout.compute_rules)
+        fsdp = layout.strategy == "fsdp"
+
+        def leaf_reduce(compute_spec, state_spec):
+            used_c = _spec_axes(compute_spec)
+            scatter, dim = None, 0
+            if not fsdp:
+                for d, entry in enumerate(state_spec):
+                    if DATA_AXIS in _entry_axes(entry) and DATA_AXIS not in used_c:
+                        scatter, dim = DATA_AXIS, d
+            sums = tuple(a for a in self.axes if a not in used_c and a != scatter)
+            return comm.LeafReduce(sums, scatter, dim, divided=fsdp and DATA_AXIS in used_c)
+
+        self.layouts = jax.tree.map(leaf_reduce, self.compute_specs, self.state_specs,
+                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
+        self.gather = None
+        if fsdp:
+            data_names = {name for name, target in compute_rules.items() if DATA_AXIS in _entry_axes(target)}
+
+            def gather(value, logical_axes, dtype):
+                dims = [i for i, name in enumerate(logical_axes) if name in data_names]
+                if not dims:
+                    return value.astype(dtype)
+                out = comm.gather_param(value, DATA_AXIS, dims[0], dtype, reduce_dtype, self.total)
+                return checkpoint_name(out, FSDP_GATHER)
+
+            self.gather = gather
+
+    def varying(self, tree):
+        """Every leaf made device-varying over all of :attr:`axes`: the gradient of a
+        replicated input would otherwise be summed by ``shard_map``'s transpose, in the
+        input's dtype, behind the explicit reduction's back."""
+        def one(x):
+            missing = tuple(a for a in self.axes if a not in _varying_axes(x))
+            return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return jax.tree.map(one, tree)
+
+
+FSDP_GATHER = "fsdp_gather"  # the checkpoint name of a gathered FSDP parameter
+
+
+def _varying_axes(x) -> frozenset:
+    """The mesh axes over which ``x`` may differ between devices, inside ``shard_map``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _entry_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_axes(spec) -> set:
+    return {a for entry in spec for a in _entry_axes(entry)}
+
+
+def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Plan, comm_kwargs):
+    """Per-device gradients inside ``shard_map``, reduced by their layouts.
+
+    Returns ``(grads, finite, ce, aux, new_comm_state)``: float32 unscaled gradients of
+    the mean loss laid out like the master weights (replicated, or split over ``data``
+    for zero1 / fsdp), the verdict of every device's *local* gradients (``pmin``, taken
+    before compression), the cross-entropy and ``aux_loss`` averaged over devices (the
+    balance loss of each device's own batch), expert counts summed over devices.
+    """
+    n = plan.total
     rows = jax.tree.leaves(batch)[0].shape[0]
     if rows % (n * grad_accum_steps):
         raise ValueError(f"a batch of {rows} sequences does not split into {n} devices x "
@@ -126,47 +217,77 @@ def _data_parallel_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh
         leading = {jnp.shape(r)[0] for r in jax.tree.leaves(residual)}
         if leading != {n}:
             raise ValueError(f"the top-k residual has leading dimension(s) {sorted(leading)} but the "
-                             f"mesh's {axis!r} axis has {n} devices; build it with num_devices={n}")
-
-    def varying(tree):
-        return jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
+                             f"mesh has {n} devices; build it with num_devices={n}")
+    params = state.compute_params if plan.layout.compute_copy else state.params
+    reduce_dtype = comm.check_comm_config(**comm_kwargs)
+    axes = plan.axes
 
     def per_device(params, biases, rest, loss_scale, residual, batch):
-        # Differentiate a device-varying copy of the params: the gradient of a replicated
-        # input would be psum-ed by shard_map's transpose, in float32, behind our back.
-        params = varying(params)
-        if grad_accum_steps == 1:
-            grads, (ce, aux) = grad_fn(graphdef, params, biases, rest, loss_scale, batch)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-            local_finite = all_finite(grads)
+        params = plan.varying(params)
+        with sharding.in_step(plan.expert_axis, plan.gather):
+            if grad_accum_steps == 1:
+                grads, (ce, aux) = grad_fn(graphdef, params, biases, rest, loss_scale, batch)
+                local_finite = all_finite(grads)
+            else:
+                def body(acc, micro_batch):
+                    g, (ce_m, aux_m) = grad_fn(graphdef, params, biases, rest, loss_scale, micro_batch)
+                    # Still scaled: the loss scale stays on the wire (see comm.pmean_gradients).
+                    return optim.accumulate(acc, g, loss_scale, grads_scaled=False), (ce_m, aux_m)
+
+                # The sum lives in float32 whatever dtype the parameters the forward reads
+                # (a zero1 compute copy is bfloat16): the master dtype of mixed precision.
+                init = plan.varying(optim.accumulator_init(
+                    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
+                acc, (ces, auxes) = jax.lax.scan(body, init, _micro_batches(batch, grad_accum_steps))
+                grads, local_finite = optim.accumulated_mean(acc)
+                local_finite = local_finite & all_finite(grads)
+                ce, aux = _mean_aux(ces, auxes)
+        if topk:  # data parallelism only (validated): every leaf is summed over every axis
+            local_state = {"residual": jax.tree.map(lambda r: r[0], residual)}
+            grads, new_state = comm.exchange_gradients(grads, loss_scale, local_state,
+                                                       axis_name=axes, **comm_kwargs)
+            new_residual = jax.tree.map(lambda r: r[None], new_state["residual"])
         else:
-            def body(acc, micro_batch):
-                g, (ce_m, aux_m) = grad_fn(graphdef, params, biases, rest, loss_scale, micro_batch)
-                # Still scaled: the loss scale stays on the wire (see comm.pmean_gradients).
-                return optim.accumulate(acc, g, loss_scale, grads_scaled=False), (ce_m, aux_m)
+            grads = loss_scale.unscale(comm.reduce_gradients(grads, plan.layouts, n, reduce_dtype))
+            new_residual = None
+        finite = jax.lax.pmin(local_finite.astype(jnp.int32), axes).astype(jnp.bool_)
+        aux = {"aux_loss": jax.lax.pmean(jnp.asarray(aux["aux_loss"], jnp.float32), axes),
+               "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
+               "dropped_fraction": jax.lax.pmean(jnp.asarray(aux["dropped_fraction"], jnp.float32), axes)}
+        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axes), aux, new_residual
 
-            acc, (ces, auxes) = jax.lax.scan(body, varying(optim.accumulator_init(params)),
-                                             _micro_batches(batch, grad_accum_steps))
-            grads, local_finite = optim.accumulated_mean(acc)
-            local_finite = local_finite & all_finite(grads)
-            ce, aux = _mean_aux(ces, auxes)
-        local_state = None if residual is None else {"residual": jax.tree.map(lambda r: r[0], residual)}
-        grads, new_state = comm.exchange_gradients(grads, loss_scale, local_state, axis_name=axis,
-                                                   **comm_kwargs)
-        new_residual = None if new_state is None else jax.tree.map(lambda r: r[None], new_state["residual"])
-        finite = jax.lax.pmin(local_finite.astype(jnp.int32), axis).astype(jnp.bool_)
-        aux = {"aux_loss": jax.lax.pmean(jnp.asarray(aux["aux_loss"], jnp.float32), axis),
-               "expert_counts": jax.lax.psum(aux["expert_counts"], axis),
-               "dropped_fraction": jax.lax.pmean(jnp.asarray(aux["dropped_fraction"], jnp.float32), axis)}
-        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axis), aux, new_residual
-
-    rep, split = PartitionSpec(), PartitionSpec(axis)
+    rep, split = PartitionSpec(), PartitionSpec(axes)
     grads, finite, ce, aux, new_residual = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(rep, rep, rep, rep, split, split),
-        out_specs=(rep, rep, rep, rep, split))(
-            state.params, state.biases, state.rest, state.loss_scale, residual, batch)
+        per_device, mesh=plan.mesh, in_specs=(plan.compute_specs, rep, rep, rep, split, split),
+        out_specs=(plan.state_specs, rep, rep, rep, split))(
+            params, state.biases, state.rest, state.loss_scale, residual, batch)
     new_comm_state = {"residual": new_residual} if topk else state.comm_state
     return grads, finite, ce, aux, new_comm_state
+
+
+def compute_copy(params, dtypes, plan: _Plan):
+    """ZeRO-1's compute-dtype copy of the parameters: each device casts its slice of the
+    master weights and ``all_gather`` s it over ``data`` (DeepSpeed ZeRO with bf16;
+    DeepSeek-V3 section 3.2.3), so the compute dtype crosses the wire, not float32.
+
+    Args:
+      params: the master weights, split like ``plan.state_specs``.
+      dtypes: a tree like ``params`` of compute dtypes.
+      plan: the step's layout.
+    """
+    def one(x, dtype, state_spec, compute_spec):
+        x = x.astype(dtype)
+        for d, entry in enumerate(state_spec):
+            if DATA_AXIS in _entry_axes(entry) and DATA_AXIS not in _spec_axes(compute_spec):
+                x = jax.lax.all_gather(x, DATA_AXIS, axis=d, tiled=True, to="invarying")
+        return x
+
+    def per_device(params):
+        return jax.tree.map(one, params, dtypes, plan.state_specs, plan.compute_specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(plan.state_specs,),
+                         out_specs=plan.compute_specs)(params)
 
 
 _EMA_DECAY = 0.9
@@ -203,7 +324,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
                     lr_schedule: optax.Schedule, bias_update_rate: float = 0.0,
                     grad_accum_steps: int = 1, grad_reduce_dtype: Any = "float32",
                     grad_compression: str = "none", topk_ratio: float = 0.3,
-                    loss_spike_factor: float = 3.0, grad_norm_spike_factor: float = 100.0) -> Callable:
+                    loss_spike_factor: float = 3.0, grad_norm_spike_factor: float = 100.0,
+                    layout: Optional[Layout] = None) -> Callable:
     """Returns the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
@@ -225,6 +347,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
         mean of the healthy steps' losses looks divergent (0 = off).
       grad_norm_spike_factor: likewise for the unscaled gradient norm (0 = off; the
         default 100 is loose because clipped training tolerates large spikes).
+      layout: where the state and the parameters live (:func:`jaxmp.sharding.layout`:
+        dp, zero1 or fsdp, and expert parallelism); data parallelism when None.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, B split over the
     mesh's data axis. Metrics (float32 scalars unless noted): ``loss`` (cross-entropy),
@@ -249,11 +373,20 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
                          f"axis (jaxmp.sharding.make_mesh), got {mesh!r}")
     comm_kwargs = dict(grad_reduce_dtype=grad_reduce_dtype, grad_compression=grad_compression,
                        topk_ratio=topk_ratio)
-    grad_fn = jax.grad(loss_fn, argnums=1, has_aux=True)
+    layout = layout or sharding.layout("dp", 1)
+    if grad_compression == "topk" and (layout.strategy != "dp" or mesh.shape.get(EXPERT_AXIS, 1) > 1):
+        raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and parallel.expert=1")
+    loss = loss_fn
+    if layout.strategy == "fsdp":  # keep the split parameters, gather them again for the backward pass
+        loss = jax.checkpoint(loss_fn, static_argnums=(0,),
+                              policy=jax.checkpoint_policies.save_anything_except_these_names(FSDP_GATHER))
+    grad_fn = jax.grad(loss, argnums=1, has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-        grads, finite, ce, aux, new_comm_state = _data_parallel_grads(
-            grad_fn, graphdef, state, batch, grad_accum_steps, mesh, comm_kwargs)
+        compute = state.compute_params if layout.compute_copy else state.params
+        plan = _Plan(mesh, layout, compute, state.params, comm.check_comm_config(**comm_kwargs))
+        grads, finite, ce, aux, new_comm_state = _sharded_grads(
+            grad_fn, graphdef, state, batch, grad_accum_steps, plan, comm_kwargs)
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
         update = optim.apply_gradients(
@@ -266,11 +399,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
         consecutive = (state.consecutive_skips + 1) * not_applied
         divergent, loss_ema, norm_ema, divergent_steps = _health(
             state, ce, update.grad_norm, update.applied, loss_spike_factor, grad_norm_spike_factor)
+        new_compute = None
+        if layout.compute_copy:  # the new master weights, gathered in the compute dtype
+            new_compute = compute_copy(update.params, jax.tree.map(lambda x: x.dtype, compute), plan)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=update.extra,
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
             consecutive_skips=consecutive, loss_ema=loss_ema, grad_norm_ema=norm_ema,
-            divergent_steps=divergent_steps, comm_state=new_comm_state)
+            divergent_steps=divergent_steps, comm_state=new_comm_state, compute_params=new_compute)
         metrics = {
             "loss": ce.astype(jnp.float32),
             "aux_loss": jnp.asarray(aux["aux_loss"], jnp.float32),
@@ -294,14 +430,14 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
     return train_step
 
 
-def make_eval_step(graphdef, mesh: Mesh) -> Callable:
+def make_eval_step(graphdef, mesh: Mesh, layout: Optional[Layout] = None) -> Callable:
     """Returns ``eval_step(state, batch) -> {"loss": float32, "tokens": float32}``.
 
     Each device runs the forward pass on its share of the batch inside ``jax.shard_map``
-    over the mesh's ``"data"`` axis (as the train step does, so the dropless MoE never
-    gathers the batch) and the sums are ``psum`` -med. ``loss`` is the summed token
-    cross-entropy of the batch (float32) and ``tokens`` the token count, so a caller can
-    average over batches of different sizes exactly.
+    over the mesh, with the parameters laid out as the train step reads them (``layout``;
+    data parallelism when None), and the sums are ``psum`` -med. ``loss`` is the summed
+    token cross-entropy of the batch (float32) and ``tokens`` the token count, so a
+    caller can average over batches of different sizes exactly.
 
     Raises:
       ValueError: a mesh without a ``"data"`` axis.
@@ -309,18 +445,21 @@ def make_eval_step(graphdef, mesh: Mesh) -> Callable:
     if not isinstance(mesh, Mesh) or comm.DATA_AXIS not in mesh.axis_names:
         raise ValueError(f"make_eval_step needs mesh= a jax.sharding.Mesh with a {comm.DATA_AXIS!r} "
                          f"axis, got {mesh!r}")
-    axis = comm.DATA_AXIS
-
-    def per_device(params, biases, rest, batch):
-        model = nnx.merge(graphdef, params, biases, rest)
-        logits, _ = model(batch["inputs"])
-        tokens = jnp.asarray(batch["targets"].size, jnp.float32)
-        loss = ops.cross_entropy(logits, batch["targets"]) * tokens
-        return {"loss": jax.lax.psum(loss, axis), "tokens": jax.lax.psum(tokens, axis)}
+    layout = layout or sharding.layout("dp", 1)
 
     def eval_step(state: TrainState, batch):
+        params = state.compute_params if layout.compute_copy else state.params
+        plan = _Plan(mesh, layout, params, state.params, jnp.float32)
+
+        def per_device(params, biases, rest, batch):
+            with sharding.in_step(plan.expert_axis, plan.gather):
+                logits, _ = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
+            tokens = jnp.asarray(batch["targets"].size, jnp.float32)
+            loss = ops.cross_entropy(logits, batch["targets"]) * tokens
+            return {"loss": jax.lax.psum(loss, plan.axes), "tokens": jax.lax.psum(tokens, plan.axes)}
+
         rep = PartitionSpec()
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(rep, rep, rep, PartitionSpec(axis)),
-                             out_specs=rep)(state.params, state.biases, state.rest, batch)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(plan.compute_specs, rep, rep, PartitionSpec(plan.axes)),
+                             out_specs=rep)(params, state.biases, state.rest, batch)
 
     return eval_step
