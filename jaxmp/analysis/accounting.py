@@ -3,17 +3,21 @@
 Every figure is read from the program JAX and XLA build for the config's model, under
 abstract evaluation (``jax.eval_shape``, ``jax.make_jaxpr``, ``Lowered.compile``), so no
 parameter or activation is ever allocated and a 24-layer model can be counted on a laptop.
-Per device, in bytes, for the data-parallel layout the trainer uses
-(:data:`jaxmp.sharding.DATA_PARALLEL_RULES`):
+Per device, in bytes, for the config's layout (``parallel.strategy`` and
+``parallel.expert``, :func:`jaxmp.sharding.layout`) on a ``("data", "expert")`` mesh:
 
 ``params_bytes``
-    the master weights ``TrainState.params`` as stored (float32 in every mixed mode).
+    the master weights ``TrainState.params`` as stored (float32 in every mixed mode):
+    the device's shard under ``zero1`` and ``fsdp``, everything under ``dp``.
 ``grads_bytes``
     the gradient buffer: one value per parameter in its master dtype (what
-    :func:`jaxmp.optim.apply_gradients` receives).
+    :func:`jaxmp.optim.apply_gradients` receives), laid out like ``params_bytes``.
 ``opt_state_bytes``
     ``optimizer.init(params)`` of the real optimizer (moments in ``optim.mu_dtype`` /
-    ``nu_dtype`` plus the int32 step counts).
+    ``nu_dtype`` plus the int32 step counts), laid out like the master weights.
+``compute_copy_bytes``
+    the compute-dtype copy of the parameters the state keeps between steps under
+    ``zero1`` (``TrainState.compute_params``, replicated); 0 otherwise.
 ``comm_state_bytes``
     the top-k error-feedback residual (:func:`jaxmp.comm.init_comm_state`), one float32
     row per device; 0 without compression.
@@ -39,9 +43,17 @@ Per device, in bytes, for the data-parallel layout the trainer uses
     or ``reduce-scatter``, result bytes of an ``all-gather`` (times its loop trip count
     inside a ``while``). See :func:`gradient_collective_bytes` for which operands are
     gradients.
+``collective_bytes``
+    every collective of the partitioned step, ``{op: {dtype: bytes}}`` (ops
+    ``all-reduce``, ``reduce-scatter``, ``all-gather``, ``all-to-all``,
+    ``collective-permute``), whole buffers as :func:`collective_bytes` counts them:
+    gradients, parameter gathers, expert-parallel token exchanges and scalar metrics
+    alike. A ring moves
+    ``(N - 1) / N`` of each buffer per device over the wire (N devices in the group).
 ``total_bytes``
-    the sum of the memory rows (params, grads, optimizer state, communication state,
-    activations); the all-reduce traffic is not memory and is not added.
+    the sum of the memory rows (params, grads, optimizer state, compute copy,
+    communication state, activations); the collective traffic is not memory and is not
+    added.
 
 The modes (:data:`MODES`) are complete sets of config overrides, so each row describes
 the same model under one precision recipe whatever the config itself chose.
@@ -65,6 +77,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmp.models.attention import Attention, cudnn_support, resolve_attention, trace_cudnn_without_gpu
 from jaxmp.models.transformer import REMAT_POLICIES
+from jaxmp import sharding
 from jaxmp.precision import comm
 from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
@@ -82,6 +95,7 @@ __all__ = [
     "Collective",
     "hlo_collectives",
     "gradient_collective_bytes",
+    "collective_bytes",
     "data_mesh",
     "account_mode",
     "accounting_report",
@@ -116,8 +130,8 @@ MODES: Mapping[str, Mapping[str, Any]] = {
            "precision.topk_ratio": TOPK_RATIO}
     for name, policy, loss_scale, moments, reduce, compression in _MODE_TABLE}
 
-MEMORY_KEYS = ("params_bytes", "grads_bytes", "opt_state_bytes", "comm_state_bytes",
-               "activation_bytes")
+MEMORY_KEYS = ("params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
+               "comm_state_bytes", "activation_bytes")
 
 
 def mode_config(config: ml_collections.ConfigDict, mode: str) -> ml_collections.ConfigDict:
@@ -284,6 +298,11 @@ class Collective:
       count: times it runs per execution of the module (the product of the known trip
         counts of the ``while`` loops around it; 1 outside loops or when unknown).
       op_name: the JAX ``op_name`` metadata, '' if none.
+      group_size: devices per replica group (``replica_groups={{0,1},{2,3}}``, the
+        iota form ``[2,2]<=[4]`` or the mesh form ``mesh['axis_0'=2,'axis_1'=2]
+        {'axis_0'}``); None when not stated (all devices, or a
+        ``collective-permute``). A group of 1 moves nothing: a reduction over a mesh
+        axis of size 1, which the partitioner keeps and the backend drops.
     """
 
     name: str
@@ -292,6 +311,12 @@ class Collective:
     results: Tuple[HloArray, ...]
     count: int
     op_name: str
+    group_size: Optional[int] = None
+
+    @property
+    def moves_data(self) -> bool:
+        """False for a collective whose every replica group is one device."""
+        return self.group_size != 1
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")
@@ -303,6 +328,25 @@ _CALLEES = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+
+
+def _group_size(attrs: str) -> Optional[int]:
+    m = _GROUPS_MESH.search(attrs)  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: the named axes' product
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        named = re.findall(r"'([^']+)'", m.group(2))
+        return int(np.prod([int(sizes[a]) for a in named if a in sizes], dtype=np.int64)) if named else 1
+    m = _GROUPS_IOTA.search(attrs)
+    if m:
+        return int(m.group(2))
+    m = _GROUPS_LIST.search(attrs)
+    if m:
+        first = m.group(1).split("}")[0].strip("{")
+        return len([d for d in first.split(",") if d]) or None
+    return None
 
 
 def _arrays(type_text: str) -> Tuple[HloArray, ...]:
@@ -407,7 +451,8 @@ def hlo_collectives(hlo_text: str) -> List[Collective]:
         if op.endswith("-start") and len(results) == 2 * len(operands) and results[:len(operands)] == operands:
             results = results[len(operands):]
         m = _OP_NAME.search(attrs)
-        out.append(Collective(name, base, operands, results, runs.get(comp) or 1, m.group(1) if m else ""))
+        out.append(Collective(name, base, operands, results, runs.get(comp) or 1, m.group(1) if m else "",
+                              _group_size(attrs)))
     return out
 
 
@@ -424,6 +469,7 @@ def gradient_collective_bytes(collectives: Sequence[Collective], dense_sizes: Se
     * an ``all-gather`` operand whose element count is in ``sparse_sizes`` (the top-k
       counts of the leaves, :func:`jaxmp.comm.topk_count`) counts its result bytes:
       every device's values or indices, as each device receives them;
+    * collectives over one-device groups move nothing and are left out;
     * anything else is not gradient traffic: the loss, finiteness flags and the other
       metric reductions (scalars, ``[num_experts]`` counts), and activations the
       partitioner moves (e.g. the tokens of a dropless MoE layer that XLA's automatic
@@ -444,6 +490,8 @@ def gradient_collective_bytes(collectives: Sequence[Collective], dense_sizes: Se
     dense, sparse = set(int(s) for s in dense_sizes), set(int(s) for s in sparse_sizes)
     total = 0
     for c in collectives:
+        if not c.moves_data:
+            continue
         if c.op in ("all-reduce", "reduce-scatter"):
             total += c.count * sum(a.nbytes for a in c.operands if a.size in dense)
         elif c.op == "all-gather":
@@ -451,18 +499,46 @@ def gradient_collective_bytes(collectives: Sequence[Collective], dense_sizes: Se
     return total
 
 
+def collective_bytes(collectives: Sequence[Collective]) -> Dict[str, Dict[str, int]]:
+    """Bytes of every collective per device per step, by op and element type.
+
+    An ``all-reduce``, ``reduce-scatter`` or ``collective-permute`` counts its operand
+    bytes; an ``all-gather`` or ``all-to-all`` its result bytes (what each device
+    holds once it is done); each times :attr:`Collective.count`. Collectives over
+    one-device groups (:attr:`Collective.moves_data`) are left out. An op's dtype is its
+    buffers' HLO element type (``bf16``, ``f32``, ``f8e4m3fn``, ``s32``, ...).
+
+    Args:
+      collectives: from :func:`hlo_collectives`.
+
+    Returns:
+      ``{op: {dtype: bytes}}``, only for ops and dtypes that occur.
+    """
+    out: Dict[str, Dict[str, int]] = {}
+    for c in collectives:
+        if not c.moves_data:
+            continue
+        arrays = c.results if c.op in ("all-gather", "all-to-all") else c.operands
+        for a in arrays:
+            by_dtype = out.setdefault(c.op, {})
+            by_dtype[a.dtype] = by_dtype.get(a.dtype, 0) + c.count * a.nbytes
+    return out
+
+
 # ----------------------------------------------------------------------------- one mode
 
 
-def data_mesh(num_devices: int) -> Mesh:
-    """A 1-D ``"data"`` mesh of ``num_devices`` devices of the default backend, or of
-    the host CPU when the default backend has fewer (collectives are counted from the
-    partitioned program, which does not depend on the platform; set
+def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
+    """A ``("data", "expert")`` mesh of ``num_devices`` devices of the default backend,
+    or of the host CPU when the default backend has fewer (collectives are counted from
+    the partitioned program, which does not depend on the platform; set
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX starts to get N
-    CPU devices).
+    CPU devices), with ``expert`` devices along ``"expert"`` (as
+    :func:`jaxmp.sharding.make_mesh`).
 
     Raises:
-      ValueError: ``num_devices`` < 1 or more than either backend has.
+      ValueError: ``num_devices`` < 1 or more than either backend has, or ``expert``
+        not dividing it.
     """
     if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
         raise ValueError(f"num_devices={num_devices!r} must be an integer >= 1")
@@ -474,7 +550,11 @@ def data_mesh(num_devices: int) -> Mesh:
                          f"{jax.default_backend()} and {len(devices)} cpu devices exist; set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
                          f"before JAX starts")
-    return Mesh(np.asarray(devices[:num_devices]), (comm.DATA_AXIS,))
+    if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or expert < 1 or num_devices % expert:
+        raise ValueError(f"parallel.expert={expert!r} must be an integer >= 1 that divides "
+                         f"num_devices={num_devices}")
+    return Mesh(np.asarray(devices[:num_devices]).reshape(num_devices // expert, expert),
+                (sharding.DATA_AXIS, sharding.EXPERT_AXIS))
 
 
 def _per_device_bytes(tree: Any, shardings: Any) -> int:
@@ -534,12 +614,14 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
 
 
 def _state_bytes(exp: Experiment) -> Dict[str, int]:
-    """Per-device params, gradient, optimizer-state and top-k residual bytes."""
+    """Per-device params, gradient, optimizer-state, compute-copy and top-k residual bytes."""
     state, state_sh = exp.abstract_state, exp.state_shardings
     params = _per_device_bytes(state.params, state_sh.params)
+    copy = state.compute_params
     return {"params_bytes": params,
             "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
             "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
+            "compute_copy_bytes": 0 if copy is None else _per_device_bytes(copy, state_sh.compute_params),
             "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state)}
 
 
@@ -557,7 +639,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     per-device micro-batch (``train.batch_size / train.grad_accum_steps / num_devices``
     sequences of ``data.seq_len`` tokens); lowers the experiment's own jitted train step
     over a ``"data"`` mesh of ``num_devices`` with abstract inputs, compiles it and
-    reads the gradient collectives (see the module docstring for every figure). When
+    reads its collectives (see the module docstring for every figure). When
     the default backend is an accelerator, XLA's ``memory_analysis()`` of the step
     compiled for it is added: on the mesh itself if it has the devices, else on one
     device with that device's share of the batch.
@@ -565,14 +647,17 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     Args:
       config: a trainer config (e.g. ``configs/tiny_moe.py``'s ``get_config()``).
       mode: a key of :data:`MODES`.
-      num_devices: data-parallel devices.
+      num_devices: devices of the mesh (``num_devices / parallel.expert`` along
+        ``"data"``).
       breakdown: also return the top ``breakdown`` residual groups (0 = none).
-      mesh: the mesh to lower over (default :func:`data_mesh` ``(num_devices)``).
+      mesh: the mesh to lower over (default :func:`data_mesh` ``(num_devices,
+        parallel.expert)``).
 
     Returns:
-      ``{"policy": str, "params_bytes": int, "grads_bytes": int, "opt_state_bytes": int,
+      ``{"policy": str, "strategy": str, "expert": int, "params_bytes": int,
+      "grads_bytes": int, "opt_state_bytes": int, "compute_copy_bytes": int,
       "comm_state_bytes": int, "activation_bytes": int, "grad_allreduce_bytes": int,
-      "total_bytes": int}`` plus ``"xla_memory"`` (the ``memory_analysis()`` byte counts,
+      "collective_bytes": {op: {dtype: int}}, "total_bytes": int}`` plus ``"xla_memory"`` (the ``memory_analysis()`` byte counts,
       None on CPU), ``"hlo_source"`` (which HLO the collectives were read from),
       ``"attention_path"`` (what ``model.attention`` resolved to on this machine, e.g.
       ``"xla"`` for ``"auto"`` on CPU) and, if asked, ``"breakdown"`` (rows of
@@ -583,31 +668,38 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
         devices do not divide), or too few devices.
     """
     cfg = mode_config(config, mode)
-    mesh = data_mesh(num_devices) if mesh is None else mesh
+    mesh = data_mesh(num_devices, int(cfg.parallel.expert)) if mesh is None else mesh
     exp = Experiment.create(cfg, mesh=mesh)
     n, t = exp.num_devices, exp.config.train
-    state, state_sh = exp.abstract_state, exp.state_shardings
+    state = exp.abstract_state
 
     lowered = _lower_step(exp, t.batch_size)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     hlo, compiled, hlo_source = _partitioned_hlo(lowered, on_cpu)
     settings = exp.settings.comm
+    # A device's gradient as it enters the reduction has the layout of ``dp``'s
+    # parameters (whole, but for the expert-parallel split): every strategy reduces that.
+    grad_sh = sharding.state_shardings(state.params, mesh, sharding.layout("dp", exp.layout.expert).on(mesh).compute_rules)
     dense = [int(np.prod(s.shard_shape(tuple(x.shape)), dtype=np.int64)) for x, s in
-             zip(jax.tree.leaves(state.params), jax.tree.leaves(state_sh.params))]
+             zip(jax.tree.leaves(state.params), jax.tree.leaves(grad_sh))]
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
     residuals = _step_residuals(exp)
-    out = {"policy": cfg.precision.policy, **_state_bytes(exp),
+    collectives = hlo_collectives(hlo)
+    out = {"policy": cfg.precision.policy, "strategy": exp.layout.strategy, "expert": exp.layout.expert,
+           **_state_bytes(exp),
            "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
-           "grad_allreduce_bytes": gradient_collective_bytes(hlo_collectives(hlo), dense, sparse)}
+           "grad_allreduce_bytes": gradient_collective_bytes(collectives, dense, sparse),
+           "collective_bytes": collective_bytes(collectives)}
     out["total_bytes"] = sum(out[k] for k in MEMORY_KEYS)
     out["xla_memory"] = None
     if jax.default_backend() != "cpu":
         if not on_cpu:
             out["xla_memory"] = _memory_analysis(compiled)
-        else:
-            one = Experiment.create(cfg, mesh=Mesh(np.asarray(jax.devices()[:1]), (comm.DATA_AXIS,)))
+        elif exp.layout.strategy == "dp" and exp.layout.expert == 1:
+            # One device with its share of the batch: the same per-device program.
+            one = Experiment.create(cfg, mesh=data_mesh(1))
             out["xla_memory"] = _memory_analysis(_lower_step(one, t.batch_size // n).compile())
     out["hlo_source"] = hlo_source
     m = exp.model_config
@@ -633,8 +725,9 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
 
     Returns:
       ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
-      {NAME: {"policy", "params_bytes", "grads_bytes", "opt_state_bytes",
-      "comm_state_bytes", "activation_bytes", "grad_allreduce_bytes", "total_bytes"}},
+      {NAME: {"policy", "strategy", "expert", "params_bytes", "grads_bytes",
+      "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes", "activation_bytes",
+      "grad_allreduce_bytes", "collective_bytes", "total_bytes"}},
       "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}}}``,
       bytes per device.
 
@@ -645,13 +738,14 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
-    mesh = data_mesh(num_devices)
     config = complete_config(config)
+    mesh = data_mesh(num_devices, int(config.parallel.expert))
     total, active = Experiment.create(config, mesh=mesh).param_counts
     t = config.train
     out = {
         "model": {"params": int(total), "active_params": int(active)},
         "setup": {"devices": num_devices, "platform": mesh.devices.flat[0].platform,
+                  "strategy": str(config.parallel.strategy), "expert": int(config.parallel.expert),
                   "default_backend": jax.default_backend(),
                   "attention": str(config.model.attention), "remat": str(config.model.remat),
                   "scan_layers": bool(config.model.scan_layers),
@@ -848,7 +942,8 @@ def format_accounting(report: dict, title: str = "") -> str:
     s, params = report["setup"], report["model"]["params"]
     lines = [f"Per-device memory and gradient traffic{': ' + title if title else ''}",
              f"  model: {params:,} parameters ({report['model']['active_params']:,} active per "
-             f"token); {s['devices']} data-parallel devices; per-device micro-batch "
+             f"token); {s['devices']} devices, parallel.strategy={s.get('strategy', 'dp')}, "
+             f"parallel.expert={s.get('expert', 1)}; per-device micro-batch "
              f"{s['micro_batch_per_device']} x {s['seq_len']} tokens"
              f"{', ' + str(s['grad_accum_steps']) + ' micro-batches per step' if s['grad_accum_steps'] > 1 else ''}",
              f"  model.attention={s.get('attention')}, model.remat={s.get('remat')}, "
@@ -856,7 +951,8 @@ def format_accounting(report: dict, title: str = "") -> str:
              "  bytes per device (MiB = 2**20 bytes); 'vs fp32' divides by the fp32 mode's figure"]
     base = report["modes"].get("fp32")
     rows = (("params", "params_bytes", True), ("grads", "grads_bytes", True),
-            ("optimizer state", "opt_state_bytes", True), ("top-k residual", "comm_state_bytes", True),
+            ("optimizer state", "opt_state_bytes", True), ("compute copy", "compute_copy_bytes", True),
+            ("top-k residual", "comm_state_bytes", True),
             ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
             ("grad all-reduce", "grad_allreduce_bytes", True))
     for mode, r in report["modes"].items():
@@ -872,6 +968,10 @@ def format_accounting(report: dict, title: str = "") -> str:
             bpp = f"{v / params:10.3f}" if per_param else f"{'-':>10s}"
             note = "  (traffic per step, not memory)" if key == "grad_allreduce_bytes" else ""
             lines.append(f"  {label:18s}{v:19,d}{_mib(v):>14s}{bpp}{ratio}{note}")
+        for op, by_dtype in sorted(r.get("collective_bytes", {}).items()):
+            for dtype, v in sorted(by_dtype.items()):
+                lines.append(f"  {op + ' ' + dtype:18s}{v:19,d}{_mib(v):>14s}{v / params:10.3f}"
+                             f"{'-':>9s}  (per step, all collectives)")
         d = report.get("details", {}).get(mode, {})
         if d.get("attention_path"):
             lines.append(f"  attention path on this machine: {d['attention_path']}"
@@ -893,5 +993,8 @@ def format_accounting(report: dict, title: str = "") -> str:
         lines.append("XLA memory_analysis skipped on CPU: XLA:CPU computes bfloat16 in float32 "
                      "internally, so its buffer sizes would hide the saving.")
     lines.append("grad all-reduce: gradient collectives in the HLO after SPMD partitioning "
-                 "(whole buffers: all-reduce operands, all-gather results).")
+                 "(whole buffers: all-reduce and reduce-scatter operands, all-gather results).")
+    lines.append("op dtype rows: every collective of the step by kind and element type (operands of "
+                 "all-reduce/reduce-scatter, results of all-gather/all-to-all); a ring moves (N-1)/N of "
+                 "each buffer per device.")
     return "\n".join(lines)

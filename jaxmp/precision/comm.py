@@ -239,22 +239,22 @@ def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any, reduce_dtyp
     return _gather_param(x, axis_name, int(dim), jnp.dtype(dtype), jnp.dtype(reduce_dtype), int(total_devices))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+# A custom JVP, not a custom VJP: ``jax.checkpoint`` rematerializes the primal
+# all-gather like any primitive (a custom VJP's outputs are always saved, so FSDP would
+# keep every gathered weight for the backward pass). The tangent rule is linear; its
+# transpose is the backward pass: cast to float32, divide by ``total``, cast to
+# ``reduce_dtype``, reduce-scatter (the transpose of a tiled all-gather), cast back.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _gather_param(x, axis_name, dim, dtype, reduce_dtype, total):
     return jax.lax.all_gather(x.astype(dtype), axis_name, axis=dim, tiled=True)
 
 
-def _gather_param_fwd(x, axis_name, dim, dtype, reduce_dtype, total):
-    return _gather_param(x, axis_name, dim, dtype, reduce_dtype, total), jnp.zeros((0,), x.dtype)
-
-
-def _gather_param_bwd(axis_name, dim, dtype, reduce_dtype, total, res, g):
-    sent = (g.astype(jnp.float32) / total).astype(reduce_dtype)
-    out = jax.lax.psum_scatter(sent, axis_name, scatter_dimension=dim, tiled=True)
-    return (out.astype(res.dtype),)
-
-
-_gather_param.defvjp(_gather_param_fwd, _gather_param_bwd)
+@_gather_param.defjvp
+def _gather_param_jvp(axis_name, dim, dtype, reduce_dtype, total, primals, tangents):
+    (x,), (t,) = primals, tangents
+    out = _gather_param(x, axis_name, dim, dtype, reduce_dtype, total)
+    t = jax.lax.all_gather(t.astype(reduce_dtype), axis_name, axis=dim, tiled=True)
+    return out, (t.astype(jnp.float32) / total).astype(dtype)
 
 
 def _topk_leaf(x: jax.Array, ratio: float, dtype) -> Tuple[jax.Array, jax.Array, jax.Array]:

@@ -368,7 +368,9 @@ class Checkpointer:
         if bad or set(sums) != set(meta["checksums"]):
             raise _Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was saved "
                            f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
-        if not bool(jax.device_get(all_finite(state))):
+        # One jitted program: eager per-leaf reductions over a sharded state are dozens of
+        # small collective programs in flight at once, which XLA:CPU can deadlock on.
+        if not bool(jax.device_get(jax.jit(all_finite)(state))):
             raise _Corrupt("it holds NaN or inf values")
         self.saved_config, self.saved_meta = saved_config, meta
         return step, state, restored["data"]

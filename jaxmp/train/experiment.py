@@ -61,6 +61,14 @@ def unmatched_rules(rules: PolicyRules, paths) -> List[str]:
             if not any(re.search(pattern, p) for p in paths)]
 
 
+def _cast_copy(params: Any, dtypes: dict) -> Any:
+    """ZeRO-1's compute-dtype copy of the master ``params`` (an ``nnx.State``): each
+    parameter cast to its module's compute dtype (``dtypes``, from
+    :func:`jaxmp.models.transformer.param_compute_dtypes`)."""
+    return nnx.from_flat_state([(path, var.replace(var.get_value().astype(dtypes[path])))
+                                for path, var in nnx.to_flat_state(params)])
+
+
 @dataclasses.dataclass(eq=False)
 class Experiment:
     """A validated run config and everything built from it.
@@ -78,7 +86,7 @@ class Experiment:
       lr_schedule: the one learning-rate schedule (``count -> lr``).
       optimizer: the optax transformation built on it.
       abstract_state: the :class:`TrainState` as ``jax.ShapeDtypeStruct`` leaves with
-        their shardings (what checkpoints restore onto).
+        their shardings (:meth:`checkpoint_template` is what checkpoints restore onto).
       state_shardings: the :class:`TrainState` of ``NamedSharding``.
       batch_sharding: the ``NamedSharding`` of an int32 ``[B, T]`` token batch.
       train_step: ``jax.jit`` of :func:`~jaxmp.train.step.make_train_step` with these
@@ -102,6 +110,7 @@ class Experiment:
     train_step: Callable
     eval_step: Callable
     _init: Callable = dataclasses.field(repr=False, default=None)
+    _copy: Optional[Callable] = dataclasses.field(repr=False, default=None)
 
     @classmethod
     def create(cls, config: ml_collections.ConfigDict, *, num_devices: Optional[int] = None,
@@ -140,17 +149,15 @@ class Experiment:
                                               settings.comm["grad_compression"])
             state = create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
                                        comm_state=comm_state)[1]
-            if layout.compute_copy:
-                dtypes = param_compute_dtypes(model)
-                copy = [(path, var.replace(var.get_value().astype(dtypes[path])))
-                        for path, var in nnx.to_flat_state(state.params)]
-                state = state.replace(compute_params=nnx.from_flat_state(copy))
-            return state
+            return state  # ZeRO-1's compute copy is cast afterwards, from the stored params
 
         model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
                                                       rngs=nnx.Rngs(cfg.seed)))
         graphdef = split_model(model)[0]
         abstract = jax.eval_shape(init)
+        copy_fn = functools.partial(_cast_copy, dtypes=param_compute_dtypes(model))
+        if layout.compute_copy:
+            abstract = abstract.replace(compute_params=jax.eval_shape(copy_fn, abstract.params))
         state_sh = train_state_shardings(abstract, mesh, layout)
         batch_sh = sharding.batch_sharding(mesh, layout.state_rules)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -169,7 +176,29 @@ class Experiment:
             train_step=jax.jit(step, in_shardings=(state_sh, batch_sh),
                                out_shardings=(state_sh, None), donate_argnums=0),
             eval_step=jax.jit(make_eval_step(graphdef, mesh, layout), in_shardings=(state_sh, batch_sh)),
-            _init=jax.jit(init, out_shardings=state_sh))
+            _init=jax.jit(init, out_shardings=state_sh.replace(compute_params=None)),
+            _copy=jax.jit(copy_fn, out_shardings=state_sh.compute_params) if layout.compute_copy else None)
+
+    @property
+    def checkpoint_template(self) -> TrainState:
+        """:attr:`abstract_state` as a checkpoint holds it: without the compute-dtype
+        copy of the parameters (ZeRO-1's ``compute_params``), which is rebuilt from the
+        master weights on restore. The saved tree is therefore the same under every
+        ``parallel.strategy`` and ``parallel.expert``: a checkpoint restores onto any of
+        them and any device count, resharded by orbax onto this layout."""
+        return self.abstract_state.replace(compute_params=None)
+
+    def checkpoint_state(self, state: TrainState) -> TrainState:
+        """``state`` as it is saved (see :attr:`checkpoint_template`)."""
+        return state.replace(compute_params=None)
+
+    def restored_state(self, state: TrainState) -> TrainState:
+        """A state restored onto :attr:`checkpoint_template`, completed for this layout:
+        under ZeRO-1, the compute-dtype copy cast from the restored master weights (what
+        the step that saved them had all-gathered)."""
+        if self._copy is None:
+            return state
+        return state.replace(compute_params=self._copy(state.params))
 
     @property
     def config(self) -> ml_collections.ConfigDict:
@@ -188,8 +217,9 @@ class Experiment:
 
     def init_state(self) -> TrainState:
         """The initial train state, created on the devices with its shardings (one jitted
-        initialisation: no host copy of the model)."""
-        return self._init()
+        initialisation: no host copy of the model; under ZeRO-1 the compute copy is
+        then cast from the stored master weights, as :meth:`restored_state` does)."""
+        return self.restored_state(self._init())
 
     @functools.cached_property
     def data(self) -> DataPipeline:

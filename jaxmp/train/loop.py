@@ -324,14 +324,23 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dic
     moved to it, or step 0 and a freshly initialised state."""
     if ckpt.latest_step() is None:
         return 0, exp.init_state(), []
-    start, state, data_state = ckpt.restore(exp.abstract_state, config_dict, adapt=_adapt_residual(exp))
+    start, state, data_state = ckpt.restore(exp.checkpoint_template, config_dict, adapt=_adapt_residual(exp))
+    state = exp.restored_state(state)
     state, note = _reshard_residual(exp, state, ckpt.saved_meta.get("num_devices"))
+    notes = [note] if note else []
+    saved = (ckpt.saved_meta.get("strategy", "dp"), ckpt.saved_meta.get("expert", 1),
+             ckpt.saved_meta.get("num_devices"))
+    now = (exp.layout.strategy, exp.layout.expert, exp.num_devices)
+    if saved[2] is not None and saved != now:
+        notes.append(f"the checkpoint was saved with parallel.strategy={saved[0]}, parallel.expert={saved[1]} "
+                     f"on {saved[2]} devices and is resharded onto parallel.strategy={now[0]}, "
+                     f"parallel.expert={now[1]} on {now[2]} devices (the same global arrays)")
     try:
         data.set_state(data_state)
     except ValueError as e:
         raise CheckpointError(f"the data-iterator state in {ckpt.directory} does not fit "
                               f"this run's data: {e}") from None
-    return start, state, [note] if note else []
+    return start, state, notes
 
 
 def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int, notes, lock) -> None:
@@ -384,7 +393,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     cfg, t = exp.config, exp.config.train
     main_process = jax.process_index() == 0
     config_dict = config_to_dict(cfg)
-    meta = {"num_devices": exp.num_devices}
+    meta = {"num_devices": exp.num_devices, "strategy": exp.layout.strategy, "expert": exp.layout.expert}
 
     with contextlib.ExitStack() as stack:
         catcher = stack.enter_context(_SignalCatcher())
@@ -412,7 +421,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                             writer=writer, stopwatch=stopwatch, bar=bar)
         saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
                                last_saved=start or None,
-                               save=lambda step, s: ckpt.save(step, s, data.get_state(), config_dict, meta))
+                               save=lambda step, s: ckpt.save(step, exp.checkpoint_state(s), data.get_state(),
+                                                              config_dict, meta))
         hooks = [report,
                  RunGuard(t.log_every, t.steps, metric="consecutive_skips", limit=t.max_consecutive_skips,
                           error=TrainingStalled, describe=_stall_message(exp, saver, ckpt.directory)),
@@ -434,7 +444,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if catcher.signum is not None:
             saved = step > start
             if saved and saver.last_saved != step:
-                ckpt.save(step, state, data.get_state(), config_dict, meta)
+                ckpt.save(step, exp.checkpoint_state(state), data.get_state(), config_dict, meta)
             ckpt.close()
             raise Interrupted(catcher.signum, step, saved, ckpt.directory)
         bar.close()

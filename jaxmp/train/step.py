@@ -176,6 +176,35 @@ class _Plan:
 
 FSDP_GATHER = "fsdp_gather"  # the checkpoint name of a gathered FSDP parameter
 
+# Primitives that only move, reshape or retype their input. Under FSDP their outputs are
+# never saved for the backward pass: a gathered weight reaches its matmul through them
+# (a transpose, a reshape into heads, a cast), and saving any of those would keep a
+# whole copy of the weight alive between the passes. They are recomputed instead,
+# from their saved inputs (activations) or from a fresh gather (weights); the outputs
+# of computing primitives (matmuls, elementwise math, reductions) are saved as usual.
+_LAYOUT_PRIMITIVES = frozenset({
+    "transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze",
+    "expand_dims", "slice", "dynamic_slice", "concatenate", "copy", "copy_p", "all_gather",
+    "rev", "pad", "select_n"})
+
+
+def _gathers(params) -> bool:
+    """True for a ``custom_jvp_call`` whose function all-gathers (:func:`jaxmp.comm.gather_param`)."""
+    jaxpr = params.get("call_jaxpr")
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))
+
+
+def _fsdp_policy(prim, *_, **params) -> bool:
+    """The FSDP loss's ``jax.checkpoint`` policy: save everything but a gathered
+    parameter (:func:`jaxmp.comm.gather_param`'s output, named :data:`FSDP_GATHER`) and
+    the outputs of :data:`_LAYOUT_PRIMITIVES`."""
+    if prim.name == "name":
+        return params.get("name") != FSDP_GATHER
+    if prim.name == "custom_jvp_call" and _gathers(params):
+        return False
+    return prim.name not in _LAYOUT_PRIMITIVES
+
 
 def _varying_axes(x) -> frozenset:
     """The mesh axes over which ``x`` may differ between devices, inside ``shard_map``."""
@@ -378,8 +407,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
         raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and parallel.expert=1")
     loss = loss_fn
     if layout.strategy == "fsdp":  # keep the split parameters, gather them again for the backward pass
-        loss = jax.checkpoint(loss_fn, static_argnums=(0,),
-                              policy=jax.checkpoint_policies.save_anything_except_these_names(FSDP_GATHER))
+        loss = jax.checkpoint(loss_fn, static_argnums=(0,), policy=_fsdp_policy)
     grad_fn = jax.grad(loss, argnums=1, has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
@@ -401,7 +429,12 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
             state, ce, update.grad_norm, update.applied, loss_spike_factor, grad_norm_spike_factor)
         new_compute = None
         if layout.compute_copy:  # the new master weights, gathered in the compute dtype
-            new_compute = compute_copy(update.params, jax.tree.map(lambda x: x.dtype, compute), plan)
+            # Cast from the master weights as stored: the barrier keeps XLA from fusing a
+            # second evaluation of the update into the cast (rounded otherwise, e.g. with
+            # another FMA contraction), so the copy is exactly what a restore rebuilds.
+            stored = jax.lax.optimization_barrier(update.params)
+            new_compute = compute_copy(stored, jax.tree.map(lambda x: x.dtype, compute), plan)
+            new_compute = select_tree(update.applied, new_compute, state.compute_params)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=update.extra,
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
