@@ -1,14 +1,26 @@
 """Models: the DeepSeekMoE-style decoder-only Transformer with per-module precision.
 
 * :mod:`~jaxmp.models.layers`: parameters with logical axes, RMSNorm, embedding, head,
-  SwiGLU, RoPE;
+  SwiGLU, RoPE, the policy-aware :func:`matmul` (FP8 or ``cast_matmul``) and the
+  :class:`FP8State` of delayed scaling;
 * :mod:`~jaxmp.models.attention`: causal self-attention;
 * :mod:`~jaxmp.models.moe`: router, routed and shared experts, auxiliary-loss-free biases;
 * :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer`;
 * :mod:`~jaxmp.models.sampling`: :func:`generate`.
 """
 from jaxmp.models.attention import Attention
-from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU, apply_rope, make_param
+from jaxmp.models.layers import (
+    Embed,
+    FP8State,
+    Head,
+    RMSNorm,
+    SwiGLU,
+    add_fp8_states,
+    apply_rope,
+    capture_matmul_operands,
+    make_param,
+    matmul,
+)
 from jaxmp.models.moe import (
     MoE,
     MoEStats,
@@ -20,11 +32,19 @@ from jaxmp.models.moe import (
     update_router_bias,
 )
 from jaxmp.models.sampling import generate
-from jaxmp.models.transformer import FLOAT32_ISLANDS, Block, ModelConfig, MoETransformer, count_params
+from jaxmp.models.transformer import (
+    FLOAT32_ISLANDS,
+    FP8_EXCLUDED,
+    Block,
+    ModelConfig,
+    MoETransformer,
+    count_params,
+)
 
 __all__ = [
     "ModelConfig", "MoETransformer", "RouterBias", "update_router_bias", "count_params",
     "generate", "apply_rope", "make_param", "MoE", "MoEStats", "Router", "Routing",
     "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
-    "Block", "FLOAT32_ISLANDS",
+    "Block", "FLOAT32_ISLANDS", "FP8_EXCLUDED", "FP8State", "add_fp8_states", "matmul",
+    "capture_matmul_operands",
 ]

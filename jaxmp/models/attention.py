@@ -1,7 +1,9 @@
 """Causal multi-head self-attention with rotary position embeddings.
 
 The softmax is a float32 island (:func:`jaxmp.ops.masked_softmax`); the projections run
-in the module's compute dtype. Parameters carry the logical axes ``embed``, ``heads``,
+in the module's compute dtype, or in FP8 under an FP8 policy (:func:`jaxmp.models.layers.matmul`);
+the attention core (scores and the product with ``v``) never does (DeepSeek-V3 report,
+section 3.3.1). Parameters carry the logical axes ``embed``, ``heads``,
 ``head_dim``.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.models.layers import apply_rope, make_param
+from jaxmp.models.layers import add_fp8_states, apply_rope, make_param, matmul
 from jaxmp.precision import ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
@@ -52,6 +54,7 @@ class Attention(nnx.Module):
             setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std), (d, h, k), dt,
                                            ("embed", "heads", "head_dim")))
         self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt, ("heads", "head_dim", "embed"))
+        add_fp8_states(self, ("wq", "wk", "wv", "wo"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``."""
@@ -59,14 +62,15 @@ class Attention(nnx.Module):
         x = p.cast_to_compute(x)
         t = x.shape[1]
         positions = jnp.arange(t)
-        # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for backward).
-        q = apply_rope(ops.cast_matmul(x, self.wq[...], "btd,dhk->bthk"), positions, self.rope_theta)
-        k = apply_rope(ops.cast_matmul(x, self.wk[...], "btd,dhk->bthk"), positions, self.rope_theta)
-        v = ops.cast_matmul(x, self.wv[...], "btd,dhk->bthk")
+        # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for
+        # backward), or to FP8 by the policy's recipe (layers.matmul).
+        q = apply_rope(matmul(self, x, "wq", "btd,dhk->bthk"), positions, self.rope_theta)
+        k = apply_rope(matmul(self, x, "wk", "btd,dhk->bthk"), positions, self.rope_theta)
+        v = matmul(self, x, "wv", "btd,dhk->bthk")
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(q.shape[-1])
         probs = ops.masked_softmax(scores, ops.causal_mask(t), axis=-1, dtype=p.compute_dtype)
         out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return p.cast_to_output(ops.cast_matmul(out, self.wo[...], "bthk,hkd->btd"))
+        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd"))
 
 

@@ -18,8 +18,15 @@ is one gradient path, whatever the number of devices (one device is a 1-device m
 3. The optimizer (clipping included) sees unscaled float32 gradients; on a non-finite
    step the parameters, every optimizer-state leaf, the router biases and the top-k
    residual are selected back bitwise and the loss scale backs off
-   (:func:`jaxmp.optim.apply_gradients`). Otherwise the router biases move by
-   ``bias_update_rate`` toward balance.
+   (:func:`jaxmp.optim.apply_gradients`), and so are the FP8 amax histories. Otherwise
+   the router biases move by ``bias_update_rate`` toward balance.
+
+FP8 delayed scaling (:mod:`jaxmp.fp8`): the model's :class:`~jaxmp.models.FP8State`
+amax histories (in ``TrainState.rest``) are differentiated with the parameters; their
+"gradient" is their updated value (Flax's "overwrite with gradient"). Micro-batches are
+combined by :func:`jaxmp.fp8.merge_states` (elementwise max, so the newest entry is the
+largest micro-batch amax, case FP8-1), devices by ``pmax``; the result replaces the
+histories on an applied step and is selected away, bitwise, on a skipped one.
 """
 from __future__ import annotations
 
@@ -31,8 +38,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxmp.models import update_router_bias
-from jaxmp.precision import comm, ops, optim
+from jaxmp.models import FP8State, update_router_bias
+from jaxmp.precision import comm, fp8, ops, optim
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.loss_scale import all_finite, select_tree
 from jaxmp.train.state import TrainState
@@ -60,6 +67,18 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch):
     ce = ops.cross_entropy(logits, batch["targets"])
     loss = ce + aux["aux_loss"]
     return loss_scale.scale(loss), (ce, aux)
+
+
+def split_fp8(rest):
+    """``(fp8_states, other)``: the :class:`~jaxmp.models.FP8State` leaves of a model's
+    ``rest`` state and everything else (``nnx.merge_state`` puts them back together)."""
+    return nnx.split_state(rest, FP8State, ...)
+
+
+def _fp8_loss(graphdef, params, biases, amax, other, loss_scale, batch):
+    """:func:`loss_fn` with ``rest`` given as its FP8 histories and the remainder, so that
+    the histories can be differentiated (their cotangent is their update)."""
+    return loss_fn(graphdef, params, biases, nnx.merge_state(amax, other), loss_scale, batch)
 
 
 def _layer_order(path) -> list:
@@ -96,10 +115,12 @@ def _mean_aux(ces, auxes):
 def _data_parallel_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh, comm_kwargs):
     """Per-device gradients inside ``shard_map``, averaged by :func:`jaxmp.comm.exchange_gradients`.
 
-    Returns ``(grads, finite, ce, aux, new_comm_state)``: float32 unscaled mean
+    Returns ``(grads, finite, ce, aux, new_comm_state, new_amax)``: float32 unscaled mean
     gradients (replicated), the verdict of every device's *local* gradients (``pmin``,
     taken before compression), the cross-entropy and ``aux_loss`` averaged over devices
-    (the balance loss of each device's own batch), expert counts summed over devices.
+    (the balance loss of each device's own batch), expert counts summed over devices, and
+    the updated FP8 amax histories (max over micro-batches and devices; empty without
+    delayed scaling).
     """
     axis = comm.DATA_AXIS
     n = mesh.shape[axis]
@@ -122,24 +143,35 @@ def _data_parallel_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh
         return jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
 
     def per_device(params, biases, rest, loss_scale, residual, batch):
-        # Differentiate a device-varying copy of the params: the gradient of a replicated
-        # input would be psum-ed by shard_map's transpose, in float32, behind our back.
+        # Differentiate a device-varying copy of the params (and FP8 histories): the
+        # gradient of a replicated input would be psum-ed by shard_map's transpose, in
+        # float32, behind our back.
         params = varying(params)
+        amax, other = split_fp8(rest)
+        amax = varying(amax)
         if grad_accum_steps == 1:
-            grads, (ce, aux) = grad_fn(graphdef, params, biases, rest, loss_scale, batch)
+            (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, amax, other, loss_scale,
+                                                   batch)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             local_finite = all_finite(grads)
         else:
-            def body(acc, micro_batch):
-                g, (ce_m, aux_m) = grad_fn(graphdef, params, biases, rest, loss_scale, micro_batch)
+            def body(carry, micro_batch):
+                acc, amax_acc = carry
+                (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, amax, other, loss_scale,
+                                                micro_batch)
                 # Still scaled: the loss scale stays on the wire (see comm.pmean_gradients).
-                return optim.accumulate(acc, g, loss_scale, grads_scaled=False), (ce_m, aux_m)
+                # Amax histories: the max over micro-batches, never the last one (FP8-1).
+                return ((optim.accumulate(acc, g, loss_scale, grads_scaled=False),
+                         fp8.merge_states(amax_acc, a)), (ce_m, aux_m))
 
-            acc, (ces, auxes) = jax.lax.scan(body, varying(optim.accumulator_init(params)),
-                                             _micro_batches(batch, grad_accum_steps))
+            start = (varying(optim.accumulator_init(params)),
+                     jax.tree.map(lambda a: jnp.full_like(a, -jnp.inf), amax))
+            (acc, new_amax), (ces, auxes) = jax.lax.scan(body, start,
+                                                         _micro_batches(batch, grad_accum_steps))
             grads, local_finite = optim.accumulated_mean(acc)
             local_finite = local_finite & all_finite(grads)
             ce, aux = _mean_aux(ces, auxes)
+        new_amax = jax.tree.map(lambda a: jax.lax.pmax(a, axis), new_amax)
         local_state = None if residual is None else {"residual": jax.tree.map(lambda r: r[0], residual)}
         grads, new_state = comm.exchange_gradients(grads, loss_scale, local_state, axis_name=axis,
                                                    **comm_kwargs)
@@ -148,15 +180,15 @@ def _data_parallel_grads(grad_fn, graphdef, state, batch, grad_accum_steps, mesh
         aux = {"aux_loss": jax.lax.pmean(jnp.asarray(aux["aux_loss"], jnp.float32), axis),
                "expert_counts": jax.lax.psum(aux["expert_counts"], axis),
                "dropped_fraction": jax.lax.pmean(jnp.asarray(aux["dropped_fraction"], jnp.float32), axis)}
-        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axis), aux, new_residual
+        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axis), aux, new_residual, new_amax
 
     rep, split = PartitionSpec(), PartitionSpec(axis)
-    grads, finite, ce, aux, new_residual = jax.shard_map(
+    grads, finite, ce, aux, new_residual, new_amax = jax.shard_map(
         per_device, mesh=mesh, in_specs=(rep, rep, rep, rep, split, split),
-        out_specs=(rep, rep, rep, rep, split))(
+        out_specs=(rep, rep, rep, rep, split, rep))(
             state.params, state.biases, state.rest, state.loss_scale, residual, batch)
     new_comm_state = {"residual": new_residual} if topk else state.comm_state
-    return grads, finite, ce, aux, new_comm_state
+    return grads, finite, ce, aux, new_comm_state, new_amax
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: Mesh,
@@ -203,23 +235,27 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
                          f"axis (jaxmp.sharding.make_mesh), got {mesh!r}")
     comm_kwargs = dict(grad_reduce_dtype=grad_reduce_dtype, grad_compression=grad_compression,
                        topk_ratio=topk_ratio)
-    grad_fn = jax.grad(loss_fn, argnums=1, has_aux=True)
+    grad_fn = jax.grad(_fp8_loss, argnums=(1, 3), has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-        grads, finite, ce, aux, new_comm_state = _data_parallel_grads(
+        grads, finite, ce, aux, new_comm_state, new_amax = _data_parallel_grads(
             grad_fn, graphdef, state, batch, grad_accum_steps, mesh, comm_kwargs)
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
+        amax, other = split_fp8(state.rest)
         update = optim.apply_gradients(
             optimizer, grads, state.opt_state, state.params, state.loss_scale,
-            grads_scaled=False, grads_finite=finite, extra=state.biases, new_extra=new_biases)
+            grads_scaled=False, grads_finite=finite, extra=(state.biases, amax),
+            new_extra=(new_biases, new_amax))
+        biases, amax = update.extra
         if grad_compression == "topk":  # a skipped step leaves the residual bitwise, as the params
             new_comm_state = select_tree(update.applied, new_comm_state, state.comm_state)
         not_applied = (~update.applied).astype(jnp.int32)
         skipped = state.skipped_steps + not_applied
         consecutive = (state.consecutive_skips + 1) * not_applied
         new_state = state.replace(
-            step=state.step + 1, params=update.params, biases=update.extra,
+            step=state.step + 1, params=update.params, biases=biases,
+            rest=nnx.merge_state(amax, other),
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
             consecutive_skips=consecutive, comm_state=new_comm_state)
         metrics = {
