@@ -682,7 +682,7 @@ def run(config: ml_collections.ConfigDict, *, quiet: bool = False, compile_cache
                     log(f"[{run_name} seed {seed}] eval loss {r['final_eval_loss']:.5f}, "
                         f"{r['skipped_steps']} skipped, {r['wall_s']:.0f} s")
                 results.append(r)
-    return compare(plan_, results)
+        return compare(plan_, results)
 
 
 # ----------------------------------------------------------------------------- output
