@@ -493,3 +493,25 @@ def test_each_layer_keeps_its_own_history_under_scan():
     np.testing.assert_array_equal(np.asarray(new[:, 0, 0]), [2.0, 2.0, 8.0])
     np.testing.assert_array_equal(np.asarray(new[:, 1, 0]), [1.0, 4.0, 0.5])
     assert np.all(np.asarray(new[:, :, 1:]) == 0)
+
+
+@pytest.mark.parametrize("recipe", [fp8.Recipe.tensorwise(), fp8.Recipe.rowwise(), fp8.Recipe.blockwise()],
+                         ids=str)
+def test_remat_keeps_the_saved_fp8_activation_exact(recipe):
+    """Under ``jax.checkpoint`` (model.remat, the FSDP step) JAX passes saved float residuals
+    through ``reduce_precision`` with their dtype's widths, which in IEEE semantics turns
+    E4M3FN magnitudes above 240 into inf; the saved activation travels as its bits, so
+    values and gradients are bitwise those without the checkpoint (and finite)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(16, 256)), jnp.bfloat16)  # current scaling: |q| reaches 448
+    w = jnp.asarray(rng.normal(size=(256, 32)) * 0.05, jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(fp8.dot(x, w, recipe).astype(jnp.float32) ** 2)
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    saved = jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable)
+    got = jax.jit(jax.value_and_grad(saved, argnums=(0, 1)))(x, w)
+    assert np.isfinite(float(got[0]))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -283,3 +283,144 @@ def test_train_py_takes_an_fp8_policy(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "fp8=delayed" in run.stdout
+
+
+# ----------------------------------------------------------------------------- scale-out
+
+
+def _dispatch_reference(x, devices):
+    """NumPy: each device's [.., X, ..] slab quantized in 1x128 tiles along the last axis
+    (scale amax / 448, E4M3 round-to-nearest-even), dequantized, then all-to-all over axis 1."""
+    import ml_dtypes
+
+    d = x.shape[-1]
+    pad = -d % 128
+    xp = np.pad(x.astype(np.float32), [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    tiles = xp.reshape(xp.shape[:-1] + (-1, 128))
+    amax = np.abs(tiles).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+    q = np.clip(tiles * (np.float32(1) / scale), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    deq = (q.astype(np.float32) * scale).reshape(xp.shape)[..., :d]
+    # x is [devices * rows, X, ...] (devices concatenated on axis 0): piece j of device i
+    # goes to device j, stacked by source device along axis 1.
+    per = np.split(deq, devices, axis=0)
+    return np.concatenate([np.stack([per[i][:, j] for i in range(devices)], axis=1)
+                           for j in range(devices)], axis=0)
+
+
+def test_fp8_dispatch_all_to_all_matches_numpy_and_sends_e4m3():
+    """jaxmp.fp8.all_to_all on 4 devices: the received values are NumPy's 1x128-tile
+    quantize/dequantize of what was sent (ragged last tile and an outlier included), the
+    HLO's all-to-all carries f8E4M3FN, and the gradient is the plain transposed
+    all-to-all of the cotangent (straight-through, in the compute dtype)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("expert",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4 * 2, 4, 3, 160)).astype(np.float32)
+    x[1, 2, 0, 7] = 300.0  # an outlier sets its own tile's scale only
+    x = jnp.asarray(x, jnp.bfloat16)
+    spec = NamedSharding(mesh, P("expert"))
+
+    def run(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+
+    send = run(lambda v: fp8.all_to_all(v, "expert", 1, 1))
+    got = send(jax.device_put(x, spec))
+    assert got.dtype == jnp.bfloat16
+    want = _dispatch_reference(np.asarray(x, np.float32), 4)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(jnp.bfloat16).astype(np.float32),
+                               rtol=0, atol=0)
+    plain = run(lambda v: jax.lax.all_to_all(v, "expert", 1, 1))(jax.device_put(x, spec))
+    assert not np.array_equal(np.asarray(got), np.asarray(plain))  # quantized, not a copy
+    text = send.lower(jax.device_put(x, spec)).as_text()
+    a2a = [line for line in text.splitlines() if "all_to_all" in line]
+    assert any("f8E4M3FN" in line for line in a2a), a2a
+    # Straight-through gradient: d/dx sum(all_to_all(x) * c) = all_to_all^T(c).
+    c = jnp.asarray(rng.normal(size=x.shape), jnp.bfloat16)
+    grad = jax.jit(jax.shard_map(lambda v, w: jax.grad(
+        lambda v: jnp.sum(fp8.all_to_all(v, "expert", 1, 1).astype(jnp.float32) * w.astype(jnp.float32)))(v),
+        mesh=mesh, in_specs=(P("expert"), P("expert")), out_specs=P("expert")))
+    g = grad(jax.device_put(x, spec), jax.device_put(c, spec))
+    back = run(lambda v: jax.lax.all_to_all(v, "expert", 1, 1))(jax.device_put(c, spec))
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(back, np.float32))
+    with pytest.raises(ValueError, match="before its last, tiled axis"):
+        fp8.all_to_all(x, "expert", 3, 3)
+
+
+def _stacked_histories(rest, config):
+    """``{(layer, module/weight): [3, H]}`` from a scanned or unscanned model's rest state."""
+    out = {}
+    flat = jax.tree_util.tree_flatten_with_path(split_fp8(rest)[0])[0]
+    stacks = None
+    if config.model.scan_layers:
+        from jaxmp.models import layer_stacks
+        from jaxmp.precision.policy import get_policy_rules
+        stacks = layer_stacks(ModelConfig.from_config(config.model), get_policy_rules(config.precision.policy))
+    for path, leaf in flat:
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        name = "/".join(str(k) for k in keys[2:] if k is not None)
+        leaf = np.asarray(leaf)
+        if keys[0] == "stacks":
+            for j, layer in enumerate(stacks[keys[1]]):
+                out[(layer, name)] = leaf[j]
+        elif keys[0] == "blocks":
+            out[(keys[1], name)] = leaf
+    return out
+
+
+def test_delayed_fp8_on_scanned_fsdp_expert_parallel_e4m3_dispatch_matches_data_parallel():
+    """fp8_delayed with model.scan_layers, remat=full, parallel.strategy=fsdp, expert=2 and
+    the E4M3 dispatch, 8 devices: a float16 overflow skips step 1 and leaves every stacked
+    history bitwise; the applied step 2 records per layer ([layers, 3, H] stacks) amaxes
+    that are the same on every device and match a data-parallel, unscanned run's (pmax
+    over both mesh axes; FSDP's bfloat16-gathered weights and the E4M3 tokens move them
+    by rounding only)."""
+    def config(**over):
+        c = fp8_config("p=f32,c=f16,o=f32,fp8=delayed/4/0")
+        c.model.update(dict(num_layers=3, capacity_factor=2.0, **over.pop("model", {})))
+        c.precision.loss_scale = "dynamic:init=2**40,backoff_factor=2**-30,min=1"
+        c.parallel.update(over)
+        return c
+
+    sharded = config(model=dict(scan_layers=True, remat="full"), strategy="fsdp", expert=2,
+                     dispatch_dtype="e4m3")
+    exp = Experiment.create(sharded, num_devices=8)
+    text = exp.train_step.lower(exp.abstract_state, exp.abstract_batch()).as_text()
+    assert any("f8E4M3FN" in line for line in text.splitlines() if "all_to_all" in line)
+    b1, b2 = batches(sharded, 2)
+    state0 = exp.init_state()
+    before = split_fp8(jax.device_get(state0.rest))[0]  # the step donates its input state
+    state1, m1 = exp.train_step(state0, exp.batch_to_device(b1))
+    assert not bool(m1["applied"])
+    assert_bitwise_equal(before, split_fp8(jax.device_get(state1.rest))[0])
+    state2, m2 = exp.train_step(state1, exp.batch_to_device(b2))
+    assert bool(m2["applied"])
+    for leaf in jax.tree.leaves(split_fp8(state2.rest)[0]):  # replicated: one value on every device
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 8 and all(np.array_equal(shards[0], s) for s in shards)
+    got = _stacked_histories(jax.device_get(state2.rest), sharded)
+    assert jax.tree.leaves(split_fp8(state2.rest)[0])[0].ndim == 3  # stacked [layers, 3, H]
+
+    plain = config()
+    ref = Experiment.create(plain, num_devices=8)
+    r = ref.init_state()
+    for b in (b1, b2):
+        r, _ = ref.train_step(r, ref.batch_to_device(b))
+    want = _stacked_histories(jax.device_get(r.rest), plain)
+    assert set(got) == set(want) and len(want) == 3 * 4 + 3 + 2 * (3 + 3)  # attn x3, mlp, experts and shared x2
+    for key in want:
+        assert np.all(got[key][:, 1:] == 0) and np.all(got[key][:, 0] > 0), key
+        np.testing.assert_allclose(got[key][:, 0], want[key][:, 0], rtol=0.05, err_msg=str(key))
+    # Each layer keeps its own history: the two layers of the MoE stack differ.
+    assert not np.array_equal(got[(1, "attn/wq_amax")], got[(2, "attn/wq_amax")])
+
+
+def test_dispatch_dtype_is_validated():
+    config = small_config()
+    config.parallel.dispatch_dtype = "e5m2"
+    with pytest.raises(ValueError, match="parallel.dispatch_dtype='e5m2' is not allowed; allowed: compute, e4m3"):
+        Experiment.create(config, num_devices=8)
+    config.parallel.dispatch_dtype = "e4m3"
+    with pytest.raises(ValueError, match="needs parallel.expert > 1"):
+        Experiment.create(config, num_devices=8)
