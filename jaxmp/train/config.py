@@ -312,7 +312,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         loss scale, schedule, data setting or gradient communication; a parallel
         layout that the devices or the model cannot take (``parallel.expert`` not
         dividing the devices or the experts, expert parallelism without capacity
-        dispatch, zero1/fsdp with ``d_model`` not divisible by the data axis, top-k
+        dispatch, ``parallel.dispatch_dtype`` other than ``compute`` without expert
+        parallelism, zero1/fsdp with ``d_model`` not divisible by the data axis, top-k
         compression outside data parallelism). The message names the value and what is
         allowed.
     """
