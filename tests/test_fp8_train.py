@@ -260,7 +260,7 @@ def test_fp8_blockwise_tiny_moe_learns_on_8_devices_with_a_finite_state(tmp_path
     """configs/tiny_moe.py with fp8_blockwise (attention and every FFN in FP8) through the
     trainer: 20 steps on 8 CPU devices."""
     config = load_config("tiny_moe", ["precision.policy=fp8_blockwise" + ISLANDS, "train.steps=20",
-                                      "train.log_every=1", "train.eval_every=0", "train.sample_tokens=0",
+                                      "train.log_every=1", "train.eval_every=20", "train.sample_tokens=0",
                                       "data.max_tokens=200000", "data.num_eval_batches=2"])
     summary = train_and_evaluate(config, str(tmp_path), num_devices=8)
     assert jax.device_count() == 8 and summary["skipped_steps"] == 0

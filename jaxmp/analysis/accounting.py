@@ -155,7 +155,8 @@ class Residual:
 
     Attributes:
       shape: the array's shape.
-      dtype: its dtype name (``"bfloat16"``, ``"int32"``, ...).
+      dtype: its dtype name (``"bfloat16"``, ``"int32"``, ...); the E4M3 activation that
+        :mod:`jaxmp.fp8` saves as uint8 bits is named ``"float8_e4m3fn"``.
       nbytes: ``prod(shape) * itemsize``.
       kind: ``"computed"`` (counted as activation memory), ``"argument"``, ``"literal"``
         or ``"constant"``.
@@ -231,7 +232,12 @@ def saved_residuals(fn: Callable, *args, argnums: Any = 0) -> List[Residual]:
     for aval, source in _saved_residuals(jaxpr, names):
         shape = tuple(int(d) for d in aval.shape)
         dtype = np.dtype(aval.dtype)
-        out.append(Residual(shape, dtype.name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+        name = dtype.name
+        if name == "uint8" and "(_stash)" in source:
+            # jaxmp.fp8 saves its E4M3 activation as uint8 bits (safe under jax.checkpoint):
+            # report what the bits are.
+            name = "float8_e4m3fn"
+        out.append(Residual(shape, name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
                             _kind(source), source))
     return out
 
