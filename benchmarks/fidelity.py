@@ -1,62 +1,55 @@
-"""Does mixed precision train as well as float32? Final eval loss per precision mode.
+"""Does a precision mode train as well as its reference? A paired, multi-seed protocol.
 
 Usage::
 
-    python benchmarks/fidelity.py --json fidelity.json --plot fidelity.png
-    python benchmarks/fidelity.py --steps 40 --d-model 32 --seq-len 32 --json small.json
+    python benchmarks/fidelity.py --json fidelity.json --plot benchmarks/fidelity.png
+    python benchmarks/fidelity.py --modes mixed_bf16,fp8_blockwise --seeds 3 --steps 300
 
-Trains the model of ``--config`` (default ``configs/tiny_moe.py``, on the embedded
-corpus: the Python standard library's source) with the same seed, data and number of
-steps in each of these modes, through :func:`jaxmp.train.train_and_evaluate`:
+For each seed, every run trains :data:`DEFAULT_CONFIG` (``configs/fidelity.py``) with the
+same initial weights, the same batches in the same order and the same number of steps;
+only the precision changes (the config policy's *default* is replaced, its per-module
+rules such as ``router: fp32; norm: fp32`` are kept). Each mode is compared with its
+reference **seed by seed** (a paired comparison):
 
-======================== ================ ==============================================
-run                      default policy   loss scale
-======================== ================ ==============================================
-``fp32``                 ``fp32``         none (the reference)
-``mixed_bf16``           ``mixed_bf16``   none (bfloat16 has float32's range)
-``mixed_fp16``           ``mixed_fp16``   dynamic (``--fp16-loss-scale``)
-``mixed_fp16_noscale``   ``mixed_fp16``   none: what float16 does without a loss scale
-``fp32_seed{s+1}``       ``fp32``         none; the next seed: run-to-run noise
-======================== ================ ==============================================
+========================== ============================ ================ ==============
+mode                       default policy               loss scale       reference
+========================== ============================ ================ ==============
+``mixed_bf16``             ``mixed_bf16``               none             ``fp32``
+``mixed_fp16``             ``mixed_fp16``               dynamic          ``fp32``
+``mixed_fp16_noscale``     ``mixed_fp16``               none (diagnostic) ``fp32``
+``fp8_tensorwise``         ``fp8_tensorwise``           none             ``mixed_bf16``
+``fp8_delayed``            ``fp8_delayed``              none             ``mixed_bf16``
+``fp8_rowwise``            ``fp8_rowwise``              none             ``mixed_bf16``
+``fp8_blockwise``          ``fp8_blockwise``            none             ``mixed_bf16``
+========================== ============================ ================ ==============
 
-Only the config policy's *default* is replaced; its per-module rules (``router: fp32;
-norm: fp32`` in the shipped configs) are kept, so every mode has the same float32
-islands. Each run gets its own directory under ``--workdir`` (a temporary directory,
-deleted afterwards, by default) and its curves are read back from ``metrics.jsonl``.
+The FP8 recipes are compared with mixed_bf16 as DeepSeek-V3 compares its FP8 training
+with BF16 (technical report, arXiv:2412.19437, section 3.3, and its appendix B.1).
 
-The result is ``rel_diff[run] = (final_eval_loss[run] - final_eval_loss["fp32"]) /
-final_eval_loss["fp32"]``. The target is ``|rel_diff| <= 0.25%`` for ``mixed_bf16``
-and ``mixed_fp16``: the bar DeepSeek-V3 set for its FP8 training against BF16
-(technical report, arXiv:2412.19437, section 3.3: "the relative loss error of our FP8
-training model remains consistently below 0.25%"). ``fp32_seed{s+1}`` differs from the
-reference only by its seed (initial weights, data order, step rng); its
-``rel_diff`` is the run-to-run noise, the honest yardstick for the others: a precision
-mode cannot be told apart from float32 by a difference smaller than the noise. Note
-that it is an upper bound on the noise of a *paired* comparison (same seed), whose
-trajectories still diverge, chaotically, from the first rounding difference on.
+For seed ``s`` the relative difference is ``d_s = (L_mode,s - L_ref,s) / L_ref,s`` of the
+final eval losses (mean token cross-entropy over the config's fixed eval windows). Over
+the ``n`` seeds the report gives the mean, the sample standard deviation (``n - 1``) and
+the 95% confidence interval of the mean, ``mean +- t(0.975, n - 1) * std / sqrt(n)``
+(Student's t; :func:`t_quantile`). The goal for ``mixed_bf16``, ``mixed_fp16`` and
+``fp8_blockwise`` (:data:`GOAL_MODES`) is ``|mean| <= 0.25%`` **and** a CI half-width
+``<= 0.25%``: DeepSeek-V3's bar ("the relative loss error of our FP8 training model
+remains consistently below 0.25%", section 3.3), with enough seeds to tell. The report
+also gives, per mode, the eval set's own sampling error of the paired difference (the
+standard error of the per-batch differences, ``eval_se``), and the seed-to-seed spread of
+the references' losses.
 
-Underflow diagnostics (``"underflow"`` in the JSON) explain what the unscaled float16
-run loses. They are computed on the **float32 run's true gradients**: its checkpoints
-(step 0, the initial state rebuilt from the seed, and ``--underflow-checkpoints``
-evenly spaced ones) are restored, the gradient of the training loss (cross-entropy +
-MoE auxiliary loss, no loss scale) is taken in float32 on the first eval batch, and
-:func:`jaxmp.diagnostics.underflow_report` counts, per parameter, the fraction of
-non-zero elements that become 0 when cast to float16 at scale 1 (Micikevicius et al.
-2018, section 3.2), aggregated by module. The float32 run is used rather than the
-unscaled run's own state because its gradients are the true values (nothing has been
-flushed yet), so the fractions are what a float16 cast *would* lose at that point of
-a healthy run. They cover parameter gradients, which a float16 backward pass
-materializes in float16 before the cast to the float32 master dtype; activation
-gradients (not parameters, not reported) underflow too, and feed into them. Modules
-listed with compute dtype float32 (router, norms) stay out of float16 in the
-``mixed_fp16`` runs. The same totals at the dynamic run's final loss scale show what
-scaling recovers.
+Every run uses the trainer's own step: the
+:class:`~jaxmp.train.experiment.Experiment`'s jitted ``train_step`` and ``eval_step``
+(what ``train.py`` runs), in a loop here without checkpoints, so that the per-batch eval
+losses of the final state are at hand. XLA's persistent compilation cache (a temporary
+directory) lets the seeds of one mode share a compiled program.
 
-The default ``--steps`` (:data:`DEFAULT_STEPS`) was measured: the default invocation (5
-runs of configs/tiny_moe.py, one CPU device) took 10 min 40 s of wall time and 8 min 53 s
-of CPU time on a 2-vCPU machine shared with other jobs (load average 4 to 6), and
-15 min 48 s when the load average was near 10. The result is in benchmarks/README.md.
-The runs are deterministic: both invocations gave the same losses.
+Underflow diagnostics (``"underflow"``; 0 ``--underflow-points`` skips them): on the first
+seed's float32 run, the true float32 gradient of the training loss (cross-entropy + MoE
+auxiliary loss, no loss scale) on the first eval batch at evenly spaced steps, cast to
+float16 by :func:`jaxmp.diagnostics.underflow_report` (Micikevicius et al. 2018, section
+3.2): the share of non-zero elements flushed to zero per module, at scale 1 and at the
+dynamic float16 run's final scale. They explain what the unscaled float16 run loses.
 """
 from __future__ import annotations
 
@@ -73,7 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):  # run as `python benchmarks/fidelity.py`: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,32 +81,31 @@ from jaxmp import ops
 from jaxmp.diagnostics import LeafReport, summarize, underflow_report
 from jaxmp.precision.loss_scale import get_loss_scale
 from jaxmp.precision.policy import get_policy_rules
-from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
-from jaxmp.train.config import config_to_dict, load_config as _load_config, validate_config
+from jaxmp.train import Experiment
+from jaxmp.train.config import load_config as _load_config, validate_config
 
 __all__ = [
     "ROOT",
     "DEFAULT_CONFIG",
-    "DEFAULT_STEPS",
+    "DEFAULT_SEEDS",
     "DEFAULT_FP16_LOSS_SCALE",
-    "DEFAULT_EVAL_BATCHES",
     "TARGET",
-    "REFERENCE",
-    "RunSpec",
+    "GOAL_MODES",
+    "Mode",
+    "mode_table",
+    "runs_for",
     "load_config",
     "with_default_policy",
-    "run_specs",
     "run_config",
     "Plan",
     "plan",
-    "check_workdir",
+    "t_quantile",
+    "paired_stats",
+    "compilation_cache",
     "train_run",
-    "underflow_for",
-    "compare",
-    "read_metrics",
-    "rel_diff",
     "by_module",
     "gradient_underflow",
+    "compare",
     "run",
     "plot",
     "format_summary",
@@ -121,41 +113,73 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "configs" / "tiny_moe.py"
-# About 10 minutes for the 5 default runs on 2 CPU cores (measured; module docstring).
-DEFAULT_STEPS = 2000
+DEFAULT_CONFIG = ROOT / "configs" / "fidelity.py"
+DEFAULT_SEEDS = 5
 # The trainer config's own suggestion for float16 (configs/tiny_moe.py docstring).
 DEFAULT_FP16_LOSS_SCALE = "dynamic:init=2**15,growth_interval=200"
-# Eval batches per evaluation. The shipped configs' 4 (4,096 tokens) make a noisy yardstick
-# for differences of a fraction of a percent; 64 batches of tiny_moe are 65,536 tokens, the
-# same fixed, unshuffled eval windows for every run.
-DEFAULT_EVAL_BATCHES = 64
 TARGET = 0.0025  # DeepSeek-V3 technical report, section 3.3
+GOAL_MODES = ("mixed_bf16", "mixed_fp16", "fp8_blockwise")
 REFERENCE = "fp32"
-TARGET_RUNS = ("mixed_bf16", "mixed_fp16")
 
 
 @dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """One training run of the comparison.
+class Mode:
+    """One run kind of the protocol.
 
     Attributes:
-      name: the key in the report (``fp32``, ``mixed_bf16``, ...).
+      name: the key in the report (``fp32``, ``mixed_bf16``, ``fp8_blockwise``, ...).
       preset: the default policy (a :func:`jaxmp.get_policy` preset) replacing the
         config's default; the config's per-module rules are kept.
       loss_scale: a :func:`jaxmp.get_loss_scale` spec (``none``, ``dynamic:...``).
-      seed_offset: added to the config's seed (0 for every run but the noise runs).
+      reference: the run it is compared with, seed by seed; None for ``fp32``.
     """
 
     name: str
     preset: str
     loss_scale: str
-    seed_offset: int = 0
+    reference: Optional[str]
+
+
+def mode_table(fp16_loss_scale: str = DEFAULT_FP16_LOSS_SCALE) -> Dict[str, Mode]:
+    """Every run kind, references first (the module docstring's table).
+
+    Raises:
+      ValueError: ``fp16_loss_scale`` is not a ``dynamic`` or ``static`` loss scale.
+    """
+    kind = str(fp16_loss_scale).split(":", 1)[0].strip().lower()
+    if kind not in ("dynamic", "static"):
+        raise ValueError(f"fp16_loss_scale must be a 'dynamic[:...]' or 'static:S' loss scale, "
+                         f"got {fp16_loss_scale!r}")
+    get_loss_scale(fp16_loss_scale)
+    table = [Mode("fp32", "fp32", "none", None),
+             Mode("mixed_bf16", "mixed_bf16", "none", "fp32"),
+             Mode("mixed_fp16", "mixed_fp16", fp16_loss_scale, "fp32"),
+             Mode("mixed_fp16_noscale", "mixed_fp16", "none", "fp32")]
+    table += [Mode(f"fp8_{r}", f"fp8_{r}", "none", "mixed_bf16")
+              for r in ("tensorwise", "delayed", "rowwise", "blockwise")]
+    return {m.name: m for m in table}
+
+
+def runs_for(modes: Sequence[str], table: Mapping[str, Mode]) -> List[str]:
+    """The runs that ``modes`` need (each mode and its reference), in table order.
+
+    Raises:
+      ValueError: an unknown or duplicated mode, or ``fp32`` (the reference, not a mode).
+    """
+    compared = [m for m in table if table[m].reference is not None]
+    if not modes:
+        raise ValueError(f"no modes given; allowed: {', '.join(compared)}")
+    for m in modes:
+        if m not in compared:
+            raise ValueError(f"unknown fidelity mode {m!r}; allowed: {', '.join(compared)}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"a mode is given twice in {list(modes)}")
+    needed = set(modes) | {table[m].reference for m in modes}
+    return [m for m in table if m in needed]
 
 
 def load_config(path: str | os.PathLike) -> ml_collections.ConfigDict:
-    """Loads ``get_config()`` from a config file such as configs/tiny_moe.py
-    (:func:`jaxmp.train.config.load_config`).
+    """Loads ``get_config()`` from a config file (:func:`jaxmp.train.config.load_config`).
 
     Raises:
       ValueError: the file does not exist, has no ``get_config``, or an unknown key.
@@ -166,8 +190,8 @@ def load_config(path: str | os.PathLike) -> ml_collections.ConfigDict:
 def with_default_policy(policy: str, preset: str) -> str:
     """Replaces the default policy of a rules string, keeping its per-module rules.
 
-    ``with_default_policy("mixed_bf16; router: fp32; norm: fp32", "mixed_fp16")`` is
-    ``"mixed_fp16; router: fp32; norm: fp32"``. Grammar: :func:`jaxmp.get_policy_rules`.
+    ``with_default_policy("mixed_bf16; router: fp32; norm: fp32", "fp8_blockwise")`` is
+    ``"fp8_blockwise; router: fp32; norm: fp32"``. Grammar: :func:`jaxmp.get_policy_rules`.
 
     Raises:
       ValueError: ``policy`` or the result does not parse (e.g. an unknown preset).
@@ -179,79 +203,221 @@ def with_default_policy(policy: str, preset: str) -> str:
     return result
 
 
-def run_specs(fp16_loss_scale: str = DEFAULT_FP16_LOSS_SCALE, noise_seeds: int = 1) -> List[RunSpec]:
-    """The runs of the comparison: the four modes, then ``noise_seeds`` float32 reseeds.
+def run_config(base: ml_collections.ConfigDict, mode: Mode, seed: int, *, steps: int,
+               log_every: int, eval_every: int) -> ml_collections.ConfigDict:
+    """``base`` with ``mode``'s precision, ``seed`` and the cadence (a copy).
 
-    Raises:
-      ValueError: ``noise_seeds`` not an integer >= 0, or ``fp16_loss_scale`` not a
-        ``dynamic`` or ``static`` loss scale.
-    """
-    if isinstance(noise_seeds, bool) or not isinstance(noise_seeds, numbers.Integral) or noise_seeds < 0:
-        raise ValueError(f"noise_seeds must be an integer >= 0, got {noise_seeds!r}")
-    kind = str(fp16_loss_scale).split(":", 1)[0].strip().lower()
-    if kind not in ("dynamic", "static"):
-        raise ValueError(f"fp16_loss_scale must be a 'dynamic[:...]' or 'static:S' loss scale, "
-                         f"got {fp16_loss_scale!r}")
-    specs = [RunSpec(REFERENCE, "fp32", "none"), RunSpec("mixed_bf16", "mixed_bf16", "none"),
-             RunSpec("mixed_fp16", "mixed_fp16", fp16_loss_scale),
-             RunSpec("mixed_fp16_noscale", "mixed_fp16", "none")]
-    specs += [RunSpec(f"fp32_seed{i}", "fp32", "none", seed_offset=i) for i in range(1, noise_seeds + 1)]
-    return specs
-
-
-def run_config(base: ml_collections.ConfigDict, spec: RunSpec, *, steps: int, log_every: int,
-               eval_every: int, checkpoint_every: int, keep_checkpoints: int) -> ml_collections.ConfigDict:
-    """``base`` with ``spec``'s precision and seed and the given cadence (a copy).
-
-    The sample at the end of training is switched off (``sample_tokens = 0``): it
-    costs time and says nothing about the loss.
+    No sample, no intermediate checkpoints: the protocol reads losses only.
     """
     config = ml_collections.ConfigDict(base.to_dict())
-    config.seed = int(base.seed) + spec.seed_offset
-    config.precision.policy = with_default_policy(base.precision.policy, spec.preset)
-    config.precision.loss_scale = spec.loss_scale
+    config.seed = int(seed)
+    config.precision.policy = with_default_policy(base.precision.policy, mode.preset)
+    config.precision.loss_scale = mode.loss_scale
     config.train.update(dict(steps=steps, log_every=log_every, eval_every=eval_every,
-                             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                             sample_tokens=0))
+                             checkpoint_every=steps, sample_tokens=0))
     return config
 
 
-def read_metrics(workdir: str | os.PathLike) -> Dict[str, List[dict]]:
-    """Reads ``workdir/metrics.jsonl`` into ``{"train": [records], "eval": [records]}``.
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
 
-    Raises:
-      ValueError: the file does not exist.
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The validated runs of one protocol (see :func:`plan`).
+
+    Attributes:
+      steps: train steps per run.
+      num_devices: data-parallel devices of every run.
+      seeds: the seeds, in order.
+      modes: the compared modes, in table order.
+      runs: the runs trained per seed (the modes and their references), in table order.
+      table: every :class:`Mode` by name.
+      configs: the trainer config of each ``(run, seed)``.
+      eval_steps: the steps after which the eval loss is measured (the last is ``steps``).
+      log_every: train steps between recorded train losses.
+      underflow_steps: the first seed's fp32 steps analysed for float16 underflow.
+      base: the base config.
     """
-    path = Path(workdir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"no metrics.jsonl in {str(workdir)!r}")
-    out: Dict[str, List[dict]] = {"train": [], "eval": []}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            out.setdefault(record["split"], []).append(record)
-    return out
+
+    steps: int
+    num_devices: int
+    seeds: Tuple[int, ...]
+    modes: Tuple[str, ...]
+    runs: Tuple[str, ...]
+    table: Mapping[str, Mode]
+    configs: Mapping[Tuple[str, int], ml_collections.ConfigDict]
+    eval_steps: Tuple[int, ...]
+    log_every: int
+    underflow_steps: Tuple[int, ...]
+    base: ml_collections.ConfigDict
 
 
-def rel_diff(losses: Mapping[str, float], reference: str = REFERENCE) -> Dict[str, float]:
-    """Relative loss differences ``(loss - loss[reference]) / loss[reference]``.
+def plan(config: ml_collections.ConfigDict, *, steps: Optional[int] = None,
+         seeds: int = DEFAULT_SEEDS, first_seed: Optional[int] = None,
+         modes: Optional[Sequence[str]] = None, num_devices: Optional[int] = None,
+         fp16_loss_scale: str = DEFAULT_FP16_LOSS_SCALE, log_every: Optional[int] = None,
+         num_evals: Optional[int] = None, underflow_points: int = 3) -> Plan:
+    """Builds and checks the config of every run; nothing is trained.
 
     Args:
-      losses: final eval loss per run (nats per token).
-      reference: the key of the reference run.
+      config: the base config (e.g. :func:`load_config` of configs/fidelity.py).
+      steps: train steps per run (>= 1); default ``config.train.steps``.
+      seeds: how many seeds (>= 1; the confidence interval needs >= 2).
+      first_seed: the first seed (default ``config.seed``); seeds are consecutive.
+      modes: the compared modes (default all, :func:`mode_table`); their references
+        are trained too.
+      num_devices: data-parallel devices; the config's ``train.num_devices``, else all.
+      fp16_loss_scale: the loss scale of ``mixed_fp16``.
+      log_every: train steps between recorded train losses (default the config's).
+      num_evals: evaluations per run, evenly spaced, the last at ``steps`` (>= 1); default
+        ``steps // train.eval_every`` (at least 1; 1 when ``eval_every`` is 0).
+      underflow_points: fp32 states analysed for float16 underflow (0 = none; else the
+        initial state and ``underflow_points - 1`` evenly spaced later ones, the last at
+        ``steps``); only when a float16 mode is run.
 
     Returns:
-      One entry per run other than ``reference`` (a fraction: 0.0025 is 0.25%).
+      A :class:`Plan`.
 
     Raises:
-      ValueError: ``reference`` missing, or its loss zero or not finite.
+      ValueError: bad counts, modes or loss scale, more devices than exist, no eval
+        batches, or a config the trainer rejects (:func:`validate_config`).
     """
-    if reference not in losses:
-        raise ValueError(f"reference run {reference!r} not in {sorted(losses)}")
-    ref = float(losses[reference])
-    if not math.isfinite(ref) or ref == 0.0:
-        raise ValueError(f"reference loss must be finite and non-zero, got {ref!r}")
-    return {k: (float(v) - ref) / ref for k, v in losses.items() if k != reference}
+    steps = _check_int("steps", int(config.train.steps) if steps is None else steps, 1)
+    seeds = _check_int("seeds", seeds, 1)
+    first = int(config.seed) if first_seed is None else _check_int("first_seed", first_seed, 0)
+    log_every = _check_int("log_every", int(config.train.log_every) if log_every is None else log_every, 1)
+    every = int(config.train.eval_every)
+    num_evals = _check_int("num_evals", (max(1, steps // every) if every else 1) if num_evals is None
+                           else num_evals, 1)
+    underflow_points = _check_int("underflow_points", underflow_points, 0)
+    table = mode_table(fp16_loss_scale)
+    modes = tuple(m for m in table if m in (modes or [m for m in table if table[m].reference]))
+    runs = tuple(runs_for(list(modes), table))
+    devices = num_devices or int(config.train.get("num_devices") or 0) or jax.device_count()
+    if devices > jax.device_count():
+        raise ValueError(f"num_devices={devices} exceeds the {jax.device_count()} available devices")
+    if int(config.data.num_eval_batches) < 1:
+        raise ValueError("the protocol needs an eval loss: data.num_eval_batches must be >= 1")
+    num_evals = min(num_evals, steps)
+    eval_steps = tuple(sorted({max(1, round(steps * (i + 1) / num_evals)) for i in range(num_evals)}))
+    underflow = ()
+    if underflow_points and REFERENCE in runs and {"mixed_fp16", "mixed_fp16_noscale"} & set(runs):
+        underflow = tuple(sorted({round(steps * i / max(1, underflow_points - 1))
+                                  for i in range(underflow_points)}))
+    configs = {}
+    for run_name in runs:
+        for seed in range(first, first + seeds):
+            cfg = run_config(config, table[run_name], seed, steps=steps, log_every=min(log_every, steps),
+                             eval_every=eval_steps[0])
+            validate_config(cfg, devices)
+            configs[(run_name, seed)] = cfg
+    return Plan(steps, devices, tuple(range(first, first + seeds)), modes, runs, table, configs,
+                eval_steps, min(log_every, steps), underflow, config)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz; Numerical
+    Recipes, 3rd ed., section 6.4)."""
+    tiny, eps = 1e-300, 1e-15
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 10_000):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)),
+                   -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)`` (Numerical Recipes 6.4)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def _t_cdf(t: float, df: int) -> float:
+    """Student's t distribution function: ``1 - I_{df/(df+t^2)}(df/2, 1/2) / 2`` for t >= 0."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t distribution with ``df`` degrees of freedom.
+
+    Bisection on the distribution function (computed from the regularized incomplete
+    beta function), to about 1e-12. ``t_quantile(0.975, 4)`` is 2.776 (the 95%
+    two-sided value for 5 samples).
+
+    Raises:
+      ValueError: ``p`` outside (0, 1) or ``df`` not an integer >= 1.
+    """
+    if not (isinstance(p, numbers.Real) and 0.0 < p < 1.0):
+        raise ValueError(f"p={p!r} must be in (0, 1)")
+    df = _check_int("df", df, 1)
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def paired_stats(diffs: Sequence[float]) -> Dict[str, Any]:
+    """Mean, standard deviation and 95% t confidence interval of paired differences.
+
+    Args:
+      diffs: the per-seed relative differences (fractions).
+
+    Returns:
+      ``{"n", "mean", "std", "ci95": [low, high], "half_width"}``: ``std`` with ``n - 1``
+      in the denominator, ``half_width = t(0.975, n - 1) * std / sqrt(n)``. With one
+      value, ``std``, ``ci95`` and ``half_width`` are None.
+
+    Raises:
+      ValueError: no values, or a value that is not finite.
+    """
+    d = np.asarray(list(diffs), np.float64)
+    if d.size == 0 or not np.all(np.isfinite(d)):
+        raise ValueError(f"paired_stats needs finite values, got {list(diffs)!r}")
+    mean = float(d.mean())
+    if d.size == 1:
+        return {"n": 1, "mean": mean, "std": None, "ci95": None, "half_width": None}
+    std = float(d.std(ddof=1))
+    half = t_quantile(0.975, d.size - 1) * std / math.sqrt(d.size)
+    return {"n": int(d.size), "mean": mean, "std": std, "ci95": [mean - half, mean + half],
+            "half_width": half}
+
+
+# ----------------------------------------------------------------------------- training
 
 
 def by_module(report: Mapping[str, LeafReport]) -> Dict[str, LeafReport]:
@@ -275,384 +441,344 @@ def _leaf_dict(r: LeafReport) -> dict:
             "overflow": r.overflow}
 
 
-def gradient_underflow(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
-                       fp16_policy: str, num_devices: Optional[int] = None,
-                       scaled_loss_scale: Optional[float] = None,
-                       dtype: Any = jnp.float16) -> Dict[str, Any]:
-    """Underflow of the true float32 gradients of a finished run, by module and checkpoint.
-
-    Restores every checkpoint of the run in ``workdir`` (trained with ``config``) plus
-    the initial state (step 0, rebuilt from ``config.seed``), takes the gradient of
-    cross-entropy + auxiliary loss on the first eval batch in the run's own precision
-    (use a float32 run: its gradients are the true values) and casts it to ``dtype``.
-
-    Args:
-      config: the run's config (as given to ``train_and_evaluate``).
-      workdir: the run's directory.
-      fp16_policy: the policy string of the low-precision run, used to report which
-        modules compute in ``dtype`` there and which are float32 islands.
-      num_devices: the devices the run trained on (the train state's per-device
-        parts are sized by it); the trainer's default when None.
-      scaled_loss_scale: also report totals at this loss scale (e.g. the dynamic
-        run's final scale); None to skip.
-      dtype: the dtype to test (float16).
-
-    Returns:
-      ``{"source", "dtype", "loss_scale": 1.0, "scaled_loss_scale", "modules":
-      {module: compute dtype name in the fp16 run}, "checkpoints": [{"step", "total",
-      "total_scaled", "modules": {module: {"nonzero", "underflow", "subnormal",
-      "overflow"}}}]}``; fractions of non-zero gradient elements.
-
-    Raises:
-      ValueError: the config has no eval batches.
-      jaxmp.train.CheckpointError: an unreadable checkpoint.
-    """
-    if int(config.data.num_eval_batches) < 1:
-        raise ValueError("gradient_underflow needs data.num_eval_batches >= 1")
-    exp = Experiment.create(config, num_devices=num_devices)
-    batch = {k: jnp.asarray(v) for k, v in exp.data.eval_batches[0].items()}
+def _true_grads(exp: Experiment, batch: Mapping[str, jax.Array]) -> Callable:
+    """A jitted ``state -> grads`` of cross-entropy + auxiliary loss (no loss scale)."""
     graphdef = exp.graphdef
 
-    def loss_fn(params, biases, rest):
+    def loss(params, biases, rest):
         logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
         return ops.cross_entropy(logits, batch["targets"]) + aux["aux_loss"]
 
-    grad_fn = jax.jit(jax.grad(loss_fn))
-    states = [(0, exp.init_state())]
-    with Checkpointer(workdir, keep=max(1, int(config.train.keep_checkpoints))) as ckpt:
-        config_dict = config_to_dict(exp.config)
-        for step in ckpt.all_steps():
-            states.append(ckpt.restore(exp.abstract_state, config_dict, step=step)[:2])
+    grad = jax.jit(jax.grad(loss))
+    return lambda state: jax.device_get(grad(state.params, state.biases, state.rest))
 
-    # The modules' compute dtypes in the float16 run: its rules plus the model's islands.
-    fp16 = Experiment.create(_with_policy(config, fp16_policy), num_devices=num_devices)
-    rules = fp16.rules
+
+def gradient_underflow(points: Sequence[Tuple[int, Any]], fp16_rules, *,
+                       scaled_loss_scale: Optional[float] = None,
+                       dtype: Any = jnp.float16) -> Dict[str, Any]:
+    """Float16 underflow of true float32 gradients, by module, at several steps.
+
+    Args:
+      points: ``(step, grads)`` pairs, the true gradients of a float32 run.
+      fp16_rules: the float16 run's :class:`~jaxmp.PolicyRules` (model rules, islands
+        included): which modules compute in float16 there.
+      scaled_loss_scale: also report totals at this loss scale; None to skip.
+      dtype: the dtype to test.
+
+    Returns:
+      ``{"source", "dtype", "loss_scale": 1.0, "scaled_loss_scale", "modules": {module:
+      compute dtype name in the float16 run}, "checkpoints": [{"step", "total",
+      "total_scaled", "modules": {module: {"nonzero", "underflow", "subnormal",
+      "overflow"}}}]}``; fractions of non-zero gradient elements.
+    """
     checkpoints, modules = [], {}
-    for step, state in states:
-        grads = grad_fn(state.params, state.biases, state.rest)
+    for step, grads in points:
         report = underflow_report(grads, dtype, 1.0)
         per_module = by_module(report)
-        modules = {m: rules.resolve(m).compute_dtype.name for m in per_module}
+        modules = {m: fp16_rules.resolve(m).compute_dtype.name for m in per_module}
         entry = {"step": int(step), "total": _leaf_dict(summarize(report)),
                  "modules": {m: _leaf_dict(r) for m, r in per_module.items()}}
         if scaled_loss_scale is not None:
             entry["total_scaled"] = _leaf_dict(summarize(underflow_report(grads, dtype, scaled_loss_scale)))
         checkpoints.append(entry)
-    return {"source": "true float32 gradients of the fp32 run's checkpoints, first eval batch",
+    return {"source": "true float32 gradients of the first seed's fp32 run, first eval batch",
             "dtype": jnp.dtype(dtype).name, "loss_scale": 1.0, "scaled_loss_scale": scaled_loss_scale,
             "modules": modules, "checkpoints": checkpoints}
 
 
-def _with_policy(config: ml_collections.ConfigDict, policy: str) -> ml_collections.ConfigDict:
-    out = ml_collections.ConfigDict(config.to_dict())
-    out.precision.policy = policy
+def _eval_batch_losses(exp: Experiment, state, batches) -> List[float]:
+    out = []
+    for batch in batches:
+        r = jax.device_get(exp.eval_step(state, batch))
+        out.append(float(r["loss"]) / float(r["tokens"]))
     return out
 
 
-def _curves(metrics: Dict[str, List[dict]]) -> Dict[str, list]:
-    train, evals = metrics["train"], metrics["eval"]
-    return {"step": [r["step"] for r in train], "loss": [r["loss"] for r in train],
-            "loss_scale": [r["loss_scale"] for r in train],
-            "skipped_steps": [r["skipped_steps"] for r in train],
-            "eval_step": [r["step"] for r in evals], "eval_loss": [r["loss"] for r in evals]}
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The validated runs of one comparison (see :func:`plan`).
-
-    Attributes:
-      steps: train steps per run.
-      num_devices: data-parallel devices of every run.
-      specs: the runs, in order.
-      configs: the trainer config of each run, by name.
-      base: the base config.
-    """
-
-    steps: int
-    num_devices: int
-    specs: Sequence[RunSpec]
-    configs: Mapping[str, ml_collections.ConfigDict]
-    base: ml_collections.ConfigDict
-
-
-def plan(config: ml_collections.ConfigDict, *, steps: int = DEFAULT_STEPS,
-         num_devices: Optional[int] = None, fp16_loss_scale: str = DEFAULT_FP16_LOSS_SCALE,
-         noise_seeds: int = 1, log_every: int = 5, num_evals: int = 10,
-         underflow_checkpoints: int = 3) -> Plan:
-    """Builds and checks the config of every run; nothing is trained.
-
-    Args:
-      config: the base config (e.g. :func:`load_config` of configs/tiny_moe.py).
-      steps: train steps per run (>= 1).
-      num_devices: data-parallel devices; the config's ``train.num_devices``, else all.
-      fp16_loss_scale: the loss scale of the ``mixed_fp16`` run.
-      noise_seeds: float32 runs with seeds ``seed + 1 ..`` (run-to-run noise).
-      log_every: train steps between logged records (loss, loss scale).
-      num_evals: evaluations per run, evenly spaced (the last at ``steps``).
-      underflow_checkpoints: checkpoints of the float32 run kept for
-        :func:`gradient_underflow` (>= 1; the initial state comes on top).
-
-    Returns:
-      A :class:`Plan`.
-
-    Raises:
-      ValueError: bad counts or loss scale, more devices than exist, no eval batches,
-        or a config the trainer rejects (:func:`jaxmp.train.config.validate_config`).
-    """
-    steps = _check_positive_int("steps", steps)
-    log_every = _check_positive_int("log_every", log_every)
-    num_evals = _check_positive_int("num_evals", num_evals)
-    underflow_checkpoints = _check_positive_int("underflow_checkpoints", underflow_checkpoints)
-    get_loss_scale(fp16_loss_scale)
-    specs = run_specs(fp16_loss_scale, noise_seeds)
-    devices = num_devices or int(config.train.get("num_devices") or 0) or jax.device_count()
-    if devices > jax.device_count():
-        raise ValueError(f"num_devices={devices} exceeds the {jax.device_count()} available devices")
-    if int(config.data.num_eval_batches) < 1:
-        raise ValueError("the comparison needs an eval loss: data.num_eval_batches must be >= 1")
-    configs = {}
-    for spec in specs:
-        # Only the reference keeps intermediate checkpoints (for the underflow report).
-        every = -(-steps // underflow_checkpoints) if spec.name == REFERENCE else steps
-        configs[spec.name] = run_config(
-            config, spec, steps=steps, log_every=min(log_every, steps),
-            eval_every=max(1, steps // num_evals), checkpoint_every=every,
-            keep_checkpoints=underflow_checkpoints + 1)
-        validate_config(configs[spec.name], devices)
-    return Plan(steps, devices, tuple(specs), configs, config)
-
-
-def check_workdir(workdir: str | os.PathLike, names: Sequence[str]) -> None:
-    """Refuses run directories that hold anything: the trainer would resume from them.
-
-    Raises:
-      ValueError: ``workdir/<name>`` exists and is not empty.
-    """
-    for name in names:
-        d = Path(workdir) / name
-        if d.exists() and any(d.iterdir()):
-            raise ValueError(f"run directory {str(d)!r} is not empty (the trainer would resume "
-                             "from it); use an empty --workdir")
-
-
-def train_run(plan_: Plan, name: str, workdir: str | os.PathLike, *, quiet: bool = False,
-              log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Trains run ``name`` of ``plan_`` in ``workdir/<name>`` and reads its metrics back.
+def train_run(plan_: Plan, run_name: str, seed: int, *, log: Callable[[str], None] = print
+              ) -> Dict[str, Any]:
+    """Trains run ``run_name`` with ``seed`` and evaluates it at ``plan_.eval_steps``.
 
     Args:
       plan_: from :func:`plan`.
-      name: one of ``plan_.configs``.
-      workdir: the parent directory; ``workdir/<name>`` must be empty or missing.
-      quiet: send the trainer's banner and progress bar to ``workdir/<name>/train.log``.
+      run_name: one of ``plan_.runs``.
+      seed: one of ``plan_.seeds``.
       log: where the start and end lines go.
 
     Returns:
-      ``{"name", "final_eval_loss" (nats/token), "policy", "loss_scale", "seed",
-      "skipped_steps", "final_loss_scale", "wall_s" (seconds), "curves": {"step",
-      "loss", "loss_scale", "skipped_steps", "eval_step", "eval_loss"}}``, the curves
-      from ``metrics.jsonl``.
+      ``{"run", "seed", "policy", "loss_scale", "final_eval_loss" (nats/token),
+      "eval_batch_losses" (the final state's mean loss per eval batch), "skipped_steps",
+      "final_loss_scale", "wall_s", "curves": {"step", "loss", "loss_scale",
+      "skipped_steps", "eval_step", "eval_loss"}}``, plus ``"underflow_grads"``
+      (``[(step, grads)]``) for the first seed's fp32 run when the plan asks for them.
 
     Raises:
-      ValueError: an unknown ``name`` or a used run directory.
+      ValueError: a run or seed the plan does not have.
     """
-    if name not in plan_.configs:
-        raise ValueError(f"unknown run {name!r}; the plan has {', '.join(plan_.configs)}")
-    check_workdir(workdir, [name])
-    cfg, d = plan_.configs[name], Path(workdir) / name
-    d.mkdir(parents=True, exist_ok=True)
-    log(f"[{name}] policy {cfg.precision.policy!r}, loss scale {cfg.precision.loss_scale!r}, "
-        f"seed {cfg.seed}, {plan_.steps} steps")
+    if (run_name, seed) not in plan_.configs:
+        raise ValueError(f"the plan has no run {run_name!r} with seed {seed}; runs: "
+                         f"{', '.join(plan_.runs)}; seeds: {list(plan_.seeds)}")
+    cfg = plan_.configs[(run_name, seed)]
+    log(f"[{run_name} seed {seed}] policy {cfg.precision.policy!r}, loss scale "
+        f"{cfg.precision.loss_scale!r}, {plan_.steps} steps")
     start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        if quiet:
-            f = stack.enter_context(open(d / "train.log", "w"))
-            stack.enter_context(contextlib.redirect_stdout(f))
-            stack.enter_context(contextlib.redirect_stderr(f))
-        summary = train_and_evaluate(cfg, str(d), num_devices=plan_.num_devices)
+    exp = Experiment.create(cfg, num_devices=plan_.num_devices)
+    state = exp.init_state()
+    data = exp.data
+    evals = [exp.batch_to_device(b) for b in data.eval_batches]
+    grads_at = None
+    if run_name == REFERENCE and seed == plan_.seeds[0] and plan_.underflow_steps:
+        grads_at = _true_grads(exp, {k: jnp.asarray(v) for k, v in data.eval_batches[0].items()})
+    underflow = [(0, grads_at(state))] if grads_at and 0 in plan_.underflow_steps else []
+    curves = {"step": [], "loss": [], "loss_scale": [], "skipped_steps": [], "eval_step": [],
+              "eval_loss": []}
+    batch_losses: List[float] = []
+    eval_at = set(plan_.eval_steps)
+    for step in range(1, plan_.steps + 1):
+        state, metrics = exp.train_step(state, exp.batch_to_device(next(data.train_iter)))
+        if step % plan_.log_every == 0 or step == plan_.steps:
+            m = jax.device_get(metrics)
+            curves["step"].append(step)
+            curves["loss"].append(float(m["loss"]))
+            curves["loss_scale"].append(float(m["loss_scale"]))
+            curves["skipped_steps"].append(int(m["skipped_steps"]))
+        if step in eval_at:
+            batch_losses = _eval_batch_losses(exp, state, evals)
+            curves["eval_step"].append(step)
+            curves["eval_loss"].append(float(np.mean(batch_losses)))
+        if grads_at and step in plan_.underflow_steps:
+            underflow.append((step, grads_at(state)))
+    skipped, scale = jax.device_get((state.skipped_steps, state.loss_scale.loss_scale))
     wall = time.perf_counter() - start
-    metrics = read_metrics(d)
-    log(f"[{name}] eval loss {summary['eval_loss']:.5f}, {summary['skipped_steps']} skipped "
-        f"steps, {wall:.0f} s")
-    return {"name": name, "final_eval_loss": float(summary["eval_loss"]),
-            "policy": cfg.precision.policy, "loss_scale": cfg.precision.loss_scale,
-            "seed": int(cfg.seed), "skipped_steps": int(summary["skipped_steps"]),
-            "final_loss_scale": metrics["train"][-1]["loss_scale"], "wall_s": wall,
-            "curves": _curves(metrics)}
+    result = {"run": run_name, "seed": int(seed), "policy": cfg.precision.policy,
+              "loss_scale": cfg.precision.loss_scale, "final_eval_loss": curves["eval_loss"][-1],
+              "eval_batch_losses": batch_losses, "skipped_steps": int(skipped),
+              "final_loss_scale": float(scale), "wall_s": wall,
+              "curves": curves}
+    if grads_at:
+        result["underflow_grads"] = underflow
+    log(f"[{run_name} seed {seed}] eval loss {result['final_eval_loss']:.5f}, "
+        f"{result['skipped_steps']} skipped steps, {wall:.0f} s")
+    return result
 
 
-def underflow_for(plan_: Plan, workdir: str | os.PathLike,
-                  scaled_loss_scale: Optional[float] = None) -> Dict[str, Any]:
-    """:func:`gradient_underflow` of the plan's float32 run (trained in ``workdir/fp32``),
-    with the module dtypes of its unscaled float16 run."""
-    return gradient_underflow(plan_.configs[REFERENCE], Path(workdir) / REFERENCE,
-                              fp16_policy=plan_.configs["mixed_fp16_noscale"].precision.policy,
-                              num_devices=plan_.num_devices, scaled_loss_scale=scaled_loss_scale)
-
-
-def compare(plan_: Plan, results: Sequence[Mapping[str, Any]],
-            underflow: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+def compare(plan_: Plan, results: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     """Assembles the report from the runs' results (see :func:`run` for its keys).
 
     Raises:
-      ValueError: the float32 reference run is missing.
+      ValueError: a run of the plan is missing a seed.
     """
-    losses = {r["name"]: r["final_eval_loss"] for r in results}
-    diffs = rel_diff(losses)
-    noise = [abs(v) for k, v in diffs.items() if k.startswith(f"{REFERENCE}_seed")]
+    by = {(r["run"], r["seed"]): r for r in results}
+    missing = [k for k in plan_.configs if k not in by]
+    if missing:
+        raise ValueError(f"results are missing for {missing}")
+    seeds = list(plan_.seeds)
+    losses = {run: [by[(run, s)]["final_eval_loss"] for s in seeds] for run in plan_.runs}
+    modes = {}
+    for name in plan_.modes:
+        mode = plan_.table[name]
+        diffs, se = [], []
+        for s in seeds:
+            mine, ref = by[(name, s)], by[(mode.reference, s)]
+            ref_loss = ref["final_eval_loss"]
+            diffs.append((mine["final_eval_loss"] - ref_loss) / ref_loss)
+            per_batch = (np.asarray(mine["eval_batch_losses"]) - np.asarray(ref["eval_batch_losses"])) / ref_loss
+            se.append(float(per_batch.std(ddof=1) / math.sqrt(per_batch.size)) if per_batch.size > 1 else None)
+        stats = paired_stats(diffs)
+        goal = None
+        if name in GOAL_MODES:
+            goal = bool(abs(stats["mean"]) <= TARGET and stats["half_width"] is not None
+                        and stats["half_width"] <= TARGET)
+        modes[name] = {"reference": mode.reference, "preset": mode.preset, "loss_scale": mode.loss_scale,
+                       "rel_diff": diffs, **stats,
+                       "eval_se": None if None in se else float(np.mean(se)), "goal": goal,
+                       "skipped_steps": [by[(name, s)]["skipped_steps"] for s in seeds],
+                       "final_loss_scale": [by[(name, s)]["final_loss_scale"] for s in seeds]}
+    spread = {run: (float(np.std(v, ddof=1) / np.mean(v)) if len(v) > 1 else None)
+              for run, v in losses.items()}
+    underflow = None
+    first = by.get((REFERENCE, seeds[0]), {})
+    if first.get("underflow_grads"):  # the plan asks for them only with a float16 run
+        fp16 = next(plan_.configs[(m, seeds[0])] for m in ("mixed_fp16_noscale", "mixed_fp16")
+                    if (m, seeds[0]) in plan_.configs)
+        rules = Experiment.create(fp16, num_devices=plan_.num_devices).rules
+        scaled = by[("mixed_fp16", seeds[0])]["final_loss_scale"] if ("mixed_fp16", seeds[0]) in by else None
+        underflow = gradient_underflow(first["underflow_grads"], rules, scaled_loss_scale=scaled)
     base, device = plan_.base, jax.devices()[0]
     return {
-        "final_eval_loss": losses, "rel_diff": diffs, "target": TARGET,
-        "meets_target": {k: bool(abs(diffs[k]) <= TARGET) for k in TARGET_RUNS if k in diffs},
-        "noise": max(noise) if noise else None,
-        "runs": {r["name"]: {k: r[k] for k in ("policy", "loss_scale", "seed", "skipped_steps",
-                                                "final_loss_scale", "wall_s")} for r in results},
-        "curves": {r["name"]: r["curves"] for r in results},
+        "target": TARGET, "goal_modes": list(GOAL_MODES), "seeds": seeds, "modes": modes,
+        "final_eval_loss": losses, "reference_spread": spread,
+        "runs": {run: {"policy": by[(run, seeds[0])]["policy"], "loss_scale": by[(run, seeds[0])]["loss_scale"],
+                       "wall_s": [by[(run, s)]["wall_s"] for s in seeds]} for run in plan_.runs},
+        "curves": {run: {str(s): by[(run, s)]["curves"] for s in seeds} for run in plan_.runs},
         "underflow": underflow,
-        "setup": {"steps": plan_.steps, "num_devices": plan_.num_devices, "seed": int(base.seed),
+        "setup": {"steps": plan_.steps, "num_devices": plan_.num_devices, "seeds": seeds,
                   "batch_size": int(base.train.batch_size), "seq_len": int(base.data.seq_len),
+                  "eval_batches": int(base.data.num_eval_batches),
                   "eval_tokens": int(base.data.num_eval_batches) * int(base.train.batch_size)
                   * int(base.data.seq_len),
-                  "model": base.model.to_dict(), "base_policy": base.precision.policy,
+                  "eval_steps": list(plan_.eval_steps), "model": base.model.to_dict(),
+                  "optim": base.optim.to_dict(), "base_policy": base.precision.policy,
                   "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                              f"{device.platform} ({device.device_kind})",
                   "jax": jax.__version__},
     }
 
 
-def run(config: ml_collections.ConfigDict, *, steps: int = DEFAULT_STEPS,
-        workdir: Optional[str | os.PathLike] = None, num_devices: Optional[int] = None,
-        fp16_loss_scale: str = DEFAULT_FP16_LOSS_SCALE, noise_seeds: int = 1,
-        log_every: int = 5, num_evals: int = 10, underflow_checkpoints: int = 3,
-        quiet: bool = False, log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Trains every run of :func:`run_specs` and compares the final eval losses.
-
-    Args:
-      config, steps, num_devices, fp16_loss_scale, noise_seeds, log_every, num_evals,
-      underflow_checkpoints: see :func:`plan`.
-      workdir: parent of the run directories ``workdir/<run>``, which must not exist
-        yet or be empty; a temporary directory (deleted afterwards) when None.
-      quiet: send each run's banner and progress bar to ``workdir/<run>/train.log``.
-      log: where progress lines go.
-
-    Returns:
-      ``{"final_eval_loss": {run: float}, "rel_diff": {run: float}, "target": 0.0025,
-      "meets_target": {run: bool}, "noise": float or None (largest |rel_diff| of the
-      float32 reseeds), "runs": {run: {"policy", "loss_scale", "seed",
-      "skipped_steps", "final_loss_scale", "wall_s"}}, "curves": {run: {"step",
-      "loss", "loss_scale", "skipped_steps", "eval_step", "eval_loss"}},
-      "underflow": see :func:`gradient_underflow`, "setup": {...}}``. Losses are mean
-      token cross-entropies in nats; ``wall_s`` in seconds; ``rel_diff`` a fraction.
-
-    Raises:
-      ValueError: anything :func:`plan` or :func:`check_workdir` rejects, before any
-        run starts.
-    """
-    plan_ = plan(config, steps=steps, num_devices=num_devices, fp16_loss_scale=fp16_loss_scale,
-                 noise_seeds=noise_seeds, log_every=log_every, num_evals=num_evals,
-                 underflow_checkpoints=underflow_checkpoints)
-    temp = None
-    if workdir is None:
-        workdir = temp = tempfile.mkdtemp(prefix="jaxmp_fidelity_")
-    check_workdir(workdir, [s.name for s in plan_.specs])
+@contextlib.contextmanager
+def compilation_cache(directory: Optional[str]):
+    """XLA's persistent compilation cache in ``directory`` (a temporary one if None), so the
+    seeds of one mode, whose programs are identical, compile once; the previous settings
+    are restored afterwards."""
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    temp = tempfile.mkdtemp(prefix="jaxmp_fidelity_xla_") if directory is None else None
     try:
-        results = [train_run(plan_, s.name, workdir, quiet=quiet, log=log) for s in plan_.specs]
-        start = time.perf_counter()
-        scale = next(r["final_loss_scale"] for r in results if r["name"] == "mixed_fp16")
-        underflow = underflow_for(plan_, workdir, scaled_loss_scale=scale)
-        log(f"[underflow] {len(underflow['checkpoints'])} checkpoints, "
-            f"{time.perf_counter() - start:.0f} s")
+        jax.config.update(keys[0], directory or temp)
+        jax.config.update(keys[1], 0)
+        jax.config.update(keys[2], 0)
+        yield
     finally:
+        for k, v in old.items():
+            jax.config.update(k, v)
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
-    return compare(plan_, results, underflow)
+
+
+def run(config: ml_collections.ConfigDict, *, quiet: bool = False, compile_cache: Optional[str] = None,
+        log: Callable[[str], None] = print, **plan_kwargs) -> Dict[str, Any]:
+    """Trains every run of :func:`plan` for every seed and compares them.
+
+    Args:
+      config: the base config.
+      quiet: log only one line per run (no start lines).
+      compile_cache: a directory for XLA's persistent compilation cache (default: a
+        temporary one, deleted afterwards).
+      log: where progress lines go.
+      **plan_kwargs: as :func:`plan` (``steps``, ``seeds``, ``first_seed``, ``modes``,
+        ``num_devices``, ``fp16_loss_scale``, ``log_every``, ``num_evals``,
+        ``underflow_points``).
+
+    Returns:
+      ``{"target": 0.0025, "goal_modes", "seeds", "modes": {mode: {"reference",
+      "preset", "loss_scale", "rel_diff": [per seed], "n", "mean", "std", "ci95": [low,
+      high], "half_width", "eval_se", "goal": bool (None outside GOAL_MODES),
+      "skipped_steps", "final_loss_scale"}}, "final_eval_loss": {run: [per seed]},
+      "reference_spread": {run: std / mean of its final losses over seeds}, "runs",
+      "curves": {run: {seed: {...}}}, "underflow", "setup"}``. Losses in nats per token;
+      differences as fractions (0.0025 is 0.25%).
+
+    Raises:
+      ValueError: anything :func:`plan` rejects, before any run starts.
+    """
+    plan_ = plan(config, **plan_kwargs)
+    results = []
+    quiet_log = (lambda line: None) if quiet else log
+    with compilation_cache(compile_cache):
+        for run_name in plan_.runs:
+            for seed in plan_.seeds:
+                r = train_run(plan_, run_name, seed, log=quiet_log)
+                if quiet:
+                    log(f"[{run_name} seed {seed}] eval loss {r['final_eval_loss']:.5f}, "
+                        f"{r['skipped_steps']} skipped, {r['wall_s']:.0f} s")
+                results.append(r)
+        return compare(plan_, results)
+
+
+# ----------------------------------------------------------------------------- output
 
 
 def plot(report: Mapping[str, Any]):
-    """Loss curves, eval-loss difference to float32 and the float16 loss scale.
+    """The protocol's figure: eval losses, paired differences over training, final verdicts.
 
     Args:
       report: the result of :func:`run` (or its JSON).
 
     Returns:
       A ``matplotlib.figure.Figure`` with an Agg canvas (no pyplot state is touched),
-      three panels: train loss (exponential moving average over logged steps) and eval
-      loss per run; eval loss relative to fp32 in percent with the 0.25% band; the
-      ``mixed_fp16`` loss scale (log2) with its skipped steps.
+      three panels: the eval loss of every run (mean over seeds); each mode's paired
+      relative difference to its reference at every evaluation (mean over seeds, with
+      the 95% t interval shaded); the final differences, one dot per seed, the mean with
+      its 95% interval, and the +-0.25% band.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    curves = report["curves"]
-    fig = Figure(figsize=(9, 10))
+    curves, modes = report["curves"], report["modes"]
+    fig = Figure(figsize=(10, 12))
     FigureCanvasAgg(fig)
-    ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 2]})
-    for i, (name, c) in enumerate(curves.items()):
-        color = f"C{i}"
-        loss = np.asarray(c["loss"], np.float64)
-        ema = np.empty_like(loss)
-        for j, x in enumerate(loss):  # an EMA: train loss per logged step is one batch
-            ema[j] = x if j == 0 else 0.9 * ema[j - 1] + 0.1 * x
-        ax1.plot(c["step"], ema, color=color, lw=1, label=f"{name} (train, EMA)")
-        ax1.plot(c["eval_step"], c["eval_loss"], color=color, marker="o", ms=3, ls="--", lw=0.8)
-    finals = [c["eval_loss"][-1] for c in curves.values() if c["eval_loss"]]
-    if finals:  # the first steps' loss would squash the part where the runs differ
-        ax1.set_ylim(0.97 * min(finals), 1.5 * max(finals))
-    ax1.set_ylabel("loss (nats/token)")
-    ax1.set_title("train loss (lines), eval loss (dots)")
+    ax1, ax2, ax3 = fig.subplots(3, 1, gridspec_kw={"height_ratios": [3, 3, 3]})
+    colors = {run: f"C{i}" for i, run in enumerate(curves)}
+    finals = []
+    for run, per_seed in curves.items():
+        steps = next(iter(per_seed.values()))["eval_step"]
+        mean = np.mean([c["eval_loss"] for c in per_seed.values()], axis=0)
+        finals.append(mean[-1])
+        ax1.plot(steps, mean, marker="o", ms=3, color=colors[run], label=run)
+    ax1.set_ylim(0.98 * min(finals), 1.25 * max(finals))
+    ax1.set_ylabel("eval loss (nats/token)")
+    ax1.set_xlabel("step")
+    ax1.set_title(f"eval loss, mean over {len(report['seeds'])} seeds")
     ax1.legend(fontsize=8)
-    ref = curves[REFERENCE]
-    for i, (name, c) in enumerate(curves.items()):
-        if name == REFERENCE or c["eval_step"] != ref["eval_step"]:
-            continue
-        rel = 100 * (np.asarray(c["eval_loss"]) - np.asarray(ref["eval_loss"])) / np.asarray(ref["eval_loss"])
-        ax2.plot(c["eval_step"], rel, color=f"C{i}", marker="o", ms=3, label=name)
-    ax2.axhspan(-100 * TARGET, 100 * TARGET, color="green", alpha=0.12, label="target +-0.25%")
+    for name, m in modes.items():
+        ref = curves[m["reference"]]
+        rel = np.array([(np.asarray(curves[name][s]["eval_loss"]) - np.asarray(ref[s]["eval_loss"]))
+                        / np.asarray(ref[s]["eval_loss"]) for s in ref]) * 100
+        steps = next(iter(ref.values()))["eval_step"]
+        mean = rel.mean(axis=0)
+        ax2.plot(steps, mean, marker="o", ms=3, color=colors[name], label=f"{name} vs {m['reference']}")
+        if rel.shape[0] > 1:
+            half = t_quantile(0.975, rel.shape[0] - 1) * rel.std(axis=0, ddof=1) / math.sqrt(rel.shape[0])
+            ax2.fill_between(steps, mean - half, mean + half, color=colors[name], alpha=0.12)
+    ax2.axhspan(-100 * TARGET, 100 * TARGET, color="green", alpha=0.12, label="+-0.25%")
     ax2.axhline(0, color="black", lw=0.6)
-    ax2.set_ylabel("eval loss vs fp32 (%)")
-    ax2.legend(fontsize=8)
-    if "mixed_fp16" in curves:
-        c = curves["mixed_fp16"]
-        steps, scale = np.asarray(c["step"]), np.asarray(c["loss_scale"], np.float64)
-        ax3.plot(steps, np.log2(scale), drawstyle="steps-post", color="C2", label="mixed_fp16 loss scale")
-        skipped = np.asarray(c["skipped_steps"])
-        new = np.flatnonzero(np.diff(np.concatenate([[0], skipped])) > 0)
-        ax3.scatter(steps[new], np.log2(scale[new]), color="red", marker="x", zorder=3,
-                    label=f"skipped steps logged ({int(skipped[-1]) if skipped.size else 0} in all)")
-        ax3.legend(fontsize=8)
-    ax3.set_ylabel("log2 loss scale")
-    ax3.set_xlabel("step")
+    ax2.set_ylabel("paired eval-loss difference (%)")
+    ax2.set_xlabel("step")
+    ax2.set_title("each mode vs its reference, seed by seed (shaded: 95% t interval)")
+    ax2.legend(fontsize=7, ncol=2)
+    names = list(modes)
+    for i, name in enumerate(names):
+        m = modes[name]
+        d = 100 * np.asarray(m["rel_diff"])
+        ax3.scatter(np.full(d.size, i) + np.linspace(-0.12, 0.12, d.size), d, s=12,
+                    color=colors[name], alpha=0.7)
+        if m["ci95"] is not None:
+            ax3.errorbar([i + 0.25], [100 * m["mean"]], yerr=[[100 * m["half_width"]]] * 2, fmt="s",
+                         color="black", capsize=4, ms=4)
+    ax3.axhspan(-100 * TARGET, 100 * TARGET, color="green", alpha=0.12)
+    ax3.axhline(0, color="black", lw=0.6)
+    ax3.set_xticks(range(len(names)))
+    ax3.set_xticklabels([f"{n}\nvs {modes[n]['reference']}" for n in names], fontsize=7)
+    ax3.set_ylabel("final eval-loss difference (%)")
+    ax3.set_title("final differences: dots = seeds, squares = mean with 95% t interval")
     fig.tight_layout()
     return fig
 
 
+def _pct(x: Optional[float], sign: bool = True) -> str:
+    return "-" if x is None else (f"{100 * x:+.3f}%" if sign else f"{100 * x:.3f}%")
+
+
 def format_summary(report: Mapping[str, Any]) -> str:
-    """The final losses, differences, target verdicts and underflow totals as text."""
+    """The table of paired differences, the goal verdicts and the references' spread."""
     s = report["setup"]
-    lines = [f"{s['steps']} steps, batch {s['batch_size']} x {s['seq_len']} tokens, "
-             f"{s['num_devices']} device(s); {s['machine']}",
-             f"{'run':<20} {'eval loss':>10} {'vs fp32':>9} {'skipped':>8} {'final scale':>12}"]
-    for name, loss in report["final_eval_loss"].items():
-        r = report["runs"][name]
-        diff = "-" if name == REFERENCE else f"{100 * report['rel_diff'][name]:+.3f}%"
-        lines.append(f"{name:<20} {loss:>10.5f} {diff:>9} {r['skipped_steps']:>8d} "
-                     f"{r['final_loss_scale']:>12g}")
-    for name, ok in report["meets_target"].items():
-        lines.append(f"{name}: |{100 * report['rel_diff'][name]:.3f}%| "
-                     f"{'<=' if ok else '>'} {100 * report['target']:.2f}%: target "
-                     f"{'met' if ok else 'MISSED'}")
-    if report.get("noise") is not None:
-        lines.append(f"run-to-run noise (fp32, another seed): {100 * report['noise']:.3f}%")
+    lines = [f"{s['steps']} steps, batch {s['batch_size']} x {s['seq_len']} tokens, {s['num_devices']} "
+             f"device(s), seeds {report['seeds']}, eval {s['eval_tokens']:,} tokens; {s['machine']}",
+             f"{'mode':<20} {'vs':<11} {'n':>2} {'mean':>9} {'std':>8} {'95% CI':>21} {'eval se':>8}  goal"]
+    for name, m in report["modes"].items():
+        ci = "-" if m["ci95"] is None else f"[{_pct(m['ci95'][0])}, {_pct(m['ci95'][1])}]"
+        goal = {None: "", True: "met", False: "not met"}[m["goal"]]
+        lines.append(f"{name:<20} {m['reference']:<11} {m['n']:>2} {_pct(m['mean']):>9} "
+                     f"{_pct(m['std'], False):>8} {ci:>21} {_pct(m['eval_se'], False):>8}  {goal}")
+    lines.append(f"goal for {', '.join(report['goal_modes'])}: |mean| <= {100 * report['target']:.2f}% "
+                 f"and 95% CI half-width <= {100 * report['target']:.2f}%")
+    spread = ", ".join(f"{k} {_pct(v, False)}" for k, v in report["reference_spread"].items() if v is not None)
+    if spread:
+        lines.append(f"seed-to-seed spread of the final eval loss (std / mean): {spread}")
     u = report.get("underflow")
     if u:
-        lines.append(f"float16 underflow of the true gradients (fp32 run), S = 1 vs "
-                     f"S = {u['scaled_loss_scale']:g}:")
+        lines.append(f"float16 underflow of the true gradients (fp32, seed {report['seeds'][0]}), S = 1"
+                     + (f" vs S = {u['scaled_loss_scale']:g}:" if u["scaled_loss_scale"] else ":"))
         for c in u["checkpoints"]:
             scaled = c.get("total_scaled", {}).get("underflow")
             lines.append(f"  step {c['step']:>6}: {100 * c['total']['underflow']:6.2f}% zero, "
@@ -676,7 +802,6 @@ def _int_at_least(low: int):
 
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
-
 # Size flags: flag -> (config section, key).
 _SIZE_FLAGS = {
     "layers": ("model", "num_layers"), "dense_layers": ("model", "first_dense_layers"),
@@ -684,70 +809,76 @@ _SIZE_FLAGS = {
     "heads": ("model", "num_heads"), "d_ff": ("model", "d_ff"), "experts": ("model", "num_experts"),
     "top_k": ("model", "top_k"), "d_expert": ("model", "d_expert"), "seq_len": ("data", "seq_len"),
     "batch_size": ("train", "batch_size"), "max_tokens": ("data", "max_tokens"),
-    "eval_batches": ("data", "num_eval_batches"), "seed": (None, "seed"),
+    "eval_batches": ("data", "num_eval_batches"),
 }
-
-_ZERO_OK = ("dense_layers", "max_tokens", "seed")
+_ZERO_OK = ("dense_layers", "max_tokens")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point; returns the exit status (2 on bad flags or config)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
-                        help="config file with get_config() (default configs/tiny_moe.py)")
-    parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
-                        help=f"train steps per run (default {DEFAULT_STEPS})")
+                        help="config file with get_config() (default configs/fidelity.py)")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help="train steps per run (default: the config's train.steps)")
+    parser.add_argument("--seeds", type=_positive_int, default=DEFAULT_SEEDS,
+                        help=f"paired seeds per mode (default {DEFAULT_SEEDS})")
+    parser.add_argument("--first-seed", type=_non_negative_int, default=None,
+                        help="the first seed (default: the config's seed)")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated modes (default all: "
+                             + ",".join(m for m, v in mode_table().items() if v.reference) + ")")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report to OUT")
-    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
-                        help="save the loss curves and loss scale as a PNG")
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="keep the runs under this (empty) directory instead of a temporary one")
+    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="save the figure as a PNG")
     parser.add_argument("--devices", type=_positive_int, default=None,
                         help="data-parallel devices (default: the config's, else all)")
     parser.add_argument("--fp16-loss-scale", default=DEFAULT_FP16_LOSS_SCALE,
-                        help=f"loss scale of the mixed_fp16 run (default {DEFAULT_FP16_LOSS_SCALE})")
-    parser.add_argument("--noise-seeds", type=_non_negative_int, default=1,
-                        help="extra fp32 runs with the next seeds, for run-to-run noise (default 1)")
-    parser.add_argument("--log-every", type=_positive_int, default=5, help="steps between logged records")
-    parser.add_argument("--evals", type=_positive_int, default=10, help="evaluations per run")
-    parser.add_argument("--underflow-checkpoints", type=_positive_int, default=3,
-                        help="checkpoints of the fp32 run analysed for float16 underflow")
-    parser.add_argument("--quiet", action="store_true", help="send the trainer's output to train.log files")
-    size = parser.add_argument_group(
-        f"size overrides (default: the config's; --eval-batches {DEFAULT_EVAL_BATCHES})")
+                        help=f"loss scale of mixed_fp16 (default {DEFAULT_FP16_LOSS_SCALE})")
+    parser.add_argument("--log-every", type=_positive_int, default=None,
+                        help="steps between recorded train losses (default: the config's)")
+    parser.add_argument("--evals", type=_positive_int, default=None,
+                        help="evaluations per run (default: steps / the config's train.eval_every)")
+    parser.add_argument("--underflow-points", type=_non_negative_int, default=3,
+                        help="fp32 states analysed for float16 underflow (0 = none; default 3)")
+    parser.add_argument("--quiet", action="store_true", help="one line per run")
+    size = parser.add_argument_group("size overrides (default: the config's)")
     for flag, (section, key) in _SIZE_FLAGS.items():
         size.add_argument(f"--{flag.replace('_', '-')}",
                           type=_non_negative_int if flag in _ZERO_OK else _positive_int,
-                          default=DEFAULT_EVAL_BATCHES if flag == "eval_batches" else None,
-                          help=f"{section or 'config'}.{key}")
+                          default=None, help=f"{section}.{key}")
     args = parser.parse_args(argv)
 
-    options = dict(steps=args.steps, num_devices=args.devices, fp16_loss_scale=args.fp16_loss_scale,
-                   noise_seeds=args.noise_seeds, log_every=args.log_every, num_evals=args.evals,
-                   underflow_checkpoints=args.underflow_checkpoints)
     try:  # every check before the first run starts
         config = load_config(args.config)
         for flag, (section, key) in _SIZE_FLAGS.items():
             value = getattr(args, flag)
             if value is not None:
-                (config if section is None else config[section])[key] = value
+                config[section][key] = value
         config.model.max_len = max(int(config.model.max_len), int(config.data.seq_len))
-        names = [s.name for s in plan(config, **options).specs]
-        if args.workdir is not None:
-            check_workdir(args.workdir, names)
+        modes = None
+        if args.modes is not None:
+            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+            runs_for(modes, mode_table(args.fp16_loss_scale))
+        options = dict(steps=args.steps, seeds=args.seeds, first_seed=args.first_seed, modes=modes,
+                       num_devices=args.devices, fp16_loss_scale=args.fp16_loss_scale,
+                       log_every=args.log_every, num_evals=args.evals,
+                       underflow_points=args.underflow_points)
+        plan(config, **options)
     except ValueError as e:
         parser.error(str(e))
     for out in (args.json, args.plot):
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
 
-    report = run(config, workdir=args.workdir, quiet=args.quiet, **options)
+    start = time.perf_counter()
+    report = run(config, quiet=args.quiet, **options)
+    report["setup"]["wall_s"] = time.perf_counter() - start
     report["setup"]["config"] = str(args.config)
     report["setup"]["command"] = " ".join(["python benchmarks/fidelity.py"] + list(
         sys.argv[1:] if argv is None else argv))
     print(format_summary(report))
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot is not None:
         plot(report).savefig(args.plot, dpi=110)

@@ -15,7 +15,19 @@ Measured, for each size ``n``, ``C = A @ B`` with ``A, B`` of shape ``[n, n]`` i
 * bfloat16 and float16 (result in the input dtype; accumulation is float32 on GPU),
 * float8_e4m3fn (result in bfloat16), only on NVIDIA GPUs of compute capability >= 9.0
   (Hopper and newer), whose tensor cores multiply FP8; elsewhere XLA would upcast, so
-  the row is skipped with a printed reason.
+  the row is skipped with a printed reason;
+* each :mod:`jaxmp.fp8` recipe (tensorwise, delayed, rowwise, blockwise), the way a model
+  layer runs it: ``jaxmp.fp8.dot(x, w, recipe)`` with ``x`` bfloat16 and ``w`` the float32
+  master, quantization included, forward only (``2 n**3`` FLOPs) and forward plus both
+  backward products (``6 n**3``). These rows run on every backend (on CPU the FP8
+  products are emulated: XLA:CPU converts the FP8 operands to float32 for the dot). Each
+  row also reads the programs: ``lowered_fp8_dots`` / ``lowered_other_dots``, the dots of
+  the lowered StableHLO with two FP8 operands and the others (case FP8-2: no other dot
+  may appear), and, on a GPU only, ``fp8_gemm_calls``, the cuBLASLt FP8 GEMM custom calls
+  (``__cublas$lt$matmul$f8``) in the compiled HLO, i.e. which recipes reach XLA's FP8
+  GEMM. Per-tensor and per-row scales factor out of the contraction (one product per
+  pass); 1x128 / 128x128 block scales lie along it, so the blockwise recipe runs
+  ``ceil(n / 128)`` products of depth 128 per pass, scaled and summed in float32.
 
 Each matmul costs ``2 * n**3`` FLOPs (``n**3`` multiply-adds); TFLOP/s is
 ``2 * n**3 / median_seconds / 1e12``.
@@ -57,6 +69,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks._timing import MIN_REPEATS, check_repeats, time_per_call
+from jaxmp import fp8
+from jaxmp.analysis.accounting import FP8_GEMM_TARGET, count_fp8_dots
 
 __all__ = [
     "CPU_SIZES",
@@ -73,6 +87,12 @@ __all__ = [
     "make_ring",
     "time_matmul",
     "measure_peak_tflops",
+    "FP8_RECIPES",
+    "FP8_PASSES",
+    "fp8_recipe_fn",
+    "fp8_flops",
+    "fp8_program_census",
+    "time_fp8_recipe",
     "run",
     "format_table",
     "main",
@@ -100,6 +120,11 @@ class Config(NamedTuple):
 CONFIGS = (Config("float32", "highest"), Config("float32", "default"),
            Config("bfloat16", "default"), Config("float16", "default"),
            Config(FP8, "default"))
+
+# The jaxmp.fp8 recipes benchmarked as a layer runs them (delayed: the preset's 1024 steps).
+FP8_RECIPES = {"tensorwise": fp8.Recipe.tensorwise(), "delayed": fp8.Recipe.delayed(),
+               "rowwise": fp8.Recipe.rowwise(), "blockwise": fp8.Recipe.blockwise()}
+FP8_PASSES = ("fwd", "fwd+bwd")
 
 
 def matmul_tflops(n: int, median_ms: float) -> float:
@@ -312,24 +337,125 @@ def measure_peak_tflops(dtype: Any, n: int, *, precision: str = "default",
     return matmul_tflops(n, float(np.median(samples)) * 1e3)
 
 
+def _check_recipe(name: Any) -> str:
+    if name not in FP8_RECIPES:
+        raise ValueError(f"FP8 recipe {name!r} is not benchmarked; allowed: {', '.join(FP8_RECIPES)}")
+    return name
+
+
+def _check_pass(pass_: Any) -> str:
+    if pass_ not in FP8_PASSES:
+        raise ValueError(f"pass {pass_!r} is not allowed; allowed: {', '.join(FP8_PASSES)}")
+    return pass_
+
+
+def fp8_recipe_fn(recipe: str, pass_: str = "fwd") -> Callable:
+    """The jitted function timed for an FP8 recipe row.
+
+    Args:
+      recipe: a key of :data:`FP8_RECIPES`.
+      pass_: ``"fwd"``: ``(x, w, state, g) -> fp8.dot(x, w)``; ``"fwd+bwd"``: the product
+        and both gradients for the output gradient ``g`` (``jax.vjp``), ``(y, dx, dw)``.
+
+    Returns:
+      A jitted function of ``x`` bfloat16 ``[n, n]``, ``w`` float32 ``[n, n]``, ``state``
+      (the delayed recipe's amax histories, else None) and ``g`` bfloat16 ``[n, n]``.
+
+    Raises:
+      ValueError: an unknown recipe or pass.
+    """
+    r = FP8_RECIPES[_check_recipe(recipe)]
+    if _check_pass(pass_) == "fwd":
+        return jax.jit(lambda x, w, state, g: fp8.dot(x, w, r, state))
+
+    def fwd_bwd(x, w, state, g):
+        y, vjp = jax.vjp(lambda a, b: fp8.dot(a, b, r, state), x, w)
+        return (y,) + vjp(g)
+
+    return jax.jit(fwd_bwd)
+
+
+def fp8_flops(n: int, pass_: str) -> float:
+    """Matmul FLOPs of one call: ``2 n**3`` forward, ``6 n**3`` with both backward products
+    (quantization and scaling not counted)."""
+    return (2.0 if _check_pass(pass_) == "fwd" else 6.0) * _check_size(n) ** 3
+
+
+def _fp8_args(n: int, recipe: str, count: int, device: Any) -> List[tuple]:
+    """``count`` distinct ``(x, w, state, g)``: ``x``, ``g`` bfloat16 and ``w`` float32 from
+    :func:`make_ring`; the delayed state's histories hold the inputs' largest magnitude."""
+    r = FP8_RECIPES[recipe]
+    state = None if not r.has_state else jnp.full((3, r.history_length), 1.5, jnp.float32)
+    pairs = make_ring(n, "bfloat16", count, device=device)
+    grads = make_ring(n, "bfloat16", count, seed=1, device=device)
+    return [(a, b.astype(jnp.float32), state, g) for (a, b), (g, _) in zip(pairs, grads)]
+
+
+def fp8_program_census(recipe: str, n: int, pass_: str, device: Optional[Any] = None) -> Dict[str, Any]:
+    """The dots of an FP8 recipe row's programs (no timing).
+
+    Returns:
+      ``{"lowered_fp8_dots", "lowered_other_dots"}`` from the lowered StableHLO
+      (:func:`jaxmp.analysis.accounting.count_fp8_dots`), and ``"fp8_gemm_calls"``: on a
+      GPU the number of ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO (how
+      many products reach XLA's FP8 GEMM), None elsewhere.
+
+    Raises:
+      ValueError: a bad recipe, size or pass.
+    """
+    n = _check_size(n)
+    device = device or jax.devices()[0]
+    args = _fp8_args(n, _check_recipe(recipe), 1, device)[0]
+    lowered = fp8_recipe_fn(recipe, pass_).lower(*args)
+    f8, other = count_fp8_dots(lowered.as_text())
+    calls = None
+    if device.platform == "gpu":
+        calls = lowered.compile().as_text().count(FP8_GEMM_TARGET)
+    return {"lowered_fp8_dots": f8, "lowered_other_dots": other, "fp8_gemm_calls": calls}
+
+
+def time_fp8_recipe(recipe: str, n: int, pass_: str = "fwd", *, repeats: int = MIN_REPEATS,
+                    warmup: int = 1, device: Optional[Any] = None) -> np.ndarray:
+    """Seconds per call of :func:`fp8_recipe_fn`, one sample per pass over a ring of inputs
+    (the same ring sizes as :func:`time_matmul` for bfloat16).
+
+    Raises:
+      ValueError: a bad recipe, size, pass or fewer than 10 repeats (before any work).
+    """
+    _check_recipe(recipe)
+    n, pass_ = _check_size(n), _check_pass(pass_)
+    repeats = check_repeats(repeats)
+    device = device or jax.devices()[0]
+    ring = _fp8_args(n, recipe, ring_size(n, "bfloat16"), device)
+    return time_per_call(fp8_recipe_fn(recipe, pass_), ring, repeats=repeats, warmup=warmup)
+
+
 def run(sizes: Sequence[int], repeats: int = MIN_REPEATS, *, device: Optional[Any] = None,
-        log: Callable[[str], None] = print) -> Dict[str, Any]:
-    """Benchmarks every :data:`CONFIGS` entry at every size.
+        log: Callable[[str], None] = print, fp8_recipes: Sequence[str] = tuple(FP8_RECIPES)
+        ) -> Dict[str, Any]:
+    """Benchmarks every :data:`CONFIGS` entry and every FP8 recipe at every size.
 
     Args:
       sizes: matrix sizes, each >= 1.
       repeats: timed samples per measurement, >= 10.
       device: the ``jax.Device`` (default: the first device).
       log: where progress lines and skip reasons go.
+      fp8_recipes: keys of :data:`FP8_RECIPES` to benchmark (default all; empty: none).
 
     Returns:
       ``{"device": str, "results": [{"dtype", "precision", "mode", "n", "median_ms",
-      "tflops", "ring"}], "skipped": [{"dtype", "precision", "reason"}]}``; ``mode`` is
-      :func:`math_mode`, ``ring`` the number of input pairs cycled.
+      "tflops", "ring"}], "skipped": [{"dtype", "precision", "reason"}], "fp8": [{"recipe",
+      "pass", "n", "median_ms", "tflops", "ring", "lowered_fp8_dots",
+      "lowered_other_dots", "fp8_gemm_calls", "fp8_gemm"}]}``; ``mode`` is
+      :func:`math_mode`, ``ring`` the number of input tuples cycled; an FP8 row's
+      ``tflops`` counts its matmul FLOPs (:func:`fp8_flops`) and ``fp8_gemm`` says whether
+      its products reached XLA's FP8 GEMM (read from the compiled HLO on a GPU; "not yet
+      measured on a GPU" elsewhere).
 
     Raises:
-      ValueError: an empty ``sizes``, a bad size or fewer than 10 repeats.
+      ValueError: an empty ``sizes``, a bad size, recipe or fewer than 10 repeats.
     """
+    fp8_recipes = [_check_recipe(r) for r in fp8_recipes]
     sizes = [_check_size(n) for n in sizes]
     if not sizes:
         raise ValueError("sizes must name at least one matrix size")
@@ -353,6 +479,23 @@ def run(sizes: Sequence[int], repeats: int = MIN_REPEATS, *, device: Optional[An
             report["results"].append(row)
             log(f"  {row['dtype']:>13} {row['precision']:>7} n={n:<6d} "
                 f"{row['median_ms']:10.3f} ms {row['tflops']:10.3f} TFLOP/s")
+    report["fp8"] = []
+    for recipe in fp8_recipes:
+        for pass_ in FP8_PASSES:
+            for n in sizes:
+                median_s = float(np.median(time_fp8_recipe(recipe, n, pass_, repeats=repeats,
+                                                           device=device)))
+                census = fp8_program_census(recipe, n, pass_, device)
+                calls = census["fp8_gemm_calls"]
+                row = {"recipe": recipe, "pass": pass_, "n": n, "median_ms": median_s * 1e3,
+                       "tflops": fp8_flops(n, pass_) / median_s / 1e12,
+                       "ring": ring_size(n, "bfloat16"), **census,
+                       "fp8_gemm": ("not yet measured on a GPU" if calls is None else
+                                    f"{calls} of {census['lowered_fp8_dots']} products")}
+                report["fp8"].append(row)
+                log(f"  fp8 {recipe:>10} {pass_:>7} n={n:<6d} {row['median_ms']:10.3f} ms "
+                    f"{row['tflops']:10.3f} TFLOP/s  ({census['lowered_fp8_dots']} FP8 dots, "
+                    f"{census['lowered_other_dots']} other)")
     return report
 
 
@@ -366,6 +509,14 @@ def format_table(report: Dict[str, Any]) -> str:
                      f"{r['median_ms']:>11.4f} {r['tflops']:>10.4f}")
     for s in report.get("skipped", []):
         lines.append(f"{s['dtype']:<14} {s['precision']:<9} skipped: {s['reason']}")
+    if report.get("fp8"):
+        head = (f"{'fp8 recipe':<12} {'pass':<8} {'n':>6} {'median ms':>11} {'TFLOP/s':>10} "
+                f"{'FP8 dots':>9} {'other':>6}  FP8 GEMM")
+        lines += ["", head, "-" * len(head)]
+        for r in report["fp8"]:
+            lines.append(f"{r['recipe']:<12} {r['pass']:<8} {r['n']:>6d} {r['median_ms']:>11.4f} "
+                         f"{r['tflops']:>10.4f} {r['lowered_fp8_dots']:>9d} {r['lowered_other_dots']:>6d}  "
+                         f"{r['fp8_gemm']}")
     return "\n".join(lines)
 
 
@@ -378,6 +529,17 @@ def _sizes_arg(text: str) -> List[int]:
                 f"bad size {token!r} in {text!r}: sizes are integers >= 1, comma-separated")
         sizes.append(int(token))
     return sizes
+
+
+def _recipes_arg(text: str) -> List[str]:
+    if text.strip() == "none":
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in FP8_RECIPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"bad FP8 recipe(s) {bad or text!r}; allowed: "
+                                         f"{', '.join(FP8_RECIPES)} or none")
+    return names
 
 
 def _repeats_arg(text: str) -> int:
@@ -405,13 +567,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"timed samples per measurement, >= {MIN_REPEATS} (median reported)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT",
                         help="also write the results as JSON to OUT")
+    parser.add_argument("--fp8-recipes", type=_recipes_arg, default=list(FP8_RECIPES),
+                        help="comma-separated jaxmp.fp8 recipes to benchmark, or 'none' "
+                             f"(default {','.join(FP8_RECIPES)})")
     args = parser.parse_args(argv)
 
     device = jax.devices()[0]
     sizes = args.sizes or (list(CPU_SIZES) if device.platform == "cpu" else args.gpu_sizes)
     print(f"matmul benchmark on {device.platform} ({device.device_kind}), sizes {sizes}, "
           f"{args.repeats} repeats")
-    report = run(sizes, args.repeats, device=device)
+    report = run(sizes, args.repeats, device=device, fp8_recipes=args.fp8_recipes)
     print(format_table(report))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

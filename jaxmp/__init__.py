@@ -6,8 +6,8 @@ The public surface, in layers (each depends only on the ones before it):
   :func:`get_policy_rules`), loss scales (:class:`NoOpLossScale`,
   :class:`StaticLossScale`, :class:`DynamicLossScale`), :func:`all_finite`,
   :func:`select_tree`, and the modules :mod:`jaxmp.ops`, :mod:`jaxmp.optim`,
-  :mod:`jaxmp.comm` and :mod:`jaxmp.diagnostics` (the same module objects as
-  ``jaxmp.precision.ops`` and so on, importable under either name);
+  :mod:`jaxmp.comm`, :mod:`jaxmp.diagnostics` and :mod:`jaxmp.fp8` (the same module
+  objects as ``jaxmp.precision.ops`` and so on, importable under either name);
 * :mod:`jaxmp.sharding`: logical axis names to mesh axes, the one place layouts are decided;
 * :mod:`jaxmp.models`: the Flax NNX MoE Transformer;
 * :mod:`jaxmp.train`: the config, the :class:`~jaxmp.train.experiment.Experiment`, the
@@ -28,17 +28,17 @@ from jaxmp.precision.loss_scale import (
     get_loss_scale,
     select_tree,
 )
-from jaxmp.precision import comm, diagnostics, ops, optim
+from jaxmp.precision import comm, diagnostics, fp8, ops, optim
 
 __version__ = "0.1.0"
 
 # `import jaxmp.ops` and `from jaxmp.ops import ...` reach the precision layer's modules.
-for _name in ("ops", "optim", "comm", "diagnostics"):
+for _name in ("ops", "optim", "comm", "diagnostics", "fp8"):
     _sys.modules[f"{__name__}.{_name}"] = globals()[_name]
 del _name
 
 __all__ = [
     "Policy", "PolicyRules", "PRESETS", "get_policy", "get_policy_rules",
     "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "get_loss_scale",
-    "as_loss_scale", "all_finite", "select_tree", "ops", "optim", "diagnostics", "comm",
+    "as_loss_scale", "all_finite", "select_tree", "ops", "optim", "diagnostics", "comm", "fp8",
 ]

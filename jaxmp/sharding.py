@@ -28,8 +28,15 @@ In every strategy the routed experts' ``expert`` axis is split over ``"expert"``
 (expert parallelism) and the batch over both mesh axes. The router's output axis is
 ``expert_logit``, never split: every device routes to every expert. Inside the train
 step (``shard_map``), :func:`in_step` tells the model which mesh axis carries expert
-parallelism and how to gather an FSDP-split parameter (:func:`expert_axis`,
-:func:`param_gather`); outside it both are None and the model runs on whole arrays.
+parallelism, how to gather an FSDP-split parameter and in which dtype the expert
+dispatch travels (:func:`expert_axis`, :func:`param_gather`, :func:`dispatch_dtype`);
+outside it the first two are None, the dtype is ``"compute"``, and the model runs on
+whole arrays.
+
+``parallel.dispatch_dtype`` (:data:`DISPATCH_DTYPES`): ``"compute"`` sends the tokens of
+the expert-parallel all-to-all in the compute dtype; ``"e4m3"`` sends them as E4M3 with
+one float32 scale per 1x128 tile alongside (DeepSeek-V3 report, section 3.3.4: dispatch
+in FP8, combine in bfloat16), :func:`jaxmp.fp8.all_to_all`.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ __all__ = [
     "DATA_AXIS",
     "EXPERT_AXIS",
     "STRATEGIES",
+    "DISPATCH_DTYPES",
     "Layout",
     "layout",
     "make_mesh",
@@ -61,6 +69,7 @@ __all__ = [
     "in_step",
     "expert_axis",
     "param_gather",
+    "dispatch_dtype",
 ]
 
 # Every logical name the models use; a rule table must map each (None = replicated).
@@ -90,6 +99,7 @@ Rules = Union[Sequence[Tuple[str, Any]], Mapping[str, Any]]
 
 DATA_AXIS, EXPERT_AXIS = "data", "expert"
 STRATEGIES = ("dp", "zero1", "fsdp")
+DISPATCH_DTYPES = ("compute", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +112,8 @@ class Layout:
       state_rules: the rule table of the master weights and optimizer state at rest.
       compute_rules: the rule table of the parameters as the forward pass reads them.
       batch_axes: the mesh axes the batch is split over (every device holds a share).
+      dispatch_dtype: one of :data:`DISPATCH_DTYPES`, the dtype of the tokens the
+        expert-parallel all-to-all sends (module docstring).
     """
 
     strategy: str
@@ -109,6 +121,7 @@ class Layout:
     state_rules: Tuple[Tuple[str, Any], ...]
     compute_rules: Tuple[Tuple[str, Any], ...]
     batch_axes: Tuple[str, ...] = (DATA_AXIS, EXPERT_AXIS)
+    dispatch_dtype: str = "compute"
 
     @property
     def compute_copy(self) -> bool:
@@ -138,21 +151,26 @@ class Layout:
                                    batch_axes=tuple(a for a in self.batch_axes if a in mesh.axis_names))
 
 
-def layout(strategy: str = "dp", expert: int = 1) -> Layout:
-    """The :class:`Layout` of ``parallel.strategy`` and ``parallel.expert``.
+def layout(strategy: str = "dp", expert: int = 1, dispatch_dtype: str = "compute") -> Layout:
+    """The :class:`Layout` of ``parallel.strategy``, ``parallel.expert`` and
+    ``parallel.dispatch_dtype``.
 
     Raises:
-      ValueError: an unknown strategy or an expert count below 1.
+      ValueError: an unknown strategy or dispatch dtype, or an expert count below 1.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"parallel.strategy={strategy!r} is not allowed; allowed: {', '.join(STRATEGIES)}")
     if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or expert < 1:
         raise ValueError(f"parallel.expert={expert!r} must be an integer >= 1")
+    if dispatch_dtype not in DISPATCH_DTYPES:
+        raise ValueError(f"parallel.dispatch_dtype={dispatch_dtype!r} is not allowed; allowed: "
+                         f"{', '.join(DISPATCH_DTYPES)}")
     base = dict(DATA_PARALLEL_RULES, batch=(DATA_AXIS, EXPERT_AXIS), expert=EXPERT_AXIS)
     split = dict(base, embed=DATA_AXIS)
     state = base if strategy == "dp" else split
     compute = split if strategy == "fsdp" else base
-    return Layout(strategy, int(expert), tuple(state.items()), tuple(compute.items()))
+    return Layout(strategy, int(expert), tuple(state.items()), tuple(compute.items()),
+                  dispatch_dtype=dispatch_dtype)
 
 
 def _as_dict(rules: Rules) -> dict:
@@ -323,17 +341,25 @@ _STEP = threading.local()
 
 
 @contextlib.contextmanager
-def in_step(expert_axis_name: Optional[str] = None, gather: Optional[Any] = None):
+def in_step(expert_axis_name: Optional[str] = None, gather: Optional[Any] = None,
+            dispatch: str = "compute"):
     """Within this context (entered by the train step, inside ``shard_map``, at trace time),
-    :func:`expert_axis` and :func:`param_gather` return the given values.
+    :func:`expert_axis`, :func:`param_gather` and :func:`dispatch_dtype` return the given
+    values.
 
     Args:
       expert_axis_name: the mesh axis the routed experts are split over, or None.
       gather: ``gather(value, logical_axes, dtype) -> value``, the FSDP all-gather of a
         parameter split over the data axis (:func:`jaxmp.comm.gather_param`), or None.
+      dispatch: one of :data:`DISPATCH_DTYPES`.
+
+    Raises:
+      ValueError: ``dispatch`` not in :data:`DISPATCH_DTYPES`.
     """
+    if dispatch not in DISPATCH_DTYPES:
+        raise ValueError(f"dispatch={dispatch!r} is not allowed; allowed: {', '.join(DISPATCH_DTYPES)}")
     previous = getattr(_STEP, "value", None)
-    _STEP.value = (expert_axis_name, gather)
+    _STEP.value = (expert_axis_name, gather, dispatch)
     try:
         yield
     finally:
@@ -350,3 +376,10 @@ def param_gather() -> Optional[Any]:
     """The FSDP parameter gather inside the train step (see :func:`in_step`); None elsewhere."""
     ctx = getattr(_STEP, "value", None)
     return None if ctx is None else ctx[1]
+
+
+def dispatch_dtype() -> str:
+    """The dtype of the expert-parallel dispatch inside the train step (see :func:`in_step`):
+    ``"compute"`` or ``"e4m3"``; ``"compute"`` elsewhere."""
+    ctx = getattr(_STEP, "value", None)
+    return "compute" if ctx is None else ctx[2]

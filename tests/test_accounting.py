@@ -18,7 +18,8 @@ from _configs import load_config
 from jaxmp.analysis import accounting, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MIXED_MODES = ("mixed_bf16", "mixed_fp16", "bf16_moments", "bf16_allreduce", "topk_allreduce")
+MIXED_MODES = ("mixed_bf16", "mixed_fp16", "bf16_moments", "bf16_allreduce", "topk_allreduce",
+               "fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_blockwise")
 
 
 # ----------------------------------------------------------------------------- residuals
@@ -220,7 +221,8 @@ def hand_config():
 @pytest.fixture(scope="module")
 def hand_report():
     return accounting.accounting_report(
-        hand_config(), ["fp32", "bf16_moments", "bf16_allreduce", "topk_allreduce"], 8)
+        hand_config(), ["fp32", "bf16_moments", "bf16_allreduce", "topk_allreduce", "fp8_tensorwise",
+                        "fp8_blockwise"], 8, breakdown=100)
 
 
 def test_hand_model_memory_by_formula(hand_report):
@@ -252,6 +254,18 @@ def test_hand_model_mixed_activations_are_smaller(hand_report):
     assert 0 < m["bf16_moments"]["activation_bytes"] < m["fp32"]["activation_bytes"]
     assert (m["bf16_moments"]["activation_bytes"] == m["bf16_allreduce"]["activation_bytes"]
             == m["topk_allreduce"]["activation_bytes"])
+
+
+def test_hand_model_fp8_matmuls_save_fp8_activations(hand_report):
+    """Under an FP8 policy every weight matmul of attention and the FFN keeps its input as
+    FP8 (1 byte per element) for the backward pass. Per device (micro-batch 1 x T): the q,
+    k, v, gate and up projections read [T, D], the output projection [T, D] (heads x
+    head_dim = D), the down projection [T, F]: 5 * 64 + 64 + 128 = 512 bytes in 7 arrays."""
+    for mode in ("fp8_tensorwise", "fp8_blockwise"):
+        rows = [b for b in hand_report["details"][mode]["breakdown"] if b["dtype"] == "float8_e4m3fn"]
+        assert sum(b["count"] for b in rows) == 7 and sum(b["bytes"] for b in rows) == 6 * T * D + T * F == 512
+        assert hand_report["modes"][mode]["params_bytes"] == 4 * HAND_PARAMS  # float32 masters
+    assert not any(b["dtype"].startswith("float8") for b in hand_report["details"]["bf16_moments"]["breakdown"])
 
 
 def test_bad_device_counts_are_rejected():
@@ -305,6 +319,15 @@ def test_cli_acceptance_params_and_moments(tiny_cli):
         assert m[mode]["params_bytes"] == 4 * TINY_PARAMS, mode
     assert m["bf16_moments"]["opt_state_bytes"] / TINY_PARAMS <= 4.05
     assert m["bf16_moments"]["opt_state_bytes"] == 4 * TINY_PARAMS + 8
+
+
+def test_cli_fp8_modes_move_gradients_as_mixed_bf16_does(tiny_cli):
+    """No FP8 collective: FP8 weights and dispatch stay on their device (case FP8-4 is not
+    applicable yet); the gradient all-reduce is mixed_bf16's float32 one."""
+    m = tiny_cli[0]["modes"]
+    for mode in ("fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_blockwise"):
+        assert m[mode]["grad_allreduce_bytes"] == m["mixed_bf16"]["grad_allreduce_bytes"] == 4 * TINY_PARAMS
+        assert 0 < m[mode]["activation_bytes"] < m["fp32"]["activation_bytes"]
 
 
 def test_cli_acceptance_activation_ratio(tiny_cli):
@@ -391,3 +414,18 @@ def test_settings_reject_bad_names_before_work():
         accounting.activation_settings(hand_config(), attentions=("flash",))
     with pytest.raises(ValueError, match="remat setting 'some'"):
         accounting.activation_settings(hand_config(), remats=("some",))
+
+
+def test_stablehlo_dots_by_hand():
+    text = """
+    %0 = stablehlo.dot_general %arg0, %arg1, contracting_dims = [1] x [0], precision = [DEFAULT, DEFAULT] : (tensor<4x8xf8E4M3FN>, tensor<8x3xf8E4M3FN>) -> tensor<4x3xf32>
+    %1 = stablehlo.dot_general %a, %b, batching_dims = [0] x [0], contracting_dims = [2] x [1] : (tensor<2x4x8xbf16>, tensor<2x8x3xbf16>) -> tensor<2x4x3xbf16>
+    %2 = stablehlo.dot_general %c, %d, contracting_dims = [1] x [1] : (tensor<4x3xf8E5M2>, tensor<8x3xf8E4M3FN>) -> tensor<4x8xf32>
+    %3 = stablehlo.dot_general %e, %f, contracting_dims = [1] x [0] : (tensor<4x8xf8E4M3FN>, tensor<8x3xbf16>) -> tensor<4x3xf32>
+    """
+    dots = accounting.stablehlo_dots(text)
+    assert [(d.lhs, d.rhs, d.out) for d in dots] == [
+        ("f8E4M3FN", "f8E4M3FN", "f32"), ("bf16", "bf16", "bf16"), ("f8E5M2", "f8E4M3FN", "f32"),
+        ("f8E4M3FN", "bf16", "f32")]
+    assert [d.fp8 for d in dots] == [True, False, True, False]
+    assert accounting.count_fp8_dots(text) == (2, 2)

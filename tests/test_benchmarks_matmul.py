@@ -32,7 +32,7 @@ def _run_script(*args, timeout=120):
 
 def test_script_writes_json_for_every_dtype_and_size(tmp_path):
     out = tmp_path / "matmul.json"
-    proc = _run_script("--sizes", "64,128", "--repeats", "10", "--json", str(out))
+    proc = _run_script("--sizes", "64,128", "--repeats", "10", "--fp8-recipes", "none", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert isinstance(report["device"], str) and report["device"].startswith("cpu")
@@ -49,6 +49,29 @@ def test_script_writes_json_for_every_dtype_and_size(tmp_path):
     assert "Hopper" in report["skipped"][0]["reason"]
     assert "skipping float8_e4m3fn" in proc.stdout and "Hopper" in proc.stdout
     assert proc.stdout.count("TFLOP/s") >= len(rows)
+    assert report["fp8"] == []
+
+
+def test_script_fp8_recipe_rows(tmp_path):
+    """Two recipes, two sizes (one below, one above the 128 block), both passes: measured on
+    CPU, TFLOP/s recomputed from the median (2 n^3 forward, 6 n^3 with both backward
+    products), and the lowered programs' dots counted by hand: every product is FP8, one
+    per pass and product for per-tensor scales, ceil(n / 128) for 1x128 / 128x128 blocks."""
+    out = tmp_path / "fp8.json"
+    proc = _run_script("--sizes", "64,200", "--repeats", "10", "--fp8-recipes", "tensorwise,blockwise",
+                       "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["fp8"]
+    assert sorted((r["recipe"], r["pass"], r["n"]) for r in rows) == sorted(
+        (rec, p, n) for rec in ("tensorwise", "blockwise") for p in ("fwd", "fwd+bwd") for n in (64, 200))
+    for r in rows:
+        flops = (2 if r["pass"] == "fwd" else 6) * r["n"] ** 3
+        assert r["tflops"] == pytest.approx(flops / (r["median_ms"] * 1e-3) / 1e12, rel=1e-12)
+        chunks = math.ceil(r["n"] / 128) if r["recipe"] == "blockwise" else 1
+        assert r["lowered_fp8_dots"] == (1 if r["pass"] == "fwd" else 3) * chunks
+        assert r["lowered_other_dots"] == 0
+        assert r["fp8_gemm_calls"] is None and r["fp8_gemm"] == "not yet measured on a GPU"
+    assert "blockwise" in proc.stdout and "not yet measured on a GPU" in proc.stdout
 
 
 def test_script_refuses_fewer_than_10_repeats(tmp_path):
@@ -65,6 +88,7 @@ def test_script_refuses_fewer_than_10_repeats(tmp_path):
     (["--sizes", "64,-1"], "'-1'"),
     (["--sizes", "64,x"], "'x'"),
     (["--sizes", "0"], "'0'"),
+    (["--fp8-recipes", "perrow"], "perrow"),
 ])
 def test_cli_rejects_bad_flags_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

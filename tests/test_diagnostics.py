@@ -206,3 +206,68 @@ def test_dtype_range():
     r = dg.DtypeRange.of("fp16")
     assert (r.max, r.min_normal, r.min_subnormal) == (65504.0, 2.0 ** -14, 2.0 ** -24)
     assert dg.DtypeRange.of(jnp.bfloat16).min_normal == float(np.finfo(np.float32).tiny)
+
+
+# ----------------------------------------------------------------------------- FP8
+
+from jaxmp.fp8 import Recipe  # noqa: E402
+
+N = 256 * 256
+
+
+def _one_outlier():
+    # 1.0 everywhere but x[0, 0] = 2**19. Under the outlier's scale 2**19 / 448, 1.0 becomes
+    # 448 * 2**-19 = 0.875 * 2**-10, below half of E4M3's smallest subnormal 2**-9: zero.
+    return jnp.ones((256, 256), jnp.float32).at[0, 0].set(2.0 ** 19)
+
+
+@pytest.mark.parametrize("recipe, role, zeros", [
+    (Recipe.tensorwise(), "x", N - 1),          # one scale: every 1.0 flushed
+    (Recipe.rowwise(), "x", 255),               # the outlier's row
+    (Recipe.blockwise(), "x", 127),             # its 1x128 tile
+    (Recipe.rowwise(), "w", 255),               # a weight: its output column
+    (Recipe.blockwise(), "w", 128 * 128 - 1),   # its 128x128 block
+])
+def test_block_scales_confine_an_outlier(recipe, role, zeros):
+    r = dg.fp8_quantization(_one_outlier(), recipe, role)
+    assert r.nonzero == N and r.underflow == zeros / N and r.saturated == 0.0 and r.subnormal == 0.0
+
+
+def test_fp8_subnormal_and_saturation_counts_by_hand():
+    # amax 448 -> scale 1: 2**-7 is an E4M3 subnormal (below 2**-6), 2**-11 rounds to 0.
+    x = jnp.array([448.0, 2.0 ** -7, 2.0 ** -11, 1.0, 0.0], jnp.float32)
+    assert dg.fp8_quantization(x, Recipe.tensorwise()) == dg.FP8Report(4, 1 / 4, 1 / 4, 0.0, pytest.approx(
+        float(np.sqrt(2.0 ** -22 / (448.0 ** 2 + 2.0 ** -14 + 2.0 ** -22 + 1))), rel=1e-5))
+    # A stale delayed amax of 100: 448 * 4.48 = 2007 rounds above 448 + 16 and is clipped.
+    r = dg.fp8_quantization(x, Recipe.delayed(4), amax=100.0)
+    assert r.saturated == 1 / 4
+    # As gradients under tensorwise (E5M2, max 57344, smallest normal 2**-14).
+    g = jnp.array([57344.0, 2.0 ** -15, 1.0], jnp.float32)
+    r = dg.fp8_quantization(g, Recipe.tensorwise(), "g")
+    assert (r.underflow, r.subnormal, r.saturated) == (0.0, 1 / 3, 0.0)
+
+
+def test_fp8_report_per_module_from_a_forward_pass():
+    from jaxmp.models import MoETransformer, ModelConfig, capture_matmul_operands
+
+    config = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=8)
+    model = MoETransformer(config, "mixed_bf16", rngs=nnx.Rngs(0))
+    with capture_matmul_operands() as ops_seen:
+        model(jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 64)
+    report = dg.fp8_report(ops_seen)
+    assert set(report) == {f"blocks/0/attn/{w}" for w in ("wq", "wk", "wv", "wo")} | {
+        f"blocks/0/mlp/{w}" for w in ("w_gate", "w_up", "w_down")} | {"head/kernel"}
+    for name, by_recipe in report.items():
+        assert list(by_recipe) == ["tensorwise", "rowwise", "blockwise"]
+        for by_role in by_recipe.values():
+            assert set(by_role) == {"x", "w"}
+            assert by_role["x"].nonzero == int(np.count_nonzero(np.asarray(ops_seen[name]["x"], np.float32)))
+    text = dg.format_fp8_report(report)
+    assert "blocks/0/mlp/w_down" in text and "blockwise" in text
+
+
+def test_fp8_quantization_rejects_bad_input():
+    with pytest.raises(ValueError, match="role"):
+        dg.fp8_quantization(jnp.ones(3), Recipe.rowwise(), "y")
+    with pytest.raises(ValueError, match="Recipe"):
+        dg.fp8_quantization(jnp.ones(3), "rowwise")

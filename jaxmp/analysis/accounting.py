@@ -96,6 +96,10 @@ __all__ = [
     "hlo_collectives",
     "gradient_collective_bytes",
     "collective_bytes",
+    "Dot",
+    "stablehlo_dots",
+    "count_fp8_dots",
+    "FP8_GEMM_TARGET",
     "data_mesh",
     "account_mode",
     "accounting_report",
@@ -121,6 +125,13 @@ _MODE_TABLE = (
     ("bf16_moments",   "mixed_bf16; router: fp32; norm: fp32", "none",              "bfloat16", "float32",  "none"),
     ("bf16_allreduce", "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "bfloat16", "none"),
     ("topk_allreduce", "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "bfloat16", "topk"),
+    # mixed_bf16 with attention and every FFN in FP8 (jaxmp.fp8; embedding, head, router,
+    # norms and the attention core stay bf16/fp32, DeepSeek-V3 3.3.1): their backward
+    # passes keep FP8 activations plus float32 scales instead of bf16 ones.
+    ("fp8_tensorwise", "fp8_tensorwise; router: fp32; norm: fp32", "none",          "",         "float32",  "none"),
+    ("fp8_delayed",    "fp8_delayed; router: fp32; norm: fp32", "none",             "",         "float32",  "none"),
+    ("fp8_rowwise",    "fp8_rowwise; router: fp32; norm: fp32", "none",             "",         "float32",  "none"),
+    ("fp8_blockwise",  "fp8_blockwise; router: fp32; norm: fp32", "none",           "",         "float32",  "none"),
 )
 
 MODES: Mapping[str, Mapping[str, Any]] = {
@@ -158,7 +169,8 @@ class Residual:
 
     Attributes:
       shape: the array's shape.
-      dtype: its dtype name (``"bfloat16"``, ``"int32"``, ...).
+      dtype: its dtype name (``"bfloat16"``, ``"int32"``, ...); the E4M3 activation that
+        :mod:`jaxmp.fp8` saves as uint8 bits is named ``"float8_e4m3fn"``.
       nbytes: ``prod(shape) * itemsize``.
       kind: ``"computed"`` (counted as activation memory), ``"argument"``, ``"literal"``
         or ``"constant"``.
@@ -234,7 +246,12 @@ def saved_residuals(fn: Callable, *args, argnums: Any = 0) -> List[Residual]:
     for aval, source in _saved_residuals(jaxpr, names):
         shape = tuple(int(d) for d in aval.shape)
         dtype = np.dtype(aval.dtype)
-        out.append(Residual(shape, dtype.name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+        name = dtype.name
+        if name == "uint8" and "(_stash)" in source:
+            # jaxmp.fp8 saves its E4M3 activation as uint8 bits (safe under jax.checkpoint):
+            # report what the bits are.
+            name = "float8_e4m3fn"
+        out.append(Residual(shape, name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
                             _kind(source), source))
     return out
 
@@ -523,6 +540,55 @@ def collective_bytes(collectives: Sequence[Collective]) -> Dict[str, Dict[str, i
             by_dtype = out.setdefault(c.op, {})
             by_dtype[a.dtype] = by_dtype.get(a.dtype, 0) + c.count * a.nbytes
     return out
+
+
+# ----------------------------------------------------------------------------- dots
+
+# The custom call XLA's GPU GEMM rewriter emits for an FP8 GEMM on cuBLASLt
+# (xla/service/gpu/cublas_cudnn.h, kCublasLtMatmulF8CallTarget).
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+_FP8_TYPES = ("f8E4M3FN", "f8E5M2", "f8E4M3FNUZ", "f8E5M2FNUZ", "f8e4m3fn", "f8e5m2")
+_SDOT = re.compile(r"stablehlo\.dot_general\b[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dot:
+    """One ``stablehlo.dot_general`` of a lowered program: its element types.
+
+    Attributes:
+      lhs, rhs, out: MLIR element types (``f8E4M3FN``, ``bf16``, ``f32``, ...).
+    """
+
+    lhs: str
+    rhs: str
+    out: str
+
+    @property
+    def fp8(self) -> bool:
+        """Both operands are FP8: the product itself is an FP8 matmul."""
+        return self.lhs in _FP8_TYPES and self.rhs in _FP8_TYPES
+
+
+def _element_type(tensor_type: str) -> str:
+    return tensor_type.rsplit("x", 1)[-1] if "x" in tensor_type else tensor_type
+
+
+def stablehlo_dots(text: str) -> List[Dot]:
+    """The ``dot_general`` ops of a lowered program's StableHLO text
+    (``jax.jit(f).lower(...).as_text()``), in text order, with their element types.
+
+    This is the program before XLA optimizes it: what JAX asked for (case FP8-2). A
+    quantize-dequantize pattern shows up as a ``bf16``/``f32`` dot here.
+    """
+    return [Dot(_element_type(a), _element_type(b), _element_type(c)) for a, b, c in _SDOT.findall(text)]
+
+
+def count_fp8_dots(text: str) -> Tuple[int, int]:
+    """``(fp8, other)``: how many dots of a lowered program have two FP8 operands, and how
+    many do not (:func:`stablehlo_dots`)."""
+    dots = stablehlo_dots(text)
+    fp8 = sum(d.fp8 for d in dots)
+    return fp8, len(dots) - fp8
 
 
 # ----------------------------------------------------------------------------- one mode

@@ -1,7 +1,8 @@
 """Models: the DeepSeekMoE-style decoder-only Transformer with per-module precision.
 
 * :mod:`~jaxmp.models.layers`: parameters with logical axes, RMSNorm, embedding, head,
-  SwiGLU, RoPE;
+  SwiGLU, RoPE, the policy-aware :func:`matmul` (FP8 or ``cast_matmul``) and the
+  :class:`FP8State` of delayed scaling;
 * :mod:`~jaxmp.models.attention`: causal self-attention on the reference, XLA or cuDNN path;
 * :mod:`~jaxmp.models.moe`: router, routed and shared experts, auxiliary-loss-free biases;
 * :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer` (scanned
@@ -9,7 +10,18 @@
 * :mod:`~jaxmp.models.sampling`: :func:`generate`.
 """
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, attention_core
-from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU, apply_rope, make_param
+from jaxmp.models.layers import (
+    Embed,
+    FP8State,
+    Head,
+    RMSNorm,
+    SwiGLU,
+    add_fp8_states,
+    apply_rope,
+    capture_matmul_operands,
+    make_param,
+    matmul,
+)
 from jaxmp.models.moe import (
     MoE,
     MoEStats,
@@ -23,6 +35,7 @@ from jaxmp.models.moe import (
 from jaxmp.models.sampling import generate
 from jaxmp.models.transformer import (
     FLOAT32_ISLANDS,
+    FP8_EXCLUDED,
     REMAT_POLICIES,
     Block,
     ModelConfig,
@@ -36,5 +49,6 @@ __all__ = [
     "generate", "apply_rope", "make_param", "MoE", "MoEStats", "Router", "Routing",
     "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
     "Block", "FLOAT32_ISLANDS", "ATTENTION_IMPLEMENTATIONS", "attention_core", "REMAT_POLICIES",
-    "layer_stacks",
+    "layer_stacks", "FP8_EXCLUDED", "FP8State", "add_fp8_states", "matmul",
+    "capture_matmul_operands",
 ]

@@ -1,8 +1,9 @@
 """Causal multi-head self-attention with rotary position embeddings, on one of three paths.
 
-The projections run in the module's compute dtype through :func:`jaxmp.ops.cast_matmul`;
-the attention core (``softmax(q k^T / sqrt(h)) v``) runs on the path that
-``model.attention`` names (:data:`ATTENTION_IMPLEMENTATIONS`):
+The projections run in the module's compute dtype through :func:`jaxmp.ops.cast_matmul`,
+or in FP8 under an FP8 policy (:func:`jaxmp.models.layers.matmul`); the attention core
+(``softmax(q k^T / sqrt(h)) v``) never runs in FP8 (DeepSeek-V3 report, section 3.3.1)
+and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTATIONS`):
 
 ``"reference"``
     jaxmp's own float32 island: the scores ``q k^T`` are accumulated in float32 and
@@ -53,7 +54,7 @@ import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.models.layers import apply_rope, make_param
+from jaxmp.models.layers import add_fp8_states, apply_rope, make_param, matmul
 from jaxmp.precision import ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
@@ -288,6 +289,7 @@ class Attention(nnx.Module):
             setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std), (d, h, k), dt,
                                            ("embed", "heads", "head_dim")))
         self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt, ("heads", "head_dim", "embed"))
+        add_fp8_states(self, ("wq", "wk", "wv", "wo"))
 
     def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:
         """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``.
@@ -298,12 +300,13 @@ class Attention(nnx.Module):
         p = self.policy
         x = p.cast_to_compute(x)
         positions = jnp.arange(x.shape[1])
-        # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for backward).
-        q = apply_rope(ops.cast_matmul(x, self.wq[...], "btd,dhk->bthk"), positions, self.rope_theta)
-        k = apply_rope(ops.cast_matmul(x, self.wk[...], "btd,dhk->bthk"), positions, self.rope_theta)
-        v = ops.cast_matmul(x, self.wv[...], "btd,dhk->bthk")
+        # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for
+        # backward), or to FP8 by the policy's recipe (layers.matmul).
+        q = apply_rope(matmul(self, x, "wq", "btd,dhk->bthk"), positions, self.rope_theta)
+        k = apply_rope(matmul(self, x, "wk", "btd,dhk->bthk"), positions, self.rope_theta)
+        v = matmul(self, x, "wv", "btd,dhk->bthk")
         core = functools.partial(attention_core, implementation=self.implementation)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths)
-        return p.cast_to_output(ops.cast_matmul(out, self.wo[...], "bthk,hkd->btd"))
+        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd"))

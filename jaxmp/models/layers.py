@@ -7,12 +7,19 @@ attribute path (``rules.resolve(path)``), creates its parameters in
 are cast inside :func:`jaxmp.ops.cast_matmul`, so the backward pass recasts the float32
 masters instead of keeping low-precision copies alive between the passes.
 
+Every weight matmul goes through :func:`matmul`, which follows the module's policy: with
+an FP8 recipe (``policy.fp8``, e.g. the ``fp8_blockwise`` preset) it is
+:func:`jaxmp.fp8.matmul`, otherwise :func:`jaxmp.ops.cast_matmul`. Under the delayed
+recipe each such weight has an :class:`FP8State` variable (``<weight>_amax``) with its
+amax histories, created by :func:`add_fp8_states`.
+
 Parameters carry logical axis names (``out_sharding`` metadata): ``vocab``, ``embed``
 (model width), ``mlp`` (dense / shared-expert hidden width); :mod:`jaxmp.sharding` maps
 them to mesh axes.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional, Sequence
 
@@ -20,10 +27,81 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.precision import ops
+from jaxmp.precision import fp8, ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
-__all__ = ["make_param", "RMSNorm", "Embed", "Head", "SwiGLU", "apply_rope"]
+__all__ = ["make_param", "RMSNorm", "Embed", "Head", "SwiGLU", "apply_rope", "FP8State",
+           "add_fp8_states", "matmul", "capture_matmul_operands"]
+
+
+class FP8State(nnx.Variable):
+    """The amax histories of one FP8 matmul under delayed scaling: float32 ``[3, history]``.
+
+    Rows: activation, weight, output gradient (:func:`jaxmp.fp8.init_state`). A variable
+    type of its own, not an ``nnx.Param``: no optimizer touches it. The train step
+    differentiates the loss with respect to it and *replaces* it with that cotangent,
+    the updated history (:mod:`jaxmp.fp8`, "overwrite with gradient"); it lives in
+    ``TrainState.rest`` and is checkpointed with the rest of the state. Replicated on a
+    mesh (no logical axes).
+    """
+
+
+def add_fp8_states(module: nnx.Module, names) -> None:
+    """Gives ``module`` an :class:`FP8State` ``<name>_amax`` per weight in ``names`` when its
+    policy's FP8 recipe keeps a state (delayed scaling); does nothing otherwise."""
+    recipe = module.policy.fp8
+    if recipe is not None and recipe.has_state:
+        for name in names:
+            setattr(module, f"{name}_amax", FP8State(fp8.init_state(recipe)))
+
+
+_CAPTURED: list = []  # stack of dicts filled by capture_matmul_operands
+
+
+@contextlib.contextmanager
+def capture_matmul_operands():
+    """Records the operands of every :func:`matmul` run inside the ``with`` block.
+
+    Yields a dict, filled as the model runs, ``{"<module path>/<weight>": {"x": input,
+    "w": weight, "spec": spec, "fp8": recipe or None}}`` (the last call wins for a
+    module run twice). Run the model eagerly (not under ``jax.jit``) to get arrays;
+    :func:`jaxmp.diagnostics.fp8_report` reads them.
+    """
+    found: dict = {}
+    _CAPTURED.append(found)
+    try:
+        yield found
+    finally:
+        _CAPTURED.remove(found)
+
+
+def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = None, *,
+           group_sizes: Optional[jax.Array] = None) -> jax.Array:
+    """``x`` times the weight ``name`` of ``module``, by the module's policy.
+
+    :func:`jaxmp.fp8.matmul` with ``module.policy.fp8`` (and the weight's
+    :class:`FP8State` under delayed scaling) when the policy has an FP8 recipe, else
+    :func:`jaxmp.ops.cast_matmul`. Both take the master weight as it is stored.
+
+    Args:
+      module: a module with a ``policy`` and the weight as attribute ``name``.
+      x: the input in the compute dtype.
+      name: the weight's attribute name (``"w_gate"``, ``"wq"``, ...).
+      spec: an ``einsum`` spec, as for :func:`jaxmp.ops.cast_matmul`.
+      group_sizes: int ``[G]`` for a grouped (``ragged_dot``) matmul.
+
+    Returns:
+      The product in ``x``'s dtype.
+    """
+    w = getattr(module, name)[...]
+    recipe = module.policy.fp8
+    if _CAPTURED:
+        _CAPTURED[-1][f"{module.path}/{name}"] = {"x": x, "w": w, "spec": spec, "fp8": recipe}
+    if recipe is None:
+        return ops.cast_matmul(x, w, spec, group_sizes=group_sizes)
+    state = getattr(module, f"{name}_amax", None)
+    return fp8.matmul(x, w, recipe, None if state is None else state[...], spec,
+                      group_sizes=group_sizes)
 
 
 def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]
@@ -96,7 +174,8 @@ class Head(nnx.Module):
     """Untied output projection: kernel [d_model, vocab] (``embed``, ``vocab``).
 
     Returns the logits in ``policy.compute_dtype``; ``policy.output_dtype`` is not used
-    (as for the router). The loss, :func:`jaxmp.ops.cross_entropy`, upcasts them to
+    (as for the router). Under an ``fp8_*`` default policy the head stays in bfloat16
+    (:data:`jaxmp.models.transformer.FP8_EXCLUDED`) unless a rule names it. The loss, :func:`jaxmp.ops.cross_entropy`, upcasts them to
     float32 inside its island, so the values and gradients are those of a float32 cast
     here, but the ``[B, T, vocab]`` array kept for the backward pass is not a float32
     copy.
@@ -107,20 +186,22 @@ class Head(nnx.Module):
         self.policy: Policy = rules.resolve(path)
         self.kernel = make_param(rngs, nnx.initializers.normal(0.02), (d_model, vocab_size),
                                  self.policy.param_dtype, ("embed", "vocab"))
+        add_fp8_states(self, ("kernel",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., d_model] -> [..., vocab] in ``policy.compute_dtype``."""
         p = self.policy
-        return ops.cast_matmul(p.cast_to_compute(x), self.kernel[...])
+        return matmul(self, p.cast_to_compute(x), "kernel")
 
 
-def _swiglu(x, w_gate, w_up, w_down):
+def _swiglu(module, x):
     """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd.
 
-    x in the compute dtype; the (master) weights are cast to it by ``ops.cast_matmul``.
+    x in the compute dtype; the (master) weights ``w_gate``, ``w_up``, ``w_down`` of
+    ``module`` are multiplied by :func:`matmul` (cast by ``ops.cast_matmul``, or FP8).
     """
-    h = jax.nn.silu(ops.cast_matmul(x, w_gate)) * ops.cast_matmul(x, w_up)
-    return ops.cast_matmul(h, w_down)
+    h = jax.nn.silu(matmul(module, x, "w_gate")) * matmul(module, x, "w_up")
+    return matmul(module, h, "w_down")
 
 
 class SwiGLU(nnx.Module):
@@ -136,7 +217,8 @@ class SwiGLU(nnx.Module):
       out_std: std of the output projection (scaled down for residual branches, GPT-2).
 
     Parameters: ``w_gate``, ``w_up`` [d_model, d_hidden] (``embed``, ``mlp``), ``w_down``
-    [d_hidden, d_model] (``mlp``, ``embed``), in ``policy.param_dtype``.
+    [d_hidden, d_model] (``mlp``, ``embed``), in ``policy.param_dtype``; under delayed FP8
+    scaling an :class:`FP8State` per weight.
     """
 
     def __init__(self, d_model: int, d_hidden: int, *, path: str, rules: PolicyRules,
@@ -147,12 +229,12 @@ class SwiGLU(nnx.Module):
         self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
         self.w_up = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
         self.w_down = make_param(rngs, nnx.initializers.normal(out_std), (d_hidden, d_model), dt, ("mlp", "embed"))
+        add_fp8_states(self, ("w_gate", "w_up", "w_down"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., d_model] -> [..., d_model] in ``policy.output_dtype``."""
         p = self.policy
-        return p.cast_to_output(_swiglu(p.cast_to_compute(x), self.w_gate[...], self.w_up[...],
-                                        self.w_down[...]))
+        return p.cast_to_output(_swiglu(self, p.cast_to_compute(x)))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:

@@ -17,7 +17,10 @@ the :class:`~jaxmp.precision.policy.Policy` its own path resolves to:
 
 Every module creates its parameters in ``policy.param_dtype``, casts them and its input to
 ``policy.compute_dtype`` in ``__call__`` and returns ``policy.output_dtype``. Expert outputs
-are weighted by the float32 gates and summed in float32.
+are weighted by the float32 gates and summed in float32. Under an FP8 policy
+(``experts: fp8_blockwise``) the experts' grouped matmuls are FP8
+(:func:`jaxmp.fp8.grouped_dot`); the router never is (its logits are a float32 island),
+nor the gate-weighted sum.
 
 Auxiliary-loss-free balancing (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2): the
 router holds a float32 per-expert bias in a :class:`RouterBias` variable (not an
@@ -37,10 +40,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.models.layers import SwiGLU, make_param
-from jaxmp.precision import ops
+from jaxmp.models.layers import SwiGLU, add_fp8_states, make_param, matmul
+from jaxmp.precision import fp8, ops
 from jaxmp.precision.policy import Policy, PolicyRules
-from jaxmp.sharding import expert_axis
+from jaxmp.sharding import dispatch_dtype, expert_axis
 
 __all__ = [
     "RouterBias",
@@ -179,28 +182,29 @@ def expert_capacity(capacity_factor: float, group_size: int, top_k: int, num_exp
     return max(1, math.ceil(capacity_factor * group_size * top_k / num_experts))
 
 
-def _dropless(x, expert_ids, gates, w_gate, w_up, w_down):
+def _dropless(experts, x, expert_ids, gates):
     """Every assignment computed: sort by expert, grouped matmuls with ``lax.ragged_dot``.
 
-    x [N, D] (compute dtype), expert_ids/gates [N, k], weights in any dtype (cast to the
-    compute dtype by ``ops.cast_matmul``). Returns float32 [N, D].
+    x [N, D] (compute dtype), expert_ids/gates [N, k]; the weights of ``experts`` (any
+    dtype) are multiplied by :func:`~jaxmp.models.layers.matmul` (``ops.cast_matmul`` or
+    FP8). Returns float32 [N, D].
     """
     n, k = expert_ids.shape
-    num_experts = w_gate.shape[0]
+    num_experts = experts.w_gate.shape[0]
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[order // k]  # token of each sorted assignment
-    h = (jax.nn.silu(ops.cast_matmul(xs, w_gate, group_sizes=group_sizes))
-         * ops.cast_matmul(xs, w_up, group_sizes=group_sizes))
-    ys = ops.cast_matmul(h, w_down, group_sizes=group_sizes)
+    h = (jax.nn.silu(matmul(experts, xs, "w_gate", group_sizes=group_sizes))
+         * matmul(experts, xs, "w_up", group_sizes=group_sizes))
+    ys = matmul(experts, h, "w_down", group_sizes=group_sizes)
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
     # Gate-weighted sum in float32; the float32 copy of ys is recomputed, not saved.
     return ops.cast_matmul(gates, ys, "nk,nkd->nd")
 
 
-def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity, num_experts,
-                   expert_axis=None):
+def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_axis=None,
+                   dispatch_dtype="compute"):
     """GShard dispatch with ``capacity`` slots per expert and sequence.
 
     x [B, T, D] (compute dtype), expert_ids/gates [B, T, k]. Within a sequence, all first
@@ -213,7 +217,10 @@ def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity, num_exp
     the devices of their experts by ``all_to_all`` over ``expert_axis`` (X devices) in the
     compute dtype, each device runs its experts on every peer's slots, and the outputs
     travel back the same way (GShard section 3.2). The result equals the one-device
-    dispatch: capacity is counted per sequence, on the device that holds it.
+    dispatch: capacity is counted per sequence, on the device that holds it. With
+    ``dispatch_dtype="e4m3"`` the slots travel out as E4M3 with one float32 scale per
+    1x128 tile (:func:`jaxmp.fp8.all_to_all`; the experts then see the quantized tokens)
+    and the outputs come back in the compute dtype.
     """
     b, t, k = expert_ids.shape
     onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32)  # [B, T, k, E]
@@ -227,17 +234,21 @@ def _with_capacity(x, expert_ids, gates, w_gate, w_up, w_down, capacity, num_exp
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
     xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
     if expert_axis is None:
-        h = (jax.nn.silu(ops.cast_matmul(xe, w_gate, "becd,edf->becf"))
-             * ops.cast_matmul(xe, w_up, "becd,edf->becf"))
-        ye = ops.cast_matmul(h, w_down, "becf,efd->becd")
+        h = (jax.nn.silu(matmul(experts, xe, "w_gate", "becd,edf->becf"))
+             * matmul(experts, xe, "w_up", "becd,edf->becf"))
+        ye = matmul(experts, h, "w_down", "becf,efd->becd")
     else:
         groups = jax.lax.axis_size(expert_axis)
         local = num_experts // groups
         # [B, X, E/X, C, D]: axis 1 is the expert group going out, the source device coming in.
-        xs = jax.lax.all_to_all(xe.reshape(b, groups, local, capacity, -1), expert_axis, 1, 1)
-        h = (jax.nn.silu(ops.cast_matmul(xs, w_gate, "bsecd,edf->bsecf"))
-             * ops.cast_matmul(xs, w_up, "bsecd,edf->bsecf"))
-        ys = ops.cast_matmul(h, w_down, "bsecf,efd->bsecd")
+        xe = xe.reshape(b, groups, local, capacity, -1)
+        if dispatch_dtype == "e4m3":  # E4M3 with 1x128 tile scales on the wire; combine in compute
+            xs = fp8.all_to_all(xe, expert_axis, 1, 1)
+        else:
+            xs = jax.lax.all_to_all(xe, expert_axis, 1, 1)
+        h = (jax.nn.silu(matmul(experts, xs, "w_gate", "bsecd,edf->bsecf"))
+             * matmul(experts, xs, "w_up", "bsecd,edf->bsecf"))
+        ys = matmul(experts, h, "w_down", "bsecf,efd->bsecd")
         ye = jax.lax.all_to_all(ys, expert_axis, 1, 1).reshape(b, num_experts, capacity, -1)
     y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
     dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
@@ -261,9 +272,11 @@ class RoutedExperts(nnx.Module):
 
     Parameters: ``w_gate``, ``w_up`` [E, d_model, d_expert] (``expert``, ``embed``,
     ``expert_mlp``); ``w_down`` [E, d_expert, d_model] (``expert``, ``expert_mlp``,
-    ``embed``), in ``policy.param_dtype``. Under expert parallelism (inside the train step,
-    :func:`jaxmp.sharding.expert_axis`) a device holds ``E / X`` of them and capacity
-    dispatch exchanges the tokens by all-to-all.
+    ``embed``), in ``policy.param_dtype``; under delayed FP8 scaling an
+    :class:`~jaxmp.models.layers.FP8State` per weight (one scale for all experts).
+    Under expert parallelism (inside the train step, :func:`jaxmp.sharding.expert_axis`)
+    a device holds ``E / X`` of them and capacity dispatch exchanges the tokens by
+    all-to-all.
 
     Raises:
       ValueError: negative ``capacity_factor``.
@@ -284,6 +297,7 @@ class RoutedExperts(nnx.Module):
         self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
         self.w_up = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
         self.w_down = make_param(rngs, nnx.initializers.normal(out_std), shape_out, dt, axes_out)
+        add_fp8_states(self, ("w_gate", "w_up", "w_down"))
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array):
         """Runs the experts.
@@ -300,19 +314,19 @@ class RoutedExperts(nnx.Module):
         """
         p = self.policy
         x = p.cast_to_compute(x)
-        w = (self.w_gate[...], self.w_up[...], self.w_down[...])  # cast by ops.cast_matmul
         gates = gates.astype(jnp.float32)
         b, t, d = x.shape
         axis = expert_axis()
         if self.capacity_factor > 0:
             capacity = expert_capacity(self.capacity_factor, t, expert_ids.shape[-1], self.num_experts)
-            y, dropped = _with_capacity(x, expert_ids, gates, *w, capacity, self.num_experts, axis)
+            y, dropped = _with_capacity(self, x, expert_ids, gates, capacity, self.num_experts, axis,
+                                        dispatch_dtype())
         elif axis is not None:
             raise ValueError("expert parallelism exchanges fixed-size slots: set model.capacity_factor > 0 "
                              "(dropless dispatch runs with parallel.expert=1)")
         else:
             k = expert_ids.shape[-1]
-            y = _dropless(x.reshape(b * t, d), expert_ids.reshape(b * t, k), gates.reshape(b * t, k), *w)
+            y = _dropless(self, x.reshape(b * t, d), expert_ids.reshape(b * t, k), gates.reshape(b * t, k))
             y, dropped = y.reshape(b, t, d), jnp.zeros((), jnp.float32)
         return p.cast_to_output(y), dropped
 

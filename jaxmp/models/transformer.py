@@ -27,15 +27,25 @@ Routers and norms compute in float32 by default (:data:`FLOAT32_ISLANDS`, append
 the user's rules by :func:`jaxmp.precision.policy.with_float32_islands`): ``"mixed_bf16"`` alone
 already runs routers and all three kinds of norm in float32 with float32 parameters, and a
 user rule that matches them first (``"mixed_bf16; router: p=f32,c=bf16,o=f32"``) overrides
-that; and ``experts`` matches both routed and shared experts. Each module creates its
+that; and ``experts`` matches both routed and shared experts.
+
+FP8 (``fp8_*`` presets, :mod:`jaxmp.fp8`): a module whose policy has an FP8 recipe runs
+its weight matmuls in FP8 (attention projections, dense FFN, routed and shared experts,
+the head). As in DeepSeek-V3 (report, section 3.3.1) the embedding and the output head
+(:data:`FP8_EXCLUDED`), the routers, the norms and the attention core stay in
+bfloat16/float32 under an FP8 *default* policy, unless a user rule names them:
+``"fp8_blockwise; router: fp32; norm: fp32"`` puts attention and every FFN in FP8, and
+``"mixed_bf16; router: fp32; norm: fp32; experts: fp8_blockwise; mlp: fp8_blockwise"``
+only the FFNs. Each module creates its
 parameters in ``policy.param_dtype``, casts parameters and inputs to
 ``policy.compute_dtype`` and returns ``policy.output_dtype`` (the head excepted, see
 :class:`~jaxmp.models.layers.Head`). The residual stream keeps the embedding's output dtype.
 
 Activation memory: weights are cast to the compute dtype inside
 :func:`jaxmp.ops.cast_matmul`, so the backward pass recasts the float32 masters instead
-of keeping low-precision copies; norms and softmaxes save only their input / output
-(:mod:`jaxmp.ops`); RoPE recomputes its tables in the backward pass.
+of keeping low-precision copies (an FP8 matmul keeps its FP8 input and scales and
+quantizes the master weight again, :mod:`jaxmp.fp8`); norms and softmaxes save only their
+input / output (:mod:`jaxmp.ops`); RoPE recomputes its tables in the backward pass.
 
 Logical axis names of parameters (``out_sharding`` metadata; mapped to mesh axes only in
 :mod:`jaxmp.sharding`): ``vocab``, ``embed`` (model width), ``heads``, ``head_dim``,
@@ -99,11 +109,11 @@ from flax import nnx
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
 from jaxmp.models.moe import SCORE_FNS, MoE, MoEStats, RoutedExperts
-from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands
+from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import constrain, param_gather
 
 __all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
-           "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes"]
+           "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes"]
 
 # model.remat settings, in order of growing recomputation (module docstring).
 REMAT_POLICIES = ("none", "attention", "dots_saveable", "full")
@@ -115,6 +125,8 @@ _BLOCK_CHECKPOINT_POLICIES = {
 
 # Module-path patterns that compute in float32 unless a user rule matches them first.
 FLOAT32_ISLANDS = ("router", "norm")
+# Module-path patterns that an FP8 default policy leaves in its compute dtype (DeepSeek-V3 3.3.1).
+FP8_EXCLUDED = ("embed", "head")
 
 _ACT_AXES = ("batch", None, None)  # only the batch: FSDP maps "embed" to the batch axis too
 
@@ -414,8 +426,9 @@ class MoETransformer(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, rules: PolicyRules, *, rngs: nnx.Rngs):
-        # Routers and norms are float32 islands unless one of the user's rules says otherwise.
-        rules = with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS)
+        # Routers and norms are float32 islands, and an FP8 default leaves the embedding and
+        # head alone, unless one of the user's rules says otherwise.
+        rules = without_fp8(with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS), FP8_EXCLUDED)
         self.rules = rules
         self.config = config
         self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs)

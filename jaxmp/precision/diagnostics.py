@@ -13,6 +13,20 @@ per leaf, how many non-zero gradients would become exactly 0, land in the subnor
 range (fewer mantissa bits), or overflow after ``(g * S).astype(dtype)``.
 :func:`suggest_loss_scale` picks the largest power of two that does not overflow.
 
+FP8 (:mod:`jaxmp.fp8`): :func:`fp8_quantization` counts, for one matmul operand under one
+recipe, the elements that FP8 flushes to zero, leaves subnormal or saturates, and its
+relative error; :func:`fp8_report` does it per module and recipe for the operands
+:func:`jaxmp.models.capture_matmul_operands` records. One scale per tensor lets a single
+outlier set it for every element; block scales confine it to its tile::
+
+    x = jnp.ones((256, 256)).at[0, 0].set(2.0**19)   # one outlier
+    fp8_quantization(x, Recipe.tensorwise()).underflow  # 65535/65536: every 1.0 -> 0
+    fp8_quantization(x, Recipe.rowwise()).underflow     # 255/65536: its row only
+    fp8_quantization(x, Recipe.blockwise()).underflow   # 127/65536: its 1x128 tile only
+
+(with the outlier's scale ``2**19 / 448``, 1.0 becomes ``0.44 * 2**-9``, below half of
+E4M3's smallest subnormal ``2**-9``).
+
 Counting runs in one jitted function on the device holding the gradients; only a
 ``[leaves, 4]`` int32 table comes back to the host. Zero and subnormal results are
 classified from the bit pattern, so the answer does not depend on whether the
@@ -22,13 +36,15 @@ below float32's normal range) do not occur there.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp.precision import fp8 as _fp8
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.policy import canonical_dtype
 
@@ -39,6 +55,11 @@ __all__ = [
     "summarize",
     "format_report",
     "suggest_loss_scale",
+    "FP8Report",
+    "FP8_ROLES",
+    "fp8_quantization",
+    "fp8_report",
+    "format_fp8_report",
 ]
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
@@ -281,3 +302,141 @@ def suggest_loss_scale(grads: Any, dtype: Any = jnp.float16, headroom: float = 8
 def _max_abs(leaves):
     # NaN propagates through max, so a NaN anywhere makes the result non-finite.
     return jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))) for x in leaves]))
+
+
+# ----------------------------------------------------------------------------- FP8
+
+
+class FP8Report(NamedTuple):
+    """What one FP8 quantization does to a tensor.
+
+    Attributes:
+      nonzero: number of non-zero elements.
+      underflow: fraction of them that become exactly 0 (flushed to zero).
+      subnormal: fraction that become subnormal in the format (below its smallest
+        normal: ``2**-6`` for E4M3, ``2**-14`` for E5M2): kept, with fewer mantissa bits.
+      saturated: fraction whose scaled magnitude rounds above the format's maximum, so
+        that :func:`jaxmp.fp8.quantize` clips it to +-max (448 for E4M3, 57344 for E5M2).
+        Scales from the tensor's own amax never saturate; a delayed scale from a smaller
+        history amax does.
+      rel_error: ``||dequantize(quantize(x)) - x|| / ||x||`` (0.0 for an all-zero tensor).
+    """
+
+    nonzero: int
+    underflow: float
+    subnormal: float
+    saturated: float
+    rel_error: float
+
+
+# The operands of a matmul: its activation "x", its weight "w", its output gradient "g".
+FP8_ROLES = {"x": "activation", "w": "weight", "g": "gradient"}
+
+
+def _fp8_scales(x: jax.Array, recipe: "_fp8.Recipe", role: str, amax: Optional[Any]) -> tuple:
+    """``(x2d, per-element float32 scales, dtype)`` of an operand under ``recipe``."""
+    dtype = recipe.bwd_dtype if role == "g" else recipe.fwd_dtype
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32) if x.ndim != 2 else x.astype(jnp.float32)
+    if recipe.name in ("tensorwise", "delayed"):
+        a = jnp.max(jnp.abs(x2)) if amax is None else jnp.asarray(amax, jnp.float32)
+        return x2, jnp.broadcast_to(_fp8.scale_from_amax(a, dtype, recipe.margin), x2.shape), dtype
+    if recipe.name == "rowwise":  # activations and gradients by row, weights by output column
+        axis = 0 if role == "w" else 1
+        s = _fp8.scale_from_amax(jnp.max(jnp.abs(x2), axis=axis, keepdims=True), dtype, recipe.margin)
+        return x2, jnp.broadcast_to(s, x2.shape), dtype
+    block = (_fp8.BLOCK, _fp8.BLOCK) if role == "w" else (1, _fp8.BLOCK)
+    _, s = _fp8.quantize_blocks(x2, block, dtype)
+    full = jnp.repeat(jnp.repeat(s, block[0], axis=0), block[1], axis=1)[:x2.shape[0], :x2.shape[1]]
+    return x2, full, dtype
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _fp8_counts(x2, scales, dtype):
+    fi = jnp.finfo(dtype)
+    q = _fp8.quantize(x2, scales, dtype)
+    nonzero = x2 != 0
+    qf = q.astype(jnp.float32)
+    y = jnp.abs(x2 * (1.0 / scales))
+    # Rounds above max: beyond max plus half the format's step there (2**(maxexp-1-nmant)).
+    limit = float(fi.max) + 0.5 * 2.0 ** (int(np.log2(float(fi.max))) - fi.nmant)
+    err = qf * scales - x2
+    return (jnp.sum(nonzero, dtype=jnp.int32), jnp.sum(nonzero & (qf == 0), dtype=jnp.int32),
+            jnp.sum(nonzero & (qf != 0) & (jnp.abs(qf) < float(fi.tiny)), dtype=jnp.int32),
+            jnp.sum(nonzero & jnp.isfinite(x2) & (y >= limit), dtype=jnp.int32),
+            jnp.sum(err.astype(jnp.float32) ** 2), jnp.sum(x2 ** 2))
+
+
+def fp8_quantization(x: Any, recipe: "_fp8.Recipe", role: str = "x",
+                     amax: Optional[Any] = None) -> FP8Report:
+    """Counts what ``recipe`` does to one matmul operand ``x``.
+
+    The operand is viewed as a matrix (leading axes flattened, the last axis kept: the
+    contraction of an activation, the output columns of a weight ``[K, N]``) and scaled as
+    the recipe scales it in the forward pass (:mod:`jaxmp.fp8`): one scale per tensor
+    (tensorwise, delayed), per row (rowwise activation or gradient), per output column
+    (rowwise weight), per 1x128 tile (blockwise activation or gradient) or per 128x128
+    block (blockwise weight). Activations and weights use the forward format (E4M3),
+    gradients the backward one (E5M2 for tensorwise and delayed).
+
+    Args:
+      x: the operand, a float array of rank >= 1 (rank 2 for a weight).
+      recipe: a :class:`jaxmp.fp8.Recipe`.
+      role: ``"x"`` (activation), ``"w"`` (weight) or ``"g"`` (output gradient).
+      amax: for tensorwise / delayed, the amax the scale comes from (a delayed
+        history's max); default the tensor's own amax (current scaling, the best a
+        delayed scale can do).
+
+    Returns:
+      An :class:`FP8Report`.
+
+    Raises:
+      ValueError: not a Recipe, an unknown role, or a non-floating / rank-0 ``x``.
+    """
+    if not isinstance(recipe, _fp8.Recipe):
+        raise ValueError(f"recipe must be a jaxmp.fp8.Recipe, got {recipe!r}")
+    if role not in FP8_ROLES:
+        raise ValueError(f"role={role!r}; allowed: {', '.join(f'{k} ({v})' for k, v in FP8_ROLES.items())}")
+    if not _is_float_leaf(x) or jnp.ndim(x) < 1:
+        raise ValueError(f"x must be a floating-point array of rank >= 1, got {getattr(x, 'dtype', type(x))} "
+                         f"{jnp.shape(x)}")
+    x2, scales, dtype = _fp8_scales(jnp.asarray(x), recipe, role, amax)
+    nz, under, sub, sat, err2, sq = (np.asarray(v) for v in jax.device_get(_fp8_counts(x2, scales, dtype)))
+    n = max(int(nz), 1)
+    return FP8Report(int(nz), int(under) / n, int(sub) / n, int(sat) / n,
+                     float(np.sqrt(err2 / sq)) if sq > 0 else 0.0)
+
+
+def fp8_report(operands: Mapping[str, Mapping[str, Any]],
+               recipes: Sequence["_fp8.Recipe"] = (_fp8.Recipe.tensorwise(), _fp8.Recipe.rowwise(),
+                                                   _fp8.Recipe.blockwise())
+               ) -> Dict[str, Dict[str, Dict[str, FP8Report]]]:
+    """:func:`fp8_quantization` of every operand of every matmul, under each recipe.
+
+    Args:
+      operands: ``{name: {"x": activation, "w": weight, ...}}``, e.g. what
+        :func:`jaxmp.models.capture_matmul_operands` recorded during a forward pass
+        (``"blocks/0/mlp/w_gate"``); keys other than ``x``, ``w``, ``g`` are ignored.
+      recipes: the recipes to compare (delayed is counted at its best case, the current
+        amax; pass ``amax`` to :func:`fp8_quantization` for a stale one).
+
+    Returns:
+      ``{name: {str(recipe): {role: FP8Report}}}`` in the order given.
+    """
+    out: Dict[str, Dict[str, Dict[str, FP8Report]]] = {}
+    for name, tensors in operands.items():
+        roles = {r: tensors[r] for r in FP8_ROLES if r in tensors and tensors[r] is not None}
+        out[name] = {str(r): {role: fp8_quantization(t, r, role) for role, t in roles.items()} for r in recipes}
+    return out
+
+
+def format_fp8_report(report: Mapping[str, Mapping[str, Mapping[str, FP8Report]]]) -> str:
+    """:func:`fp8_report` as a plain-text table: one line per matmul, operand and recipe."""
+    header = (f"{'matmul':<32} {'op':<2} {'recipe':<12} {'nonzero':>9} {'zero':>8} {'subnorm':>8} "
+              f"{'saturated':>9} {'rel err':>8}")
+    lines = [header, "-" * len(header)]
+    for name, by_recipe in report.items():
+        for recipe, by_role in by_recipe.items():
+            for role, r in by_role.items():
+                lines.append(f"{name:<32} {role:<2} {recipe:<12} {r.nonzero:>9d} {100 * r.underflow:>7.3f}% "
+                             f"{100 * r.subnormal:>7.2f}% {100 * r.saturated:>8.3f}% {100 * r.rel_error:>7.3f}%")
+    return "\n".join(lines)

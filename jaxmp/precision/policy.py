@@ -8,9 +8,13 @@ as a tiny frozen, hashable dataclass so it can be a static argument under ``jax.
   Training", section 3.1) so that small updates are not rounded away.
 * ``compute_dtype``: the dtype matmuls and activations run in (bfloat16 / float16).
 * ``output_dtype``: the dtype a module hands back to its caller.
+* ``fp8``: None, or a :class:`jaxmp.fp8.Recipe`: the module's matmuls multiply FP8
+  operands scaled by that recipe (:mod:`jaxmp.precision.fp8`), the rest of the module
+  computing in ``compute_dtype``.
 
 :func:`get_policy` parses jmp's grammar (``params=float32,compute=bfloat16,output=float32``
-or ``p=f32,c=bf16,o=f32`` or a bare dtype) plus the presets in :data:`PRESETS`.
+or ``p=f32,c=bf16,o=f32`` or a bare dtype), jaxmp's ``fp8=RECIPE`` key, and the presets
+in :data:`PRESETS`.
 
 :class:`PolicyRules` maps module paths to policies (per-module overrides such as
 "router and norms in float32", DeepSeek-V3 report section 3.3), resolved once per
@@ -20,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxmp.precision.fp8 import Recipe
 
 __all__ = [
     "Policy",
@@ -32,6 +38,7 @@ __all__ = [
     "PolicyRules",
     "get_policy_rules",
     "with_float32_islands",
+    "without_fp8",
     "canonical_dtype",
     "PRESETS",
     "DTYPE_NAMES",
@@ -50,6 +57,7 @@ _KEYS = {
     "params": "param_dtype", "param": "param_dtype", "p": "param_dtype",
     "compute": "compute_dtype", "c": "compute_dtype",
     "output": "output_dtype", "o": "output_dtype",
+    "fp8": "fp8",
 }
 
 PRESETS: Mapping[str, str] = {
@@ -61,6 +69,11 @@ PRESETS: Mapping[str, str] = {
     "mixed_fp16": "params=float32,compute=float16,output=float32",
     # Pure bfloat16: parameters too. Kept for comparison; small updates are lost (case MW-1).
     "bf16": "params=bfloat16,compute=bfloat16,output=bfloat16",
+    # mixed_bf16 with the module's matmuls in FP8 by a jaxmp.fp8 recipe (jaxmp.precision.fp8).
+    "fp8_tensorwise": "params=float32,compute=bfloat16,output=float32,fp8=tensorwise",
+    "fp8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
+    "fp8_rowwise": "params=float32,compute=bfloat16,output=float32,fp8=rowwise",
+    "fp8_blockwise": "params=float32,compute=bfloat16,output=float32,fp8=blockwise",
 }
 
 
@@ -115,17 +128,24 @@ class Policy:
 
     Frozen and hashable, so it can be a static argument of ``jax.jit`` and a field of
     an NNX module. ``str(policy)`` gives ``params=float32,compute=bfloat16,output=float32``
-    which :func:`get_policy` parses back to an equal policy.
+    (plus ``,fp8=blockwise`` with an FP8 recipe) which :func:`get_policy` parses back to an
+    equal policy.
 
     Attributes:
       param_dtype: dtype of the master weights (float32 for mixed precision).
       compute_dtype: dtype of matmuls and activations.
       output_dtype: dtype of a module's result.
+      fp8: None, or the :class:`jaxmp.fp8.Recipe` of the module's matmuls (a recipe
+        name such as ``"blockwise"`` is parsed by :meth:`jaxmp.fp8.Recipe.parse`).
+
+    Raises:
+      ValueError: a bad dtype, float64 without ``jax_enable_x64``, or a bad recipe.
     """
 
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
     output_dtype: jnp.dtype
+    fp8: Optional[Recipe] = None
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -133,6 +153,11 @@ class Policy:
             if getattr(self, field) == jnp.float64 and not jax.config.read("jax_enable_x64"):
                 raise ValueError(f"{field}=float64 needs jax_enable_x64 (JAX would silently use "
                                  f"float32); enable it with jax.config.update('jax_enable_x64', True)")
+        if isinstance(self.fp8, str):
+            object.__setattr__(self, "fp8", None if self.fp8.strip().lower() == "none"
+                               else Recipe.parse(self.fp8))
+        if self.fp8 is not None and not isinstance(self.fp8, Recipe):
+            raise ValueError(f"fp8={self.fp8!r} must be None, a jaxmp.fp8.Recipe or a recipe name")
 
     def cast_to_param(self, tree: Any) -> Any:
         """Casts floating-point leaves of ``tree`` to ``param_dtype``; ints, bools pass through."""
@@ -158,14 +183,19 @@ class Policy:
         """Returns a copy with another ``output_dtype``."""
         return dataclasses.replace(self, output_dtype=dtype)
 
+    def with_fp8(self, recipe: Optional[Recipe]) -> "Policy":
+        """Returns a copy with another FP8 recipe (None: matmuls in ``compute_dtype``)."""
+        return dataclasses.replace(self, fp8=recipe)
+
     @property
     def needs_loss_scale(self) -> bool:
         """True when gradients flow through float16, whose range needs a loss scale."""
         return jnp.dtype(jnp.float16) in (self.compute_dtype, self.param_dtype)
 
     def __str__(self) -> str:
+        fp8 = "" if self.fp8 is None else f",fp8={self.fp8}"
         return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
-                f"output={self.output_dtype.name}")
+                f"output={self.output_dtype.name}{fp8}")
 
 
 def get_policy(spec: Union[str, Policy, Any]) -> Policy:
@@ -175,9 +205,13 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
     ``params``/``p``, ``compute``/``c``, ``output``/``o``, each at most once. Missing keys
     follow jmp: params default to float32, compute to the param dtype, output to the
     compute dtype (``"c=bf16"`` is ``p=f32,c=bf16,o=bf16``). A bare dtype (``"bf16"``)
-    sets all three. Presets: ``fp32``, ``mixed_bf16``, ``mixed_fp16``, ``bf16`` (see
-    :data:`PRESETS`). Unlike jmp, ``half`` always means float16 (jmp picks bfloat16 on
-    TPU), so a config means the same on every backend.
+    sets all three. jaxmp adds the key ``fp8`` (default ``none``): ``fp8=tensorwise``,
+    ``rowwise``, ``blockwise``, ``delayed`` or ``delayed/HISTORY[/MARGIN]`` puts the
+    module's matmuls in FP8 by that :class:`jaxmp.fp8.Recipe`. Presets: ``fp32``,
+    ``mixed_bf16``, ``mixed_fp16``, ``bf16``, ``fp8_tensorwise``, ``fp8_delayed``,
+    ``fp8_rowwise``, ``fp8_blockwise`` (see :data:`PRESETS`; each ``fp8_*`` is
+    ``mixed_bf16`` plus its recipe). Unlike jmp, ``half`` always means float16 (jmp picks
+    bfloat16 on TPU), so a config means the same on every backend.
 
     Args:
       spec: the policy description.
@@ -217,13 +251,16 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
         if _KEYS[key] in fields:
             raise ValueError(f"policy key {key!r} in {spec!r} sets {_KEYS[key]} twice")
         try:
-            fields[_KEYS[key]] = canonical_dtype(value)
+            if key == "fp8":
+                fields["fp8"] = None if value == "none" else Recipe.parse(value)
+            else:
+                fields[_KEYS[key]] = canonical_dtype(value)
         except ValueError as e:
             raise ValueError(f"{e} (in policy {spec!r})") from None
     # jmp's defaults: params float32, compute follows params, output follows compute.
     param = fields.get("param_dtype", jnp.dtype(jnp.float32))
     compute = fields.get("compute_dtype", param)
-    return Policy(param, compute, fields.get("output_dtype", compute))
+    return Policy(param, compute, fields.get("output_dtype", compute), fields.get("fp8"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,9 +377,36 @@ def with_float32_islands(rules: PolicyRules, patterns: Sequence[str]) -> PolicyR
       patterns: module-path patterns of the islands, e.g. ``("router", "norm")``.
 
     Returns:
+      The extended :class:`PolicyRules`. The islands' policy has no FP8 recipe, even when
+      the default has one.
+    """
+    return _append_rules(rules, patterns, rules.default.with_compute_dtype(jnp.float32).with_fp8(None))
+
+
+def without_fp8(rules: PolicyRules, patterns: Sequence[str]) -> PolicyRules:
+    """Keeps ``patterns`` out of a default FP8 recipe, *after* the user's rules.
+
+    When the default policy has an FP8 recipe, modules that none of the user's rules
+    match but one of ``patterns`` does get the default policy without it (bfloat16
+    matmuls under ``fp8_*``): DeepSeek-V3 (report, section 3.3.1) keeps the embedding and
+    the output head in their original precision. A user's rule still wins
+    (``"fp8_blockwise; head: fp8_blockwise"`` puts the head in FP8 too). Without a default
+    recipe the rules are returned unchanged.
+
+    Args:
+      rules: the user's rules.
+      patterns: module-path patterns, e.g. ``("embed", "head")``.
+
+    Returns:
       The extended :class:`PolicyRules`.
     """
-    island = rules.default.with_compute_dtype(jnp.float32)
+    if rules.default.fp8 is None:
+        return rules
+    return _append_rules(rules, patterns, rules.default.with_fp8(None))
+
+
+def _append_rules(rules: PolicyRules, patterns: Sequence[str], policy: Policy) -> PolicyRules:
+    """``rules`` plus ``(pattern, policy)`` for each pattern the user's rules do not name."""
     known = {pattern for pattern, _ in rules.rules}
-    extra = tuple((p, island) for p in patterns if p not in known)
+    extra = tuple((p, policy) for p in patterns if p not in known)
     return PolicyRules(default=rules.default, rules=tuple(rules.rules) + extra)

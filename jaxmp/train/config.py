@@ -78,7 +78,7 @@ def default_config() -> ml_collections.ConfigDict:
         eval_every=50, checkpoint_every=100, keep_checkpoints=2, max_consecutive_skips=100,
         loss_spike_factor=3.0, grad_norm_spike_factor=100.0, max_divergent_steps=10,
         sample_prompt="def ", sample_tokens=80, sample_temperature=0.8))
-    c.parallel = ml_collections.ConfigDict(dict(strategy="dp", expert=1))
+    c.parallel = ml_collections.ConfigDict(dict(strategy="dp", expert=1, dispatch_dtype="compute"))
     return c
 
 
@@ -259,8 +259,8 @@ class Settings:
       comm: ``make_train_step``'s gradient-communication keywords
         (``grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``).
       num_devices: devices of the mesh (the batch is split over all of them).
-      layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy`` and
-        ``parallel.expert``.
+      layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy``,
+        ``parallel.expert`` and ``parallel.dispatch_dtype``.
     """
 
     config: ml_collections.ConfigDict
@@ -312,7 +312,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         loss scale, schedule, data setting or gradient communication; a parallel
         layout that the devices or the model cannot take (``parallel.expert`` not
         dividing the devices or the experts, expert parallelism without capacity
-        dispatch, zero1/fsdp with ``d_model`` not divisible by the data axis, top-k
+        dispatch, ``parallel.dispatch_dtype`` other than ``compute`` without expert
+        parallelism, zero1/fsdp with ``d_model`` not divisible by the data axis, top-k
         compression outside data parallelism). The message names the value and what is
         allowed.
     """
@@ -398,10 +399,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
 def _check_parallel(config, model: ModelConfig, num_devices: int):
     """The parallel layout, after checking the devices and the model can take it."""
     par = config.parallel
-    layout = sharding.layout(par.strategy, par.expert)  # names a bad strategy or count
+    layout = sharding.layout(par.strategy, par.expert, par.dispatch_dtype)  # names a bad value
     x = layout.expert
     if num_devices % x:
         raise ValueError(f"parallel.expert={x} does not divide the {num_devices} devices")
+    if layout.dispatch_dtype != "compute" and x == 1:
+        raise ValueError(f"parallel.dispatch_dtype={layout.dispatch_dtype!r} sets the dtype of the "
+                         f"expert-parallel all-to-all; it needs parallel.expert > 1")
     data = num_devices // x
     if x > 1:
         if model.num_moe_layers == 0:

@@ -2,7 +2,8 @@
 
 :class:`TrainState` holds the step counter, the master parameters, the optimizer state,
 the loss scale, the MoE router biases (DeepSeek-V3 auxiliary-loss-free balancing), the
-skip counters, an rng and the state of gradient compression. It is what a checkpoint
+skip counters, an rng, the state of gradient compression and (in ``rest``) the FP8 amax
+histories of delayed scaling. It is what a checkpoint
 saves, what ``train_step(state, batch)`` returns, and what
 :func:`train_state_shardings` lays out on a mesh.
 """
@@ -32,7 +33,9 @@ class TrainState:
       step: int32 scalar, train steps taken (skipped ones included: the data moves on).
       params: ``nnx.State`` of ``nnx.Param``, the master weights (float32 in mixed modes).
       biases: ``nnx.State`` of ``RouterBias``, float32 [num_experts] per MoE layer.
-      rest: any other NNX state of the model (empty for the default model).
+      rest: any other NNX state of the model: the :class:`~jaxmp.models.FP8State` amax
+        histories of delayed FP8 scaling (float32 ``[3, history_length]`` per FP8 matmul,
+        replaced by the train step, :mod:`jaxmp.train.step`); empty otherwise.
       opt_state: the optax optimizer state (moments in their configured dtypes).
       loss_scale: a ``jaxmp`` loss scale (float32 scale, int32 counters).
       skipped_steps: int32 scalar, steps not applied since the start of training: their

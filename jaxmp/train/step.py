@@ -18,8 +18,15 @@ is one gradient path, whatever the number of devices (one device is a 1-device m
 3. The optimizer (clipping included) sees unscaled float32 gradients; on a non-finite
    step the parameters, every optimizer-state leaf, the router biases and the top-k
    residual are selected back bitwise and the loss scale backs off
-   (:func:`jaxmp.optim.apply_gradients`). Otherwise the router biases move by
-   ``bias_update_rate`` toward balance.
+   (:func:`jaxmp.optim.apply_gradients`), and so are the FP8 amax histories. Otherwise
+   the router biases move by ``bias_update_rate`` toward balance.
+
+FP8 delayed scaling (:mod:`jaxmp.fp8`): the model's :class:`~jaxmp.models.FP8State`
+amax histories (in ``TrainState.rest``) are differentiated with the parameters; their
+"gradient" is their updated value (Flax's "overwrite with gradient"). Micro-batches are
+combined by :func:`jaxmp.fp8.merge_states` (elementwise max, so the newest entry is the
+largest micro-batch amax, case FP8-1), devices by ``pmax``; the result replaces the
+histories on an applied step and is selected away, bitwise, on a skipped one.
 """
 from __future__ import annotations
 
@@ -35,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp import sharding
 
-from jaxmp.models import update_router_bias
-from jaxmp.precision import comm, ops, optim
+from jaxmp.models import FP8State, update_router_bias
+from jaxmp.precision import comm, fp8, ops, optim
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.loss_scale import all_finite, select_tree
 from jaxmp.sharding import DATA_AXIS, EXPERT_AXIS, Layout
@@ -65,6 +72,18 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch):
     ce = ops.cross_entropy(logits, batch["targets"])
     loss = ce + aux["aux_loss"]
     return loss_scale.scale(loss), (ce, aux)
+
+
+def split_fp8(rest):
+    """``(fp8_states, other)``: the :class:`~jaxmp.models.FP8State` leaves of a model's
+    ``rest`` state and everything else (``nnx.merge_state`` puts them back together)."""
+    return nnx.split_state(rest, FP8State, ...)
+
+
+def _fp8_loss(graphdef, params, biases, amax, other, loss_scale, batch):
+    """:func:`loss_fn` with ``rest`` given as its FP8 histories and the remainder, so that
+    the histories can be differentiated (their cotangent is their update)."""
+    return loss_fn(graphdef, params, biases, nnx.merge_state(amax, other), loss_scale, batch)
 
 
 def _layer_order(path) -> list:
@@ -117,6 +136,7 @@ class _Plan:
         mesh has).
       total: the devices (product of ``axes``): each holds a share of the batch.
       expert_axis: the mesh axis of expert parallelism, or None.
+      dispatch_dtype: the dtype of the expert-parallel dispatch (``"compute"`` or ``"e4m3"``).
       compute_specs: ``PartitionSpec`` per parameter leaf as the forward reads it.
       state_specs: ``PartitionSpec`` per parameter leaf at rest (master, moments).
       layouts: :class:`jaxmp.comm.LeafReduce` per gradient leaf.
@@ -129,6 +149,7 @@ class _Plan:
         self.axes = tuple(a for a in layout.batch_axes if a in mesh.axis_names)
         self.total = int(np.prod([mesh.shape[a] for a in self.axes]))
         self.expert_axis = EXPERT_AXIS if mesh.shape.get(EXPERT_AXIS, 1) > 1 else None
+        self.dispatch_dtype = layout.dispatch_dtype
 
         def specs(tree, rules):
             return jax.tree.map(lambda s: s.spec, sharding.state_shardings(tree, mesh, rules),
@@ -226,11 +247,13 @@ def _spec_axes(spec) -> set:
 def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Plan, comm_kwargs):
     """Per-device gradients inside ``shard_map``, reduced by their layouts.
 
-    Returns ``(grads, finite, ce, aux, new_comm_state)``: float32 unscaled gradients of
-    the mean loss laid out like the master weights (replicated, or split over ``data``
-    for zero1 / fsdp), the verdict of every device's *local* gradients (``pmin``, taken
-    before compression), the cross-entropy and ``aux_loss`` averaged over devices (the
-    balance loss of each device's own batch), expert counts summed over devices.
+    Returns ``(grads, finite, ce, aux, new_comm_state, new_amax)``: float32 unscaled
+    gradients of the mean loss laid out like the master weights (replicated, or split
+    over ``data`` for zero1 / fsdp), the verdict of every device's *local* gradients
+    (``pmin``, taken before compression), the cross-entropy and ``aux_loss`` averaged
+    over devices (the balance loss of each device's own batch), expert counts summed over
+    devices, and the updated FP8 amax histories (max over micro-batches and over every
+    batch axis of the mesh, replicated; empty without delayed scaling).
     """
     n = plan.total
     rows = jax.tree.leaves(batch)[0].shape[0]
@@ -252,25 +275,38 @@ def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Pla
     axes = plan.axes
 
     def per_device(params, biases, rest, loss_scale, residual, batch):
+        # Differentiate device-varying copies of the params and FP8 histories (plan.varying).
         params = plan.varying(params)
-        with sharding.in_step(plan.expert_axis, plan.gather):
+        amax, other = split_fp8(rest)
+        amax = plan.varying(amax)
+        with sharding.in_step(plan.expert_axis, plan.gather, plan.dispatch_dtype):
             if grad_accum_steps == 1:
-                grads, (ce, aux) = grad_fn(graphdef, params, biases, rest, loss_scale, batch)
+                (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, amax, other,
+                                                       loss_scale, batch)
                 local_finite = all_finite(grads)
             else:
-                def body(acc, micro_batch):
-                    g, (ce_m, aux_m) = grad_fn(graphdef, params, biases, rest, loss_scale, micro_batch)
+                def body(carry, micro_batch):
+                    acc, amax_acc = carry
+                    (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, amax, other,
+                                                    loss_scale, micro_batch)
                     # Still scaled: the loss scale stays on the wire (see comm.pmean_gradients).
-                    return optim.accumulate(acc, g, loss_scale, grads_scaled=False), (ce_m, aux_m)
+                    # Amax histories: the max over micro-batches, never the last one (FP8-1).
+                    return ((optim.accumulate(acc, g, loss_scale, grads_scaled=False),
+                             fp8.merge_states(amax_acc, a)), (ce_m, aux_m))
 
                 # The sum lives in float32 whatever dtype the parameters the forward reads
                 # (a zero1 compute copy is bfloat16): the master dtype of mixed precision.
                 init = plan.varying(optim.accumulator_init(
                     jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
-                acc, (ces, auxes) = jax.lax.scan(body, init, _micro_batches(batch, grad_accum_steps))
+                amax_init = plan.varying(jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, a.dtype), amax))
+                (acc, new_amax), (ces, auxes) = jax.lax.scan(body, (init, amax_init),
+                                                             _micro_batches(batch, grad_accum_steps))
                 grads, local_finite = optim.accumulated_mean(acc)
                 local_finite = local_finite & all_finite(grads)
                 ce, aux = _mean_aux(ces, auxes)
+        # Every device saw its own activations, gradients and (expert parallelism) experts:
+        # the histories' max over all batch axes is every device's, replicated.
+        new_amax = jax.tree.map(lambda a: jax.lax.pmax(a, axes), new_amax)
         if topk:  # data parallelism only (validated): every leaf is summed over every axis
             local_state = {"residual": jax.tree.map(lambda r: r[0], residual)}
             grads, new_state = comm.exchange_gradients(grads, loss_scale, local_state,
@@ -283,15 +319,15 @@ def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Pla
         aux = {"aux_loss": jax.lax.pmean(jnp.asarray(aux["aux_loss"], jnp.float32), axes),
                "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
                "dropped_fraction": jax.lax.pmean(jnp.asarray(aux["dropped_fraction"], jnp.float32), axes)}
-        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axes), aux, new_residual
+        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axes), aux, new_residual, new_amax
 
     rep, split = PartitionSpec(), PartitionSpec(axes)
-    grads, finite, ce, aux, new_residual = jax.shard_map(
+    grads, finite, ce, aux, new_residual, new_amax = jax.shard_map(
         per_device, mesh=plan.mesh, in_specs=(plan.compute_specs, rep, rep, rep, split, split),
-        out_specs=(plan.state_specs, rep, rep, rep, split))(
+        out_specs=(plan.state_specs, rep, rep, rep, split, rep))(
             params, state.biases, state.rest, state.loss_scale, residual, batch)
     new_comm_state = {"residual": new_residual} if topk else state.comm_state
-    return grads, finite, ce, aux, new_comm_state
+    return grads, finite, ce, aux, new_comm_state, new_amax
 
 
 def compute_copy(params, dtypes, plan: _Plan):
@@ -405,21 +441,24 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
     layout = layout or sharding.layout("dp", 1)
     if grad_compression == "topk" and (layout.strategy != "dp" or mesh.shape.get(EXPERT_AXIS, 1) > 1):
         raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and parallel.expert=1")
-    loss = loss_fn
+    loss = _fp8_loss
     if layout.strategy == "fsdp":  # keep the split parameters, gather them again for the backward pass
-        loss = jax.checkpoint(loss_fn, static_argnums=(0,), policy=_fsdp_policy)
-    grad_fn = jax.grad(loss, argnums=1, has_aux=True)
+        loss = jax.checkpoint(_fp8_loss, static_argnums=(0,), policy=_fsdp_policy)
+    grad_fn = jax.grad(loss, argnums=(1, 3), has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         compute = state.compute_params if layout.compute_copy else state.params
         plan = _Plan(mesh, layout, compute, state.params, comm.check_comm_config(**comm_kwargs))
-        grads, finite, ce, aux, new_comm_state = _sharded_grads(
+        grads, finite, ce, aux, new_comm_state, new_amax = _sharded_grads(
             grad_fn, graphdef, state, batch, grad_accum_steps, plan, comm_kwargs)
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
+        amax, other = split_fp8(state.rest)
         update = optim.apply_gradients(
             optimizer, grads, state.opt_state, state.params, state.loss_scale,
-            grads_scaled=False, grads_finite=finite, extra=state.biases, new_extra=new_biases)
+            grads_scaled=False, grads_finite=finite, extra=(state.biases, amax),
+            new_extra=(new_biases, new_amax))
+        biases, amax = update.extra
         if grad_compression == "topk":  # a skipped step leaves the residual bitwise, as the params
             new_comm_state = select_tree(update.applied, new_comm_state, state.comm_state)
         not_applied = (~update.applied).astype(jnp.int32)
@@ -436,7 +475,8 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
             new_compute = compute_copy(stored, jax.tree.map(lambda x: x.dtype, compute), plan)
             new_compute = select_tree(update.applied, new_compute, state.compute_params)
         new_state = state.replace(
-            step=state.step + 1, params=update.params, biases=update.extra,
+            step=state.step + 1, params=update.params, biases=biases,
+            rest=nnx.merge_state(amax, other),
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
             consecutive_skips=consecutive, loss_ema=loss_ema, grad_norm_ema=norm_ema,
             divergent_steps=divergent_steps, comm_state=new_comm_state, compute_params=new_compute)
@@ -485,7 +525,7 @@ def make_eval_step(graphdef, mesh: Mesh, layout: Optional[Layout] = None) -> Cal
         plan = _Plan(mesh, layout, params, state.params, jnp.float32)
 
         def per_device(params, biases, rest, batch):
-            with sharding.in_step(plan.expert_axis, plan.gather):
+            with sharding.in_step(plan.expert_axis, plan.gather, plan.dispatch_dtype):
                 logits, _ = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
             tokens = jnp.asarray(batch["targets"].size, jnp.float32)
             loss = ops.cross_entropy(logits, batch["targets"]) * tokens
