@@ -23,27 +23,14 @@ eval losses seed by seed. What differs from configs/tiny_moe.py, and why:
 """
 import ml_collections
 
+from jaxmp.train.config import default_config
+
 
 def get_config() -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.seed = 0
-    config.model = ml_collections.ConfigDict(dict(
-        vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=256, max_len=64,
-        rope_theta=10000.0, norm_eps=1e-6, num_experts=4, num_shared_experts=1, top_k=2,
-        d_expert=64, first_dense_layers=1, score_fn="softmax", aux_loss_weight=0.01,
-        bias_update_rate=0.001, capacity_factor=0.0))
-    config.precision = ml_collections.ConfigDict(dict(
-        policy="mixed_bf16; router: fp32; norm: fp32", loss_scale="none",
-        grad_reduce_dtype="float32", grad_compression="none", topk_ratio=0.3))
-    config.optim = ml_collections.ConfigDict(dict(
-        learning_rate=2e-3, warmup_steps=60, schedule="cosine", final_lr_fraction=0.05,
-        decay_steps=0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, grad_clip=1.0,
-        mu_dtype="", nu_dtype=""))
-    config.data = ml_collections.ConfigDict(dict(
-        path="", text_field="text", seq_len=64, eval_fraction=0.02, num_eval_batches=128,
-        max_tokens=2_500_000))
-    config.train = ml_collections.ConfigDict(dict(
-        steps=800, batch_size=16, grad_accum_steps=1, num_devices=1, log_every=10,
-        eval_every=100, checkpoint_every=800, keep_checkpoints=1, max_consecutive_skips=100,
-        sample_prompt="def ", sample_tokens=0, sample_temperature=0.8))
+    config = default_config()  # every key at its default (tiny_moe's model), then what differs
+    config.model.max_len = 64
+    config.optim.update(dict(learning_rate=2e-3, warmup_steps=60, final_lr_fraction=0.05))
+    config.data.update(dict(num_eval_batches=128, max_tokens=2_500_000))
+    config.train.update(dict(steps=800, num_devices=1, log_every=10, eval_every=100,
+                             checkpoint_every=800, keep_checkpoints=1, sample_tokens=0))
     return config

@@ -40,7 +40,7 @@ def _popen(script, *args):
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _finish(proc, timeout=240):
+def _finish(proc, timeout=900):
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-3000:]
     return out
@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
     try:
         bad_out = {}
         for name, proc in bad.items():
-            _, err = proc.communicate(timeout=240)
+            _, err = proc.communicate(timeout=900)
             bad_out[name] = (proc.returncode, err, (tmp / f"{name}.json").exists())
         out = {name: _finish(proc) for name, proc in procs.items()}
     finally:  # a failure or timeout must not leave the other benchmark running

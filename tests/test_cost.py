@@ -198,7 +198,7 @@ def test_communication_table_rejects_bad_device_count(bad):
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "jaxmp.report", *args],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_cli_article_json(tmp_path):

@@ -21,7 +21,7 @@ CASE = {"part": "train_step", "config": "dense_1b", "toy": True, "policy_name": 
         "repeats": 10, "warmup": 0, "ring": 1, "hardware": None, "peak_size": 64}
 
 
-def _suite(tmp, *args, timeout=300):
+def _suite(tmp, *args, timeout=900):
     return subprocess.run([sys.executable, SCRIPT, "--toy", "--out", str(tmp / "suite"), *args],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 

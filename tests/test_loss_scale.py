@@ -378,7 +378,7 @@ def test_ls9_restore_in_fresh_process(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _RESTORE_SCRIPT, str(tmp_path / "scaler")],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
     got = json.loads(line[len("RESULT"):])

