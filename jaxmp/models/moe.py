@@ -134,7 +134,8 @@ class Router(nnx.Module):
       rngs: NNX rngs.
 
     Variables: ``kernel`` [d_model, E] (``embed``, ``expert_logit``) in ``policy.param_dtype``;
-    ``bias`` :class:`RouterBias` float32 [E] (``expert_logit``: never split, every device routes to every expert), zeros.
+    ``bias`` :class:`RouterBias` float32 [E] (``expert_logit``: never split, every device
+    routes to every expert), zeros.
 
     Raises:
       ValueError: bad ``top_k`` or ``score_fn``.
