@@ -10,15 +10,18 @@ each (jaxmp.train.distributed), or a cluster's environment (Slurm, Open MPI, ...
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
 from jaxmp.train import distributed
 from jaxmp.train.workdir import WorkdirInUse
-from jaxmp.train.config import check_override_keys, load_config
+from jaxmp.train.config import load_config
 
 _DEFAULT_CONFIG = "configs/tiny_moe.py"
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Path to a config file.")
+# --config PATH names the file; --config.KEY=VALUE items override its keys. Both are read
+# by jaxmp.train.config.load_config (not ml_collections.config_flags), which completes the
+# file's config with every default first, so a key the file leaves out can be overridden.
+flags.DEFINE_string("config", _DEFAULT_CONFIG, "Path to a config file; --config.KEY=VALUE overrides a key.")
+_LOADED = {}
 _WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Directory for checkpoints and logs.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a "
                                    "multi-process run (jax.distributed); with --num_processes, --process_id.")
@@ -29,13 +32,22 @@ _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a he
 
 
 def _parse_flags(argv):
-    """absl's flag parsing, with config-key typos and bad files as one-line errors."""
-    config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if config_path is None and "--config" in argv[:-1]:
-        config_path = argv[argv.index("--config") + 1]
+    """absl's flag parsing; the config file and its ``--config.KEY=VALUE`` overrides are
+    loaded here, so a typo, a bad value or a bad file is one line, not a traceback."""
+    rest, overrides, path = [argv[0]], [], _DEFAULT_CONFIG
+    args = iter(argv[1:])
+    for a in args:
+        if a.startswith("--config."):
+            overrides.append(a if "=" in a else f"{a}={next(args, '')}")
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        elif a == "--config":
+            path = next(args, "")
+        else:
+            rest.append(a)
     try:
-        check_override_keys(load_config(config_path or _DEFAULT_CONFIG), argv[1:])
-        return flags.FLAGS(argv)
+        _LOADED["config"] = load_config(path, overrides, where="on the command line")
+        return flags.FLAGS(rest)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         sys.exit(f"train.py: error: {e}")
     except flags.Error as e:
@@ -50,7 +62,7 @@ def main(argv):
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                _HEARTBEAT.value)  # before anything touches the devices
-        train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        train_and_evaluate(_LOADED["config"], _WORKDIR.value)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the
         # message says what and why.

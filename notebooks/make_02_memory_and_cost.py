@@ -206,7 +206,7 @@ Sections 1 and 2 are formulas. `jaxmp.analysis.accounting` reads the same quanti
 * **params, grads, optimizer state**: the train state as stored (float32 master weights in every mode; Adam moments in float32, or bfloat16 in `bf16_moments` as DeepSeek-V3 does);
 * **top-k residual**: the error-feedback buffer that top-k sparsification keeps per device;
 * **activations**: the arrays the forward pass of the loss saves for the backward pass, at the per-device micro-batch, listed from the traced `jax.vjp`;
-* **grad all-reduce**: bytes of the gradient collectives per step, read from the HLO after XLA's SPMD partitioner (traffic, not memory).
+* **grad reduction**: bytes of the gradient collectives per step (all-reduce; reduce-scatter under `zero1`/`fsdp`), read from the HLO after XLA's SPMD partitioner (traffic, not memory).
 
 This is the table `python -m jaxmp.report --config configs/tiny_moe.py --json OUT` prints. At the small size (`JAXMP_NOTEBOOK_SMALL=1`) the model is shrunk to one MoE block of width 32 and sequences of 32 tokens."""),
     ("code", """\

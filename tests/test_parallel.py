@@ -217,3 +217,41 @@ def test_expert_parallel_tokens_travel_by_all_to_all_in_the_compute_dtype():
     assert a2a["bf16"] == moe_layers * 4 * sequences * m.num_experts * capacity * m.d_model * 2
     # dp with expert parallelism: the parameters are never gathered.
     assert "all-gather" not in row["collective_bytes"] or "bf16" not in row["collective_bytes"]["all-gather"]
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("override,message", [
+    ("parallel.strategy=zero2", "parallel.strategy='zero2' is not allowed; allowed: dp, zero1, fsdp"),
+    ("parallel.expert=0", "parallel.expert=0 must be an integer >= 1"),
+    ("parallel.expert=3", "parallel.expert=3 does not divide the 8 devices; allowed: 1, 2, 4, 8"),
+])
+def test_parallel_overrides_reach_a_config_file_that_predates_them(override, message):
+    """configs/tiny_moe.py has no ``parallel`` section: the file is completed with every
+    default before the command line's overrides, which then fail (or work) by value."""
+    import subprocess
+    import sys
+    from _configs import ROOT
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
+                        f"--config.{override}", "--workdir", "/nonexistent/never-created"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1] == f"train.py: error: {message}", r.stderr[-2000:]
+
+
+def test_only_a_process_whose_bar_is_shown_writes_lines_above_it():
+    from jaxmp.train.hooks import _say
+
+    class Bar:
+        def __init__(self, disable):
+            self.disable, self.lines = disable, []
+
+        def write(self, text):
+            self.lines.append(text)
+
+    shown, hidden = Bar(False), Bar(True)
+    _say(shown, "step 6: eval loss 4.6")
+    _say(hidden, "step 6: eval loss 4.6")
+    assert shown.lines == ["step 6: eval loss 4.6"] and hidden.lines == []

@@ -1020,7 +1020,7 @@ def format_accounting(report: dict, title: str = "") -> str:
             ("optimizer state", "opt_state_bytes", True), ("compute copy", "compute_copy_bytes", True),
             ("top-k residual", "comm_state_bytes", True),
             ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
-            ("grad all-reduce", "grad_allreduce_bytes", True))
+            ("grad reduction", "grad_allreduce_bytes", True))
     for mode, r in report["modes"].items():
         o = MODES[mode]
         lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale {o['precision.loss_scale']}; "
@@ -1058,8 +1058,9 @@ def format_accounting(report: dict, title: str = "") -> str:
     if s["default_backend"] == "cpu":
         lines.append("XLA memory_analysis skipped on CPU: XLA:CPU computes bfloat16 in float32 "
                      "internally, so its buffer sizes would hide the saving.")
-    lines.append("grad all-reduce: gradient collectives in the HLO after SPMD partitioning "
-                 "(whole buffers: all-reduce and reduce-scatter operands, all-gather results).")
+    lines.append("grad reduction: gradient collectives (all-reduce; reduce-scatter under zero1/fsdp) in the "
+                 "HLO after SPMD partitioning (whole buffers: all-reduce and reduce-scatter operands, "
+                 "all-gather results).")
     lines.append("op dtype rows: every collective of the step by kind and element type (operands of "
                  "all-reduce/reduce-scatter, results of all-gather/all-to-all); a ring moves (N-1)/N of "
                  "each buffer per device.")

@@ -7,10 +7,9 @@ holds every key the trainer reads, with its default; a config file may leave key
 (they get these defaults) but may not add any: a key that is not here is a typo, and
 :func:`validate_config` names it with the closest valid key.
 
-* :func:`load_config` runs a config file's ``get_config()`` and applies ``KEY=VALUE``
-  overrides, for the report, the benchmarks and the tests (``train.py`` reads the same
-  files through ``ml_collections.config_flags``, which :func:`check_override_keys`
-  guards).
+* :func:`load_config` runs a config file's ``get_config()``, completes it with every
+  default and applies ``KEY=VALUE`` overrides: the one loader of ``train.py``, the
+  report, the benchmarks and the tests.
 * :func:`validate_config` checks every value before any work is done and returns the
   parsed :class:`Settings` (model shape, policy rules, loss scale, gradient
   communication), so nothing is parsed twice. The
@@ -41,7 +40,7 @@ from jaxmp.precision.policy import PolicyRules, canonical_dtype, get_policy_rule
 from jaxmp.train.optimizer import SCHEDULES
 
 __all__ = ["default_config", "complete_config", "load_config", "apply_overrides",
-           "check_override_keys", "config_to_dict", "Settings", "validate_config",
+           "config_to_dict", "Settings", "validate_config",
            "flat_keys", "closest_key"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -158,12 +157,13 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str],
+                    where: str = "in the overrides") -> ml_collections.ConfigDict:
     """Applies ``KEY=VALUE`` strings (``train.steps=100``, optionally ``--config.`` first).
 
     Values are Python literals where they parse as one (numbers, ``True``, ``None``,
     quoted strings), else plain strings, and must suit the key's type (an int key takes
-    an int; a float key an int or a float), as ``ml_collections.config_flags`` requires.
+    an int; a float key an int or a float), as ``ml_collections.config_flags`` does.
 
     Raises:
       ValueError: a malformed item, an unknown key (named with the closest valid one),
@@ -177,7 +177,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str])
         if not eq or not key:
             raise ValueError(f"config override {item!r} must be KEY=VALUE, e.g. train.steps=100")
         if key not in valid:
-            raise _unknown_key_error(key, valid, "in the overrides")
+            raise _unknown_key_error(key, valid, where)
         node = config
         *parents, leaf = key.split(".")
         for p in parents:
@@ -195,33 +195,19 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str])
     return config
 
 
-def check_override_keys(config: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
-    """Checks the ``--config.KEY=VALUE`` items of a command line against ``config``'s keys.
-
-    ``ml_collections.config_flags`` reports a typo as a traceback deep in flag parsing;
-    this says it in one line first.
-
-    Raises:
-      ValueError: an unknown key, named with the closest valid one.
-    """
-    valid = flat_keys(config)
-    for arg in argv:
-        if arg.startswith("--config.") and "=" in arg:
-            key = arg[len("--config."):].split("=", 1)[0]
-            if key not in valid:
-                raise _unknown_key_error(key, valid, "on the command line")
-
-
-def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
+                where: str = "in the overrides") -> ml_collections.ConfigDict:
     """Runs ``get_config()`` of a config file given by path, completes it, applies overrides.
 
-    The one config loader of the report, the benchmarks and the tests; ``train.py``
-    reads the same files through ``ml_collections.config_flags`` and completes them
-    the same way.
+    The one config loader of ``train.py`` (``--config PATH --config.KEY=VALUE``), the
+    report, the benchmarks and the tests. The file's config is completed before the
+    overrides, so a key the file leaves out (``parallel.strategy`` in a config written
+    before it existed) can still be overridden.
 
     Args:
       path: e.g. ``configs/tiny_moe.py``.
       overrides: ``KEY=VALUE`` strings (see :func:`apply_overrides`).
+      where: where the overrides come from, for the error naming an unknown key.
 
     Returns:
       The completed config (:func:`complete_config`).
@@ -238,7 +224,7 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> ml_c
     spec.loader.exec_module(module)
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {str(path)!r} defines no get_config()")
-    return apply_overrides(complete_config(module.get_config()), overrides)
+    return apply_overrides(complete_config(module.get_config()), overrides, where)
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict:
@@ -402,7 +388,8 @@ def _check_parallel(config, model: ModelConfig, num_devices: int):
     layout = sharding.layout(par.strategy, par.expert, par.dispatch_dtype)  # names a bad value
     x = layout.expert
     if num_devices % x:
-        raise ValueError(f"parallel.expert={x} does not divide the {num_devices} devices")
+        raise ValueError(f"parallel.expert={x} does not divide the {num_devices} devices; allowed: "
+                         f"{', '.join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)}")
     if layout.dispatch_dtype != "compute" and x == 1:
         raise ValueError(f"parallel.dispatch_dtype={layout.dispatch_dtype!r} sets the dtype of the "
                          f"expert-parallel all-to-all; it needs parallel.expert > 1")

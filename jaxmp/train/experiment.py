@@ -132,9 +132,11 @@ class Experiment:
             complete = complete_config(config)
             num_devices = num_devices or complete.train.num_devices or None
             total = num_devices or len(jax.devices())
-            if total % complete.parallel.expert:  # named before the mesh is built
-                raise ValueError(f"parallel.expert={complete.parallel.expert} does not divide the "
-                                 f"{total} devices")
+            x = complete.parallel.expert
+            sharding.layout(complete.parallel.strategy, x)  # a bad strategy or expert count, named
+            if total % x:  # named before the mesh is built
+                raise ValueError(f"parallel.expert={x} does not divide the {total} devices; allowed: "
+                                 f"{', '.join(str(d) for d in range(1, total + 1) if total % d == 0)}")
             mesh = sharding.make_mesh(num_devices, expert=complete.parallel.expert)
         n = int(mesh.devices.size)
         settings = validate_config(config, n)

@@ -67,6 +67,13 @@ class Stopwatch:
             self._paused += time.perf_counter() - start
 
 
+def _say(bar, text: str) -> None:
+    """A line above the progress bar; nothing on a process whose bar is disabled (only
+    process 0 reports; ``tqdm.write`` itself prints on every process)."""
+    if not getattr(bar, "disable", False):
+        bar.write(text)
+
+
 @dataclasses.dataclass
 class PeriodicAction:
     """Acts at steps ``every_steps``, ``2 * every_steps``, ... and at ``last_step``.
@@ -121,12 +128,12 @@ class ReportMetrics(PeriodicAction):
         record.update({k: bool(m[k]) for k in flags}, **{k: int(m[k]) for k in counts},
                       tokens_per_s=tps, **expert_load_stats(m["expert_counts"]))
         if record["divergent_steps"]:
-            self.bar.write(f"step {step}: the last {steps_text(record['divergent_steps'])} applied looked "
+            _say(self.bar, f"step {step}: the last {steps_text(record['divergent_steps'])} applied looked "
                            f"divergent (loss {record['loss']:.4g} vs a running mean of "
                            f"{record['loss_ema']:.4g}, gradient norm {record['grad_norm']:.4g})")
         newly = record["skipped_steps"] - self.last_skipped
         if newly:
-            self.bar.write(f"step {step}: {newly} of the last {steps_text(step - self.last_step_reported)} "
+            _say(self.bar, f"step {step}: {newly} of the last {steps_text(step - self.last_step_reported)} "
                            f"skipped (non-finite gradients or update); loss scale now "
                            f"{float(jax.device_get(state.loss_scale.loss_scale)):g}")
         self.last_skipped, self.last_step_reported = record["skipped_steps"], step
@@ -178,7 +185,7 @@ class Evaluate(PeriodicAction):
             return
         self.last_loss = loss
         self.writer.write(step, "eval", {"loss": loss})
-        self.bar.write(f"step {step}: eval loss {loss:.4f}")
+        _say(self.bar, f"step {step}: eval loss {loss:.4f}")
 
 
 @dataclasses.dataclass
@@ -205,7 +212,7 @@ class SaveCheckpoint(PeriodicAction):
         m = jax.device_get({k: metrics[k] for k in ("consecutive_skips", "divergent_steps")})
         if int(m["consecutive_skips"]) or int(m["divergent_steps"]):
             if not self.pending and self.bar is not None:
-                self.bar.write(f"step {step}: checkpoint put off: the latest steps were skipped or "
+                _say(self.bar, f"step {step}: checkpoint put off: the latest steps were skipped or "
                                f"looked divergent; the last checkpoint is "
                                f"{'step ' + str(self.last_saved) if self.last_saved else 'the one resumed from'}")
             self.pending = True
