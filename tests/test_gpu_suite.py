@@ -32,7 +32,8 @@ def suite(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("suite")
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for cmd in (
-        [sys.executable, SCRIPT, "--toy", "--out", str(tmp / "suite")],
+        # A budget no slow machine reaches: every part runs (the budget's own test is below).
+        [sys.executable, SCRIPT, "--toy", "--budget_s", "3600", "--out", str(tmp / "suite")],
         [sys.executable, SCRIPT, "--case", json.dumps(CASE), "--case-out", str(tmp / "case.json")])]
     try:
         for proc in procs:
@@ -126,7 +127,7 @@ def test_overhead_and_the_markdown_table(suite):
     assert len(lines) - 1 == len(r["rows"])  # one markdown row per figure, below the header
     # Targets are judged only on an H200, and never claimed from a CPU run.
     assert all(row[4] in ("", "n/a (not an H200)", "n/a (no GPU)") for row in r["rows"])
-    assert "toy sizes" in md and r["toy"] and r["elapsed_s"] < r["budget_s"]
+    assert "toy sizes" in md and r["toy"]
 
 
 def test_an_isolated_case_reports_as_the_in_process_one(suite):

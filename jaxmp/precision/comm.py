@@ -239,11 +239,12 @@ def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any, reduce_dtyp
     return _gather_param(x, axis_name, int(dim), jnp.dtype(dtype), jnp.dtype(reduce_dtype), int(total_devices))
 
 
-# A custom JVP, not a custom VJP: ``jax.checkpoint`` rematerializes the primal
-# all-gather like any primitive (a custom VJP's outputs are always saved, so FSDP would
-# keep every gathered weight for the backward pass). The tangent rule is linear; its
-# transpose is the backward pass: cast to float32, divide by ``total``, cast to
-# ``reduce_dtype``, reduce-scatter (the transpose of a tiled all-gather), cast back.
+# A custom JVP: the tangent rule is linear and its transpose is the backward pass: cast
+# to float32, divide by ``total``, cast to ``reduce_dtype``, reduce-scatter (the
+# transpose of a tiled all-gather), cast back. Under ``jax.checkpoint`` the call is one
+# ``custom_jvp_call`` whose output a policy may save or recompute; the FSDP step's
+# policy (``jaxmp.train.step._fsdp_policy``) never saves it, so the backward pass
+# gathers the weight again instead of keeping it whole from the forward pass.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _gather_param(x, axis_name, dim, dtype, reduce_dtype, total):
     return jax.lax.all_gather(x.astype(dtype), axis_name, axis=dim, tiled=True)
