@@ -9,18 +9,21 @@
     inputs, and the MFU the published hours imply (:mod:`jaxmp.analysis.cost`).
 
 ``python -m jaxmp.report --config configs/X.py [--config.KEY=VALUE ...] [--devices N] [--modes a,b] [--breakdown [K]] [--settings [--flops]]``
-    Per-device memory (params, gradients, optimizer state, activations) and gradient
-    all-reduce bytes of the config's model for each precision mode of
+    Per-device memory (params, gradients, optimizer state, compute copy, activations)
+    and collective bytes (gradient reduction; every all-reduce, reduce-scatter,
+    all-gather and all-to-all by dtype) of the config's model for each precision mode of
     :data:`jaxmp.analysis.accounting.MODES`, measured from the trainer's own step
     (:mod:`jaxmp.analysis.accounting`); ``--config.KEY=VALUE`` overrides a config key as
     in ``train.py``. ``--breakdown`` lists the K largest saved residuals per
     mode with the line that produced them. Lowering over N devices on CPU needs N host
     devices: the flag sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` unless
     ``XLA_FLAGS`` already sets it. The step is compiled once per mode: for
-    ``configs/tiny_moe.py`` (six modes) about 30 s of CPU time, measured at 57 s of wall
-    time on a 2-core machine under a load average of 2 to 5 (a busier machine takes
-    longer); about two minutes per mode for ``configs/seed_moe.py`` (24 layers; pick a
-    few ``--modes``). The device count changes the per-device batch, not the compile time. ``--settings`` adds, for the first mode, the saved activation
+    ``configs/tiny_moe.py`` (ten modes, FP8 included) 43 s of wall time on an idle 2-core
+    machine (a busier machine takes longer); about two minutes per mode for
+    ``configs/seed_moe.py`` (24 layers; pick a few ``--modes``). The device count changes
+    the per-device batch, not the compile time. ``--config.parallel.strategy`` and
+    ``--config.parallel.expert`` choose the layout whose bytes and collectives are
+    counted. ``--settings`` adds, for the first mode, the saved activation
     bytes and per-device total of every attention path x remat setting
     (:func:`jaxmp.analysis.accounting.activation_settings`; the cuDNN path is traced, not
     run, where there is no GPU), and ``--flops`` the train step's FLOPs from the compiled
@@ -217,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode; --config.KEY=VALUE overrides a key, as in train.py")
     p.add_argument("--json", metavar="OUT", help="also write the tables as JSON to OUT")
     p.add_argument("--devices", type=int, default=8,
-                   help="data-parallel devices in the all-reduce (default 8)")
+                   help="devices of the --config mesh (parallel.expert of them along 'expert'), or the "
+                        "data-parallel devices of --article's communication table (default 8)")
     a = p.add_argument_group("--config options")
     a.add_argument("--modes", default=None,
                    help="comma-separated precision modes (default: all of jaxmp.analysis.accounting.MODES)")
