@@ -178,8 +178,8 @@ def _as_dict(rules: Rules) -> dict:
 
 
 def make_mesh(num_devices: Optional[int] = None, axis_name: str = "data", *,
-              expert: Optional[int] = None) -> Mesh:
-    """A mesh over the first ``num_devices`` of ``jax.devices()``.
+              expert: Optional[int] = None, devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A mesh over the first ``num_devices`` of ``devices`` (default ``jax.devices()``).
 
     Args:
       num_devices: devices in the mesh; None = all.
@@ -187,6 +187,7 @@ def make_mesh(num_devices: Optional[int] = None, axis_name: str = "data", *,
       expert: when given, a 2-D mesh ``("data", "expert")`` of shape
         ``(num_devices / expert, expert)``: neighbouring devices share an expert group
         (they exchange tokens by all-to-all).
+      devices: the devices to take them from (e.g. ``jax.devices("cpu")``).
 
     Returns:
       ``jax.sharding.Mesh``.
@@ -195,7 +196,7 @@ def make_mesh(num_devices: Optional[int] = None, axis_name: str = "data", *,
       ValueError: ``num_devices`` < 1 or more than are available, or ``expert`` not an
         integer >= 1 dividing it.
     """
-    devices = jax.devices()
+    devices = list(jax.devices() if devices is None else devices)
     n = len(devices) if num_devices is None else num_devices
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= len(devices):
         raise ValueError(f"num_devices={num_devices!r} must be an integer in [1, {len(devices)}] "

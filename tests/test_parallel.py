@@ -7,16 +7,20 @@ shapes."""
 import json
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from _configs import small_config
+from _bitwise import assert_bitwise_equal, bits
+from _configs import ROOT, small_config
 from jaxmp.analysis import accounting
 from jaxmp.train import Experiment, train_and_evaluate
 from jaxmp.train.data import create_pipeline
+from jaxmp.train.hooks import _say
 
 STEPS = 10
 # float32 sums over 8 devices add in another order than one device's; 10 Adam steps.
@@ -79,11 +83,6 @@ def test_bf16_reduce_scatter_is_within_bf16_rounding(batches, one_device):
     assert losses != one_device  # it did reduce in bf16
 
 
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
 @pytest.mark.parametrize("strategy,expert", [("zero1", 1), ("fsdp", 1), ("dp", 2)])
 def test_an_overflowing_step_leaves_every_shard_bitwise(strategy, expert, batches):
     """float16 with a loss scale of 2**40: every scaled gradient is inf, on every device."""
@@ -98,10 +97,7 @@ def test_an_overflowing_step_leaves_every_shard_bitwise(strategy, expert, batche
     assert float(after.loss_scale.loss_scale) == 2.0 ** 39
     names = ("params", "opt_state", "biases") + (("compute_params",) if strategy == "zero1" else ())
     for name in names:
-        a, b = jax.tree.leaves(getattr(before, name)), jax.tree.leaves(getattr(after, name))
-        assert len(a) == len(b) > 0
-        for x, y in zip(a, b):
-            np.testing.assert_array_equal(bits(x), bits(y))
+        assert_bitwise_equal(getattr(before, name), getattr(after, name))
     # One verdict: the loss scale and the router biases are the same on every device.
     for leaf in [state1.loss_scale.loss_scale] + jax.tree.leaves(state1.biases):
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
@@ -230,9 +226,6 @@ def test_expert_parallel_tokens_travel_by_all_to_all_in_the_compute_dtype():
 def test_parallel_overrides_reach_a_config_file_that_predates_them(override, message):
     """configs/tiny_moe.py has no ``parallel`` section: the file is completed with every
     default before the command line's overrides, which then fail (or work) by value."""
-    import subprocess
-    import sys
-    from _configs import ROOT
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
                         f"--config.{override}", "--workdir", "/nonexistent/never-created"],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -242,8 +235,6 @@ def test_parallel_overrides_reach_a_config_file_that_predates_them(override, mes
 
 
 def test_only_a_process_whose_bar_is_shown_writes_lines_above_it():
-    from jaxmp.train.hooks import _say
-
     class Bar:
         def __init__(self, disable):
             self.disable, self.lines = disable, []

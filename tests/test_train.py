@@ -12,6 +12,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from _bitwise import assert_bitwise_equal
 from _configs import ROOT, load_config, small_config
 from jaxmp.train import CheckpointError, Experiment, TrainingStalled, train_and_evaluate
 from jaxmp.train.data import create_pipeline
@@ -23,18 +24,6 @@ from benchmarks import _common as bench_common  # noqa: E402
 
 def read_metrics(workdir, split="train"):
     return _read_metrics(pathlib.Path(workdir) / "metrics.jsonl", split)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-
-
-def assert_bitwise_equal(tree_a, tree_b):
-    a, b = jax.tree.leaves(tree_a), jax.tree.leaves(tree_b)
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(bits(x), bits(y))
 
 
 @pytest.mark.slow

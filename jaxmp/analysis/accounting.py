@@ -616,11 +616,7 @@ def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
                          f"{jax.default_backend()} and {len(devices)} cpu devices exist; set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
                          f"before JAX starts")
-    if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or expert < 1 or num_devices % expert:
-        raise ValueError(f"parallel.expert={expert!r} must be an integer >= 1 that divides "
-                         f"num_devices={num_devices}")
-    return Mesh(np.asarray(devices[:num_devices]).reshape(num_devices // expert, expert),
-                (sharding.DATA_AXIS, sharding.EXPERT_AXIS))
+    return sharding.make_mesh(num_devices, expert=expert, devices=devices)
 
 
 def _per_device_bytes(tree: Any, shardings: Any) -> int:

@@ -128,18 +128,13 @@ class Experiment:
           ValueError: any bad config value (:func:`validate_config`), or more devices
             than exist.
         """
-        if mesh is None:
-            complete = complete_config(config)
-            num_devices = num_devices or complete.train.num_devices or None
-            total = num_devices or len(jax.devices())
-            x = complete.parallel.expert
-            sharding.layout(complete.parallel.strategy, x)  # a bad strategy or expert count, named
-            if total % x:  # named before the mesh is built
-                raise ValueError(f"parallel.expert={x} does not divide the {total} devices; allowed: "
-                                 f"{', '.join(str(d) for d in range(1, total + 1) if total % d == 0)}")
-            mesh = sharding.make_mesh(num_devices, expert=complete.parallel.expert)
+        if mesh is None:  # validated first, so a bad layout is named before the mesh is built
+            num_devices = num_devices or complete_config(config).train.num_devices or None
+            settings = validate_config(config, num_devices or len(jax.devices()))
+            mesh = sharding.make_mesh(num_devices, expert=settings.layout.expert)
+        else:
+            settings = validate_config(config, int(mesh.devices.size))
         n = int(mesh.devices.size)
-        settings = validate_config(config, n)
         cfg = settings.config
         layout = settings.layout.on(mesh)
         lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
@@ -149,9 +144,9 @@ class Experiment:
             model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
             comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
                                               settings.comm["grad_compression"])
-            state = create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
-                                       comm_state=comm_state)[1]
-            return state  # ZeRO-1's compute copy is cast afterwards, from the stored params
+            # ZeRO-1's compute copy is cast afterwards, from the stored params (restored_state).
+            return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
+                                      comm_state=comm_state)[1]
 
         model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
                                                       rngs=nnx.Rngs(cfg.seed)))
