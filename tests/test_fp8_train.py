@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from _configs import ROOT, load_config, small_config
-from test_train import assert_bitwise_equal, bits
+from _bitwise import assert_bitwise_equal, bits
 from jaxmp import fp8
 from jaxmp.models import FP8State, MoETransformer, ModelConfig, capture_matmul_operands
 from jaxmp.precision.policy import get_policy, get_policy_rules
