@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp import sharding
@@ -180,8 +179,7 @@ class _Plan:
                 dims = [i for i, name in enumerate(logical_axes) if name in data_names]
                 if not dims:
                     return value.astype(dtype)
-                out = comm.gather_param(value, DATA_AXIS, dims[0], dtype, reduce_dtype, self.total)
-                return checkpoint_name(out, FSDP_GATHER)
+                return comm.gather_param(value, DATA_AXIS, dims[0], dtype, reduce_dtype, self.total)
 
             self.gather = gather
 
@@ -194,8 +192,6 @@ class _Plan:
             return jax.lax.pcast(x, missing, to="varying") if missing else x
         return jax.tree.map(one, tree)
 
-
-FSDP_GATHER = "fsdp_gather"  # the checkpoint name of a gathered FSDP parameter
 
 # Primitives that only move, reshape or retype their input. Under FSDP their outputs are
 # never saved for the backward pass: a gathered weight reaches its matmul through them
@@ -218,10 +214,8 @@ def _gathers(params) -> bool:
 
 def _fsdp_policy(prim, *_, **params) -> bool:
     """The FSDP loss's ``jax.checkpoint`` policy: save everything but a gathered
-    parameter (:func:`jaxmp.comm.gather_param`'s output, named :data:`FSDP_GATHER`) and
-    the outputs of :data:`_LAYOUT_PRIMITIVES`."""
-    if prim.name == "name":
-        return params.get("name") != FSDP_GATHER
+    parameter (the ``custom_jvp_call`` of :func:`jaxmp.comm.gather_param`) and the
+    outputs of :data:`_LAYOUT_PRIMITIVES`."""
     if prim.name == "custom_jvp_call" and _gathers(params):
         return False
     return prim.name not in _LAYOUT_PRIMITIVES
