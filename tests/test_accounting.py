@@ -157,6 +157,76 @@ def test_gradient_collective_bytes_by_hand():
     assert accounting.gradient_collective_bytes(colls, [7]) == 0
 
 
+# A scan of length 3 as the partitioner's dump prints it: no known_trip_count yet; the
+# counter starts at constant 1 here, so the loop runs 4 - 1 = 3 times; a loop of another
+# shape (the condition a constant) is counted once.
+HLO_SCAN = """HloModule jit_scan
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[16]{0})) -> (s32[], f32[16]{0}) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %g = f32[16]{0} get-tuple-element(%p), index=1
+  %rs.loop = f32[8]{0} reduce-scatter(%g), channel_id=5, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %pad = f32[16]{0} pad(%rs.loop)
+  ROOT %t = (s32[], f32[16]{0}) tuple(%next, %pad)
+}
+
+%cond (p.1: (s32[], f32[16]{0})) -> pred[] {
+  %p.1 = (s32[], f32[16]{0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+%body2 (q: (s32[], f32[16]{0})) -> (s32[], f32[16]{0}) {
+  %q = (s32[], f32[16]{0}) parameter(0)
+  %h = f32[16]{0} get-tuple-element(%q), index=1
+  %ar.other = f32[16]{0} all-reduce(%h), channel_id=6, replica_groups={{0,1}}, to_apply=%add
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %u = (s32[], f32[16]{0}) tuple(%j, %ar.other)
+}
+
+%cond2 (q.1: (s32[], f32[16]{0})) -> pred[] {
+  %q.1 = (s32[], f32[16]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (w: f32[16]) -> f32[] {
+  %w = f32[16]{0} parameter(0)
+  %start = s32[] constant(1)
+  %init = (s32[], f32[16]{0}) tuple(%start, %w)
+  %scan = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body
+  %other = (s32[], f32[16]{0}) while(%init), condition=%cond2, body=%body2
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_a_scans_counted_loop_is_counted_without_known_trip_count():
+    found = {c.name: c for c in accounting.hlo_collectives(HLO_SCAN)}
+    assert found["rs.loop"].count == 3 and found["ar.other"].count == 1
+    assert accounting.gradient_collective_bytes(list(found.values()), [16]) == 3 * 16 * 4 + 16 * 4
+
+
+def test_the_partitioners_hlo_is_read_under_a_persistent_compilation_cache():
+    """The dump options are not in JAX's cache key: a second identical compile that hit
+    the cache would write no partitioner dump (conftest sets the cache for the tests)."""
+    assert os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    config = hand_config()
+    first, second = (accounting.account_mode(config, "bf16_allreduce", 2) for _ in range(2))
+    assert first["hlo_source"] == second["hlo_source"] == "HLO after SPMD partitioning"
+    assert second["collective_bytes"] == first["collective_bytes"]
+    assert second["collective_bytes"]["all-reduce"]["bf16"] > 0
+
+
 HLO_DTYPES = {"pred": np.bool_, "s8": np.int8, "u8": np.uint8, "s16": np.int16, "f16": np.float16,
               "bf16": jnp.bfloat16, "s32": np.int32, "u32": np.uint32, "f32": np.float32,
               "s64": np.int64, "f64": np.float64, "c64": np.complex64}

@@ -146,12 +146,15 @@ def leaves(exp):
     return out
 
 
-@pytest.fixture(scope="module", params=["dp", "zero1", "fsdp"])
+@pytest.fixture(scope="module", params=["dp", "zero1", "fsdp", "fsdp+scan"])
 def accounted(request):
-    config = config_for(request.param, policy="fp32")
+    strategy, _, scan = request.param.partition("+")
+    config = config_for(strategy, policy="fp32")
+    if scan:  # a stack of 3 MoE layers: FSDP gathers and reduce-scatters inside the loop
+        config.model.update(dict(scan_layers=True, num_layers=4))
     row = accounting.account_mode(config, "bf16_allreduce", 8)
     exp = Experiment.create(accounting.mode_config(config, "bf16_allreduce"), num_devices=8)
-    return request.param, row, exp
+    return strategy, row, exp
 
 
 def test_persistent_bytes_per_device_follow_the_zero_formulas(accounted):

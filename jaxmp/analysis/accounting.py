@@ -312,8 +312,9 @@ class Collective:
         ``collective-permute`` (``-start`` forms are reported without the suffix).
       operands: the operand arrays, in order.
       results: the result arrays, one per operand (for ``all-gather``, the gathered ones).
-      count: times it runs per execution of the module (the product of the known trip
-        counts of the ``while`` loops around it; 1 outside loops or when unknown).
+      count: times it runs per execution of the module (the product of the trip counts
+        of the ``while`` loops around it, XLA's ``known_trip_count`` or a scan's counted
+        bound; 1 outside loops or when neither is known).
       op_name: the JAX ``op_name`` metadata, '' if none.
       group_size: devices per replica group (``replica_groups={{0,1},{2,3}}``, the
         iota form ``[2,2]<=[4]`` or the mesh form ``mesh['axis_0'=2,'axis_1'=2]
@@ -408,13 +409,66 @@ def _operand_names(args: str) -> List[str]:
     return names
 
 
+def _scalar_constant(instrs: Dict[str, Tuple[str, str, str]], name: str) -> Optional[int]:
+    op, args, _ = instrs.get(name, ("", "", ""))
+    return int(args) if op == "constant" and re.fullmatch(r"-?\d+", args.strip()) else None
+
+
+def _tuple_element(instrs: Dict[str, Tuple[str, str, str]], name: str) -> Optional[Tuple[str, int]]:
+    """(tuple operand, index) of a ``get-tuple-element``, else None."""
+    op, args, attrs = instrs.get(name, ("", "", ""))
+    index = re.search(r"\bindex=(\d+)", attrs)
+    return (_operand_names(args)[0], int(index.group(1))) if op == "get-tuple-element" and index else None
+
+
+def _counted_loop_trips(instrs: Dict[str, Tuple[str, str, str]], roots: Dict[str, str],
+                        args: str, attrs: str) -> Optional[int]:
+    """Trips of a ``while`` whose backend config states none, read off the loop itself.
+
+    XLA adds ``known_trip_count`` only in passes after SPMD partitioning, so the
+    partitioner's dump of a scanned model (``nnx.scan`` / ``lax.scan``) has none. JAX
+    lowers a scan of length N as a counted loop: tuple element k starts at a constant
+    S, the condition's root is ``compare(gte(p, k), constant(N)), direction=LT`` and the
+    body's root tuple holds ``add(gte(p, k), constant(1))`` at k; its trips are N - S.
+    Any other shape gives None (counted once, as before).
+    """
+    callees = dict(_CALLEES.findall(attrs))
+    cond = instrs.get(roots.get(callees.get("condition", ""), ""))
+    body = instrs.get(roots.get(callees.get("body", ""), ""))
+    if cond is None or body is None or cond[0] != "compare" or body[0] != "tuple":
+        return None
+    direction = re.search(r"\bdirection=(\w+)", cond[2])
+    pair = _operand_names(cond[1])
+    if direction is None or len(pair) != 2 or direction.group(1) not in ("LT", "GT"):
+        return None
+    counter, bound = pair if direction.group(1) == "LT" else pair[::-1]
+    element, stop = _tuple_element(instrs, counter), _scalar_constant(instrs, bound)
+    init = _operand_names(args)
+    if element is None or stop is None or len(init) != 1 or instrs.get(init[0], ("",))[0] != "tuple":
+        return None
+    k = element[1]
+    starts, nexts = _operand_names(instrs[init[0]][1]), _operand_names(body[1])
+    if k >= len(starts) or k >= len(nexts):
+        return None
+    start = _scalar_constant(instrs, starts[k])
+    step_op, step_args, _ = instrs.get(nexts[k], ("", "", ""))
+    step = [(_tuple_element(instrs, a), _scalar_constant(instrs, a)) for a in _operand_names(step_args)]
+    steps_by_one = step_op == "add" and len(step) == 2 and any(
+        e is not None and e[1] == k and c2 == 1 for (e, _), (_, c2) in (step, step[::-1]))
+    if start is None or not steps_by_one or stop <= start:
+        return None
+    return stop - start
+
+
 def hlo_collectives(hlo_text: str) -> List[Collective]:
     """Parses the collective instructions of an HLO module's text.
 
     Reads the text of ``compiled.as_text()`` or of an XLA HLO dump: computations,
     instruction lines like ``%all-reduce.3 = (f32[64,32]{1,0}, bf16[8]{0})
     all-reduce(%a, %b), ..., to_apply=%add``, and the ``while`` loops (``body=``,
-    ``backend_config={"known_trip_count":{"n":"4"}}``) and calls that decide how often
+    ``backend_config={"known_trip_count":{"n":"4"}}``, or where XLA has not stated it
+    yet, as after SPMD partitioning, the bound of a counted loop as JAX lowers
+    ``lax.scan``: see :func:`_counted_loop_trips`) and calls that decide how often
     each computation runs. Operand types are looked up by operand name. ``*-done``
     halves of async pairs are skipped; a ``*-start`` is reported as its collective, and
     the operand copies in an async ``all-gather-start``'s result tuple are dropped.
@@ -426,6 +480,8 @@ def hlo_collectives(hlo_text: str) -> List[Collective]:
       ValueError: a line with unbalanced parentheses.
     """
     types: Dict[str, str] = {}
+    instrs: Dict[str, Tuple[str, str, str]] = {}  # name -> (op, args, attrs); names are module-wide
+    roots: Dict[str, str] = {}  # computation -> its ROOT instruction
     order: List[str] = []
     calls: Dict[str, List[Tuple[str, int]]] = collections.defaultdict(list)
     found: List[Tuple[str, str, str, str, str, str]] = []  # computation, name, type, op, args, attrs
@@ -445,9 +501,14 @@ def hlo_collectives(hlo_text: str) -> List[Collective]:
         name, rest = m.groups()
         type_text, op, args, attrs = _split_instruction(rest)
         types[name] = type_text
+        instrs[name] = (op, args, attrs)
+        if line.lstrip().startswith("ROOT"):
+            roots[current] = name
         trip = _TRIP.search(attrs)
+        trips = int(trip.group(1)) if trip else (
+            _counted_loop_trips(instrs, roots, args, attrs) if op == "while" else None)
         for key, callee in _CALLEES.findall(attrs):
-            calls[current].append((callee, int(trip.group(1)) if key == "body" and trip else 1))
+            calls[current].append((callee, trips or 1 if key == "body" else 1))
         for group in _BRANCHES.findall(attrs):
             calls[current].extend((b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip())
         base = op[:-len("-start")] if op.endswith("-start") else op
@@ -481,8 +542,10 @@ def gradient_collective_bytes(collectives: Sequence[Collective], dense_sizes: Se
     tuple collective:
 
     * an ``all-reduce`` / ``reduce-scatter`` operand whose element count is that of a
-      gradient leaf on one device (``dense_sizes``) counts its operand bytes: the whole
-      buffer that is summed (XLA may transpose or reshape a leaf, never resize it);
+      gradient leaf on one device (``dense_sizes``; for a scanned model
+      :func:`account_mode` adds one layer's slice of each stacked leaf, which FSDP
+      reduces inside the loop) counts its operand bytes: the whole buffer that is summed
+      (XLA may transpose or reshape a leaf, never resize it);
     * an ``all-gather`` operand whose element count is in ``sparse_sizes`` (the top-k
       counts of the leaves, :func:`jaxmp.comm.topk_count`) counts its result bytes:
       every device's values or indices, as each device receives them;
@@ -634,17 +697,29 @@ _CPU_READ_ONLY = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensi
 
 
 def _partitioned_hlo(lowered, cpu: bool) -> Tuple[str, Any, str]:
-    """Compiles ``lowered`` and returns (HLO text after SPMD partitioning, compiled, note)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        compiled = lowered.compile(compiler_options={
-            "xla_dump_to": tmp, "xla_dump_hlo_as_text": True,
-            "xla_dump_hlo_pass_re": "spmd-partitioning", **(_CPU_READ_ONLY if cpu else {})})
-        dumps = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
-        if dumps:
-            with open(dumps[-1]) as f:
-                return f.read(), compiled, "HLO after SPMD partitioning"
-    # No dump (e.g. a persistent-cache hit): the final program, whose 16-bit reductions
-    # XLA:CPU may have widened.
+    """Compiles ``lowered`` and returns (HLO text after SPMD partitioning, compiled, note).
+
+    The partitioner's dump is written only by a real compilation, and JAX's persistent
+    compilation cache (``JAX_COMPILATION_CACHE_DIR``) leaves the dump options out of its
+    key. So this compile passes ``xla_enable_dumping`` (on by default: no effect on the
+    program, but part of the key, so no other compile's entry matches) and writes no
+    cache entry of its own (the minimum compile time to be cached is raised meanwhile).
+    """
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            compiled = lowered.compile(compiler_options={
+                "xla_dump_to": tmp, "xla_dump_hlo_as_text": True, "xla_enable_dumping": True,
+                "xla_dump_hlo_pass_re": "spmd-partitioning", **(_CPU_READ_ONLY if cpu else {})})
+            dumps = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+            if dumps:
+                with open(dumps[-1]) as f:
+                    return f.read(), compiled, "HLO after SPMD partitioning"
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+    # No dump (not expected): the final program, whose 16-bit reductions XLA:CPU may
+    # have widened.
     return compiled.as_text(), compiled, "compiled HLO (no partitioner dump was written)"
 
 
@@ -742,8 +817,11 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     # A device's gradient as it enters the reduction has the layout of ``dp``'s
     # parameters (whole, but for the expert-parallel split): every strategy reduces that.
     grad_sh = sharding.state_shardings(state.params, mesh, sharding.layout("dp", exp.layout.expert).on(mesh).compute_rules)
-    dense = [int(np.prod(s.shard_shape(tuple(x.shape)), dtype=np.int64)) for x, s in
-             zip(jax.tree.leaves(state.params), jax.tree.leaves(grad_sh))]
+    dense = []
+    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(grad_sh)):
+        dense.append(int(np.prod(s.shard_shape(tuple(x.shape)), dtype=np.int64)))
+        if getattr(path[0], "key", None) == "stacks":  # scanned: one layer's slice, reduced in the loop
+            dense.append(dense[-1] // x.shape[0])
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
