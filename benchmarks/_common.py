@@ -17,6 +17,10 @@ import numpy as np
 
 from jaxmp.train import Experiment
 
+# The compile seconds these scripts report must be compilations: a persistent compilation
+# cache (JAX_COMPILATION_CACHE_DIR, which the test suite sets) would make them cache reads.
+jax.config.update("jax_enable_compilation_cache", False)
+
 __all__ = ["ROOT", "DEFAULT_CONFIG", "experiment", "random_batches", "device_info", "write_json"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

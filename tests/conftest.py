@@ -10,7 +10,38 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache per test session (JAX's own, keyed on the program, the
+# compile options and the XLA flags), inherited by every train.py, benchmark and notebook
+# subprocess: the tests compile the same tiny steps many times over, in many processes.
+# Each pytest-xdist worker gets a folder of its own, so no process reads an entry that
+# another worker is still writing. Benchmarks that time compilation turn it off themselves.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="jaxmp-tests-jit-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        _cache, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import jax  # noqa: E402
 
 # Tests check numerics, not speed: compile fast.
 jax.config.update("jax_disable_most_optimizations", True)
+
+
+# The slowest modules, slowest first (measured with --durations=0 on 2 cores). pytest-xdist
+# (`-n 2 --dist loadfile` in pyproject.toml) hands each module whole to one worker, in
+# collection order; starting with the longest keeps one worker from running a long module
+# alone at the end. A module missing here only runs later; the order changes no result.
+SLOWEST_FIRST = ("test_train.py", "test_faults.py", "test_gpu_suite.py", "test_fp8_train.py",
+                 "test_parallel.py", "test_notebooks.py", "test_scan_remat.py",
+                 "test_accounting.py", "test_multiprocess.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
