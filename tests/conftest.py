@@ -33,13 +33,16 @@ import jax  # noqa: E402
 jax.config.update("jax_disable_most_optimizations", True)
 
 
-# The slowest modules, slowest first (measured with --durations=0 on 2 cores). pytest-xdist
-# (`-n 2 --dist loadfile` in pyproject.toml) hands each module whole to one worker, in
-# collection order; starting with the longest keeps one worker from running a long module
-# alone at the end. A module missing here only runs later; the order changes no result.
-SLOWEST_FIRST = ("test_train.py", "test_faults.py", "test_gpu_suite.py", "test_fp8_train.py",
-                 "test_parallel.py", "test_notebooks.py", "test_scan_remat.py",
-                 "test_accounting.py", "test_multiprocess.py")
+# The slowest modules, slowest first (summed --durations=0, 2026-12-01). pytest-xdist
+# (`-n 2 --dist loadfile --no-loadscope-reorder` in pyproject.toml) hands each module whole
+# to one worker, in this order; starting with the longest keeps one worker from running a
+# long module alone at the end (without --no-loadscope-reorder, xdist would order the
+# modules by their number of tests). A module missing here runs later; no result changes.
+SLOWEST_FIRST = ("test_train.py", "test_faults.py", "test_fp8_train.py", "test_parallel.py",
+                 "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
+                 "test_notebooks.py", "test_checkpoint.py", "test_fp8.py", "test_comm.py",
+                 "test_model.py", "test_fidelity.py", "test_multiprocess.py",
+                 "test_benchmarks.py", "test_benchmarks_matmul.py", "test_diagnostics.py")
 
 
 def pytest_collection_modifyitems(config, items):
