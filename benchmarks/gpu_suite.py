@@ -76,6 +76,7 @@ from benchmarks._common import ROOT, device_info, write_json
 from benchmarks._timing import MIN_REPEATS, time_per_call
 from jaxmp.analysis import cost
 from jaxmp.analysis.accounting import saved_residuals
+from jaxmp.analysis.report import output_problem
 from jaxmp.models import RoutedExperts
 from jaxmp.models.attention import attention_core, resolve_attention, trace_cudnn_without_gpu
 from jaxmp.precision.policy import get_policy_rules
@@ -621,9 +622,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one isolated case (JSON spec)
     parser.add_argument("--case-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.case:
-        write_json(args.case_out, run_part(json.loads(args.case)))
+    if args.case is not None or args.case_out is not None:
+        if args.case is None or args.case_out is None:
+            parser.error("--case and --case-out go together (the suite's own child processes)")
+        try:
+            spec = json.loads(args.case)
+        except json.JSONDecodeError as e:
+            parser.error(f"--case is not JSON: {e}")
+        if not isinstance(spec, dict) or "part" not in spec or "toy" not in spec:
+            parser.error(f"--case {args.case!r} needs an object with 'part' and 'toy'")
+        if problem := output_problem(args.case_out):
+            parser.error(f"--case-out: {problem}")
+        write_json(args.case_out, run_part(spec))
         return 0
+    for path in (f"{args.out}.json", f"{args.out}.md"):
+        if problem := output_problem(path):
+            parser.error(f"--out: {problem}")
     if (not args.toy) if args.isolate is None else args.isolate:
         # Before JAX starts its backend: this process only orchestrates; the children
         # (which get the original settings back) must find the device's memory free.

@@ -8,6 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from jaxmp.analysis import article, cost, report
 
+TINY = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "tiny_moe.py")
+
 # DeepSeek-V3: 6 x 37e9 x 14.8e12, and the causal-attention term 6 x 61 x 4096 x 7168 per token.
 DSV3_6ND = 3.2856e24
 DSV3_ATTN_PER_TOKEN = 10_745_806_848  # 6 * 61 = 366; 366 * 4096 = 1_499_136; * 7168.
@@ -254,6 +256,10 @@ def test_cli_cost_overrides_in_process(tmp_path, capsys):
     (["--cost", "--mfu", "2"], "mfu must be in (0, 1]"),
     (["--article", "--devices", "1"], "num_devices must be an int >= 2"),
     ([], "choose a report: --article and/or --cost"),
+    # Before any work: an output path that cannot be written, an empty list of modes.
+    (["--article", "--json", "/proc/no/such/out.json"], "--json: cannot write /proc/no/such/out.json"),
+    (["--config", TINY, "--modes", "fp32", "--json", "/proc/no/such/out.json"], "--json: cannot write"),
+    (["--config", TINY, "--modes", ","], "--modes ',' names no precision mode; allowed: fp32,"),
 ])
 def test_cli_bad_input_exits_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

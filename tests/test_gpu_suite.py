@@ -170,3 +170,16 @@ def test_compile_time_benchmark_at_toy_size():
     assert r["ratios"]["scanned"] == pytest.approx(by[2]["total_s"] / by[1]["total_s"], rel=1e-12)
     with pytest.raises(ValueError, match="at least two depths"):
         compile_time.run(small_config(), [3], [True])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--toy", "--parts", "attention", "--out", "/proc/no/such/suite"], "--out: cannot write /proc/no/such/suite.json"),
+    (["--toy", "--case", "{bad"], "--case and --case-out go together"),
+    (["--toy", "--case", "{}", "--case-out", "/tmp/case.json"], "needs an object with 'part' and 'toy'"),
+])
+def test_bad_output_or_case_is_a_one_line_error_before_any_measurement(args, message):
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "matmul" not in proc.stdout and "attention" not in proc.stdout  # nothing ran

@@ -39,13 +39,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
+import tempfile
 from typing import List, Optional, Sequence
 
 from jaxmp.analysis import article, cost
 
 __all__ = ["article_report", "cost_report", "format_article", "format_cost", "build_parser",
-           "main"]
+           "output_problem", "main"]
+
+
+def output_problem(path: str) -> Optional[str]:
+    """Why a report could not be written to ``path``, or None when it can.
+
+    Checked before any work, so that minutes of compiling or measuring are not lost to a
+    bad output path: the file's folder is created if missing, and a temporary file is
+    created and removed in it.
+
+    Args:
+      path: the output file.
+
+    Returns:
+      A one-line reason naming ``path``, or None.
+    """
+    out = pathlib.Path(path)
+    if out.is_dir():
+        return f"{path} is a folder; give a file path"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror or e}"
+    return None
 
 
 def article_report(num_devices: int = 8) -> dict:
@@ -265,6 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--config is a report of its own; run --article/--cost separately")
     if not (args.article or args.cost or args.config):
         parser.error("choose a report: --article and/or --cost, or --config PATH")
+    problem = output_problem(args.json) if args.json else None
+    if problem:
+        parser.error(f"--json: {problem}")
     if args.config:
         return _main_config(parser, args)
     out, text = {}, []
@@ -298,7 +328,10 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
 
     if args.flops and not args.settings:
         parser.error("--flops goes with --settings")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
+    if modes == []:
+        parser.error(f"--modes {args.modes!r} names no precision mode; allowed: "
+                     f"{', '.join(accounting.MODES)}")
     try:
         config = load_config(args.config, args.overrides)
         out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown)
