@@ -182,19 +182,18 @@ def run_matmul(n: int, repeats: int, hardware: Optional[str], peak_size: int, de
     if not recipes:
         skipped.append({"dtype": "fp8", "reason": note})
     if recipes:
-        fp8 = importlib.import_module("jaxmp.fp8")
         if hardware is not None:
             peak = {"peak_tflops": cost.peak_tflops(hardware, "fp8"),
                     "peak_source": f"{hardware} dense fp8 peak, jaxmp.analysis.cost.HARDWARE"}
         else:  # no FP8 datasheet figure off a known GPU: the float32 measured peak, as train_step
             peak = train_step.resolve_peak(device, "float32", None, peak_size)
-        x, w = [jax.device_put(a, device) for a in matmul.make_ring(n, "float32", 1)[0]]
-        x = x.astype(jnp.bfloat16)
-        for name, recipe in recipes.items():
+        for name in recipes:
+            # matmul.py's own row: jaxmp.fp8.dot(x bf16, w f32, recipe, state) over a ring of
+            # inputs, the delayed recipe with its amax histories (a layer's forward pass).
             try:
-                fn = jax.jit(lambda x, w, recipe=recipe: _first(fp8.dot(x, w, recipe)))
-                median_s = float(np.median(time_per_call(fn, [(x, w)], repeats=repeats, warmup=1)))
-            except Exception as e:  # a recipe that needs more (state) than dot(x, w, recipe)
+                median_s = float(np.median(matmul.time_fp8_recipe(name, n, "fwd", repeats=repeats,
+                                                                  device=device)))
+            except Exception as e:  # a recipe this device cannot run
                 skipped.append({"dtype": f"fp8_{name}", "reason": f"{type(e).__name__}: {e}"[:300]})
                 continue
             tflops = matmul.matmul_tflops(n, median_s * 1e3)
@@ -203,10 +202,6 @@ def run_matmul(n: int, repeats: int, hardware: Optional[str], peak_size: int, de
                          "peak_source": peak["peak_source"],
                          "fraction_of_peak": tflops / peak["peak_tflops"]})
     return {"rows": rows, "skipped": skipped}
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
 
 
 # ----------------------------------------------------------------------------- 2. attention
@@ -412,7 +407,7 @@ def _git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                                text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
