@@ -15,13 +15,15 @@ from typing import Any, Dict, List
 import jax
 import numpy as np
 
+from jaxmp.analysis.report import output_problem
 from jaxmp.train import Experiment
 
 # The compile seconds these scripts report must be compilations: a persistent compilation
 # cache (JAX_COMPILATION_CACHE_DIR, which the test suite sets) would make them cache reads.
 jax.config.update("jax_enable_compilation_cache", False)
 
-__all__ = ["ROOT", "DEFAULT_CONFIG", "experiment", "random_batches", "device_info", "write_json"]
+__all__ = ["ROOT", "DEFAULT_CONFIG", "experiment", "random_batches", "device_info", "write_json",
+           "check_json_flag"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_moe.py")
@@ -67,6 +69,21 @@ def device_info(device: Any = None) -> Dict[str, Any]:
     device = device or jax.devices()[0]
     return {"platform": device.platform, "device_kind": device.device_kind, "devices_used": 1,
             "devices_present": jax.device_count()}
+
+
+def check_json_flag(value) -> bool:
+    """absl validator of a ``--json`` flag: checked before any work, so that a long run is
+    not lost to a path that cannot be written (:func:`jaxmp.analysis.report.output_problem`).
+
+    Raises:
+      absl.flags.ValidationError: naming the path and why it cannot be written.
+    """
+    from absl import flags  # the absl scripts' dependency only
+
+    problem = value and output_problem(str(value))
+    if problem:
+        raise flags.ValidationError(problem)
+    return True
 
 
 def write_json(path: str, report: Dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/compile_time.py`: mak
 import jax
 
 from benchmarks._common import ROOT, device_info, experiment, write_json
+from jaxmp.analysis.report import output_problem
 from jaxmp.train.config import config_to_dict, load_config
 
 __all__ = ["TARGET_RATIO", "measure", "run", "main"]
@@ -105,6 +106,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="alternating repetitions (default 2)")
     parser.add_argument("--json", default=None, help="write the report as JSON here")
     args = parser.parse_args(argv)
+    if args.json and (problem := output_problem(args.json)):
+        parser.error(f"--json: {problem}")
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
         config = load_config(args.config, [f"train.batch_size={args.batch}"])

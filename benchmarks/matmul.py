@@ -71,6 +71,7 @@ import numpy as np
 from benchmarks._timing import MIN_REPEATS, check_repeats, time_per_call
 from jaxmp import fp8
 from jaxmp.analysis.accounting import FP8_GEMM_TARGET, count_fp8_dots
+from jaxmp.analysis.report import output_problem
 
 __all__ = [
     "CPU_SIZES",
@@ -571,6 +572,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated jaxmp.fp8 recipes to benchmark, or 'none' "
                              f"(default {','.join(FP8_RECIPES)})")
     args = parser.parse_args(argv)
+    if args.json is not None and (problem := output_problem(str(args.json))):
+        parser.error(f"--json: {problem}")
 
     device = jax.devices()[0]
     sizes = args.sizes or (list(CPU_SIZES) if device.platform == "cpu" else args.gpu_sizes)

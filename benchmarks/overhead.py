@@ -53,7 +53,7 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from benchmarks._common import DEFAULT_CONFIG, device_info, experiment, random_batches, write_json
+from benchmarks._common import DEFAULT_CONFIG, check_json_flag, device_info, experiment, random_batches, write_json
 from benchmarks._timing import MIN_REPEATS, check_repeats
 from jaxmp.models import ModelConfig, MoETransformer, RouterBias, update_router_bias
 from jaxmp.precision import loss_scale as jaxmp_ls
@@ -370,6 +370,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("warmup", 2, "Untimed samples per side after compiling.", lower_bound=0)
     flags.DEFINE_integer("ring", 4, "Distinct random batches cycled.", lower_bound=1)
     flags.DEFINE_string("json", None, "Write the report as JSON to this path.")
+    flags.register_validator("json", check_json_flag)
     flags.DEFINE_string("profile", "", "Write jax.profiler traces of both sides here.")
 
 

@@ -49,7 +49,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from benchmarks import matmul
-from benchmarks._common import DEFAULT_CONFIG, device_info, experiment, random_batches, write_json
+from benchmarks._common import DEFAULT_CONFIG, check_json_flag, device_info, experiment, random_batches, write_json
 from benchmarks._timing import MIN_REPEATS, check_repeats
 from jaxmp.analysis import cost
 from jaxmp.precision.loss_scale import get_loss_scale
@@ -300,6 +300,7 @@ def _define_flags() -> None:
     flags.DEFINE_integer("peak_size", 1024, "Matrix size of the measured (non-GPU) peak.",
                          lower_bound=1)
     flags.DEFINE_string("json", None, "Write the report as JSON to this path.")
+    flags.register_validator("json", check_json_flag)
     flags.register_validator("precisions", lambda v: bool(v) and set(v) <= set(PRECISIONS),
                              f"--precisions takes a comma-separated subset of {','.join(PRECISIONS)}")
     flags.register_validator("fp16_loss_scale", _valid_loss_scale,

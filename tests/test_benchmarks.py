@@ -267,3 +267,12 @@ def test_scripts_reject_bad_flags_before_any_work(runs, name):
     returncode, stderr, wrote_json = runs[1][name]
     assert returncode != 0 and BAD_FLAGS[name][2] in stderr
     assert not wrote_json
+
+
+@pytest.mark.parametrize("script", ["matmul.py", "compile_time.py", "overhead.py", "train_step.py"])
+def test_an_unwritable_json_path_is_refused_before_any_work(script):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--json=/proc/no/such.json"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (1, 2), proc.stderr[-2000:]  # absl flag errors exit 1, argparse 2
+    assert "cannot write /proc/no/such.json" in proc.stderr and "Traceback" not in proc.stderr
+    assert "median" not in proc.stdout and "ms/step" not in proc.stdout  # nothing was timed
