@@ -675,8 +675,9 @@ def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
     if len(devices) < num_devices:
         devices = jax.devices("cpu")
     if len(devices) < num_devices:
-        raise ValueError(f"num_devices={num_devices} but only {len(jax.devices())} "
-                         f"{jax.default_backend()} and {len(devices)} cpu devices exist; set "
+        found = (f"{len(devices)} cpu" if jax.default_backend() == "cpu" else
+                 f"{len(jax.devices())} {jax.default_backend()} and {len(devices)} cpu")
+        raise ValueError(f"num_devices={num_devices} but only {found} devices exist; set "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} "
                          f"before JAX starts")
     return sharding.make_mesh(num_devices, expert=expert, devices=devices)
