@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmp.models.attention import Attention, cudnn_support, resolve_attention, trace_cudnn_without_gpu
@@ -452,9 +453,14 @@ def _counted_loop_trips(instrs: Dict[str, Tuple[str, str, str]], roots: Dict[str
         return None
     start = _scalar_constant(instrs, starts[k])
     step_op, step_args, _ = instrs.get(nexts[k], ("", "", ""))
-    step = [(_tuple_element(instrs, a), _scalar_constant(instrs, a)) for a in _operand_names(step_args)]
-    steps_by_one = step_op == "add" and len(step) == 2 and any(
-        e is not None and e[1] == k and c2 == 1 for (e, _), (_, c2) in (step, step[::-1]))
+    step = _operand_names(step_args)
+
+    def counter_plus_one(a: str, b: str) -> bool:
+        element = _tuple_element(instrs, a)
+        return element is not None and element[1] == k and _scalar_constant(instrs, b) == 1
+
+    steps_by_one = step_op == "add" and len(step) == 2 and (
+        counter_plus_one(*step) or counter_plus_one(*step[::-1]))
     if start is None or not steps_by_one or stop <= start:
         return None
     return stop - start
@@ -508,7 +514,7 @@ def hlo_collectives(hlo_text: str) -> List[Collective]:
         trips = int(trip.group(1)) if trip else (
             _counted_loop_trips(instrs, roots, args, attrs) if op == "while" else None)
         for key, callee in _CALLEES.findall(attrs):
-            calls[current].append((callee, trips or 1 if key == "body" else 1))
+            calls[current].append((callee, (trips or 1) if key == "body" else 1))
         for group in _BRANCHES.findall(attrs):
             calls[current].extend((b.strip().lstrip("%"), 1) for b in group.split(",") if b.strip())
         base = op[:-len("-start")] if op.endswith("-start") else op
@@ -819,10 +825,12 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     # parameters (whole, but for the expert-parallel split): every strategy reduces that.
     grad_sh = sharding.state_shardings(state.params, mesh, sharding.layout("dp", exp.layout.expert).on(mesh).compute_rules)
     dense = []
-    for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(grad_sh)):
-        dense.append(int(np.prod(s.shard_shape(tuple(x.shape)), dtype=np.int64)))
-        if getattr(path[0], "key", None) == "stacks":  # scanned: one layer's slice, reduced in the loop
-            dense.append(dense[-1] // x.shape[0])
+    variables = jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for var, s in zip(variables, jax.tree.leaves(grad_sh)):
+        shape = tuple(var.get_value().shape)
+        dense.append(int(np.prod(s.shard_shape(shape), dtype=np.int64)))
+        if tuple(var.get_metadata().get("out_sharding") or ())[:1] == ("layers",):
+            dense.append(dense[-1] // shape[0])  # scanned: one layer's slice, reduced in the loop
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
@@ -912,7 +920,6 @@ def _attention_residual_bytes(exp: Experiment) -> int:
     """Bytes one attention sublayer (``blocks/0/attn``: projections, RoPE, core) keeps
     for its backward pass at the per-device micro-batch, differentiated in its weights
     and its input, outside any block-level checkpoint."""
-    from flax import nnx  # deferred, as in jaxmp.sharding
 
     cfg, rules = exp.model_config, exp.rules
     module = nnx.eval_shape(lambda: Attention(
