@@ -47,8 +47,8 @@ platform allocator, so that it holds no device memory the children need.
 
 ``--toy`` shrinks every size (2-layer models of width 64, 64 x 64 matmuls) and runs the
 FP8 policies on the MoE config only, so that the whole suite runs on a CPU in about a
-minute: ``tests/test_gpu_suite.py`` runs it so it never rots. Toy figures say nothing about a GPU; the targets are judged only on an
-H200 (``n/a`` elsewhere).
+minute: ``tests/test_gpu_suite.py`` runs it so it never rots. Toy figures say nothing
+about a GPU; the targets are judged only on an H200 (``n/a`` elsewhere).
 """
 from __future__ import annotations
 
@@ -407,8 +407,8 @@ def _git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + (" (uncommitted changes)" if dirty else "")
