@@ -176,6 +176,7 @@ def test_compile_time_benchmark_at_toy_size():
 @pytest.mark.parametrize("args, message", [
     (["--toy", "--parts", "attention", "--out", "/proc/no/such/suite"], "--out: cannot write /proc/no/such/suite.json"),
     (["--toy", "--case", "{bad"], "--case and --case-out go together"),
+    (["--toy", "--case", "{bad", "--case-out", "/tmp/case.json"], "--case is not JSON"),
     (["--toy", "--case", "{}", "--case-out", "/tmp/case.json"], "needs an object with 'part' and 'toy'"),
 ])
 def test_bad_output_or_case_is_a_one_line_error_before_any_measurement(args, message):
