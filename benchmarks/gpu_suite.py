@@ -75,7 +75,7 @@ from benchmarks import matmul, overhead, train_step
 from benchmarks._common import ROOT, device_info, write_json
 from benchmarks._timing import MIN_REPEATS, time_per_call
 from jaxmp.analysis import cost
-from jaxmp.analysis.accounting import saved_residuals
+from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.analysis.report import output_problem
 from jaxmp.models import RoutedExperts
 from jaxmp.models.attention import attention_core, resolve_attention, trace_cudnn_without_gpu

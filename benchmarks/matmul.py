@@ -70,7 +70,7 @@ import numpy as np
 
 from benchmarks._timing import MIN_REPEATS, check_repeats, time_per_call
 from jaxmp import fp8
-from jaxmp.analysis.accounting import FP8_GEMM_TARGET, count_fp8_dots
+from jaxmp.analysis.hlo import FP8_GEMM_TARGET, count_fp8_dots
 from jaxmp.analysis.report import output_problem
 
 __all__ = [
@@ -397,7 +397,7 @@ def fp8_program_census(recipe: str, n: int, pass_: str, device: Optional[Any] = 
 
     Returns:
       ``{"lowered_fp8_dots", "lowered_other_dots"}`` from the lowered StableHLO
-      (:func:`jaxmp.analysis.accounting.count_fp8_dots`), and ``"fp8_gemm_calls"``: on a
+      (:func:`jaxmp.analysis.hlo.count_fp8_dots`), and ``"fp8_gemm_calls"``: on a
       GPU the number of ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO (how
       many products reach XLA's FP8 GEMM), None elsewhere.
 

@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.update(dict(
         vocab_size=32768, num_layers=16, d_model=2048, num_heads=16, d_ff=5632, max_len=2048,
         num_experts=0, num_shared_experts=0, first_dense_layers=0, bias_update_rate=0.0,
-        attention="auto",          # cuDNN's fused kernel on the GPU, XLA elsewhere
+        attention="auto",          # cuDNN's fused kernel on the GPU, the reference path elsewhere
         scan_layers=True,          # one compiled layer instead of 16
         remat="none",              # 45 GB of state and activations: fits an H200's 141 GB
     ))

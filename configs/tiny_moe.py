@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
         aux_loss_weight=0.01,      # alpha of the load-balancing loss
         bias_update_rate=0.001,    # gamma of auxiliary-loss-free balancing (DeepSeek-V3)
         capacity_factor=0.0,       # 0: dropless dispatch
-        attention="auto",          # reference | xla | cudnn | auto (cuDNN where it runs, else xla)
+        attention="auto",          # reference | xla | cudnn | auto (cuDNN where it runs, else reference)
         scan_layers=False,         # True: stack the layers and run them with jax.lax.scan
         remat="none",              # none | attention | dots_saveable | full (per block)
     ))

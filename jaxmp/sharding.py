@@ -67,6 +67,7 @@ __all__ = [
     "use_rules",
     "constrain",
     "in_step",
+    "fsdp_checkpoint_policy",
     "expert_axis",
     "param_gather",
     "dispatch_dtype",
@@ -384,3 +385,47 @@ def dispatch_dtype() -> str:
     ``"compute"`` or ``"e4m3"``; ``"compute"`` elsewhere."""
     ctx = getattr(_STEP, "value", None)
     return "compute" if ctx is None else ctx[2]
+
+
+# Primitives that only move, reshape or retype their input. Under FSDP their outputs are
+# never saved for the backward pass: a gathered weight reaches its matmul through them
+# (a transpose, a reshape into heads, a cast), and saving any of those would keep a
+# whole copy of the weight alive between the passes. They are recomputed instead,
+# from their saved inputs (activations) or from a fresh gather (weights).
+_LAYOUT_PRIMITIVES = frozenset({
+    "transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze",
+    "expand_dims", "slice", "dynamic_slice", "concatenate", "copy", "copy_p", "all_gather",
+    "rev", "pad", "select_n"})
+
+
+def _gathers(params) -> bool:
+    """True for a ``custom_jvp_call`` whose function all-gathers (:func:`jaxmp.comm.gather_param`)."""
+    jaxpr = params.get("call_jaxpr")
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))
+
+
+def fsdp_checkpoint_policy(base: Optional[Any] = None):
+    """A ``jax.checkpoint`` policy for a module whose parameters FSDP gathers inside it.
+
+    A value is saved for the backward pass when ``base`` saves it (every value when
+    ``base`` is None) and it is neither a gathered parameter (the ``custom_jvp_call`` of
+    :func:`jaxmp.comm.gather_param`) nor the output of a primitive that only moves,
+    reshapes or casts its input. So the model's remat policy (``model.remat``) holds as
+    it would without FSDP, and no whole weight stays alive between the passes: the
+    backward pass gathers each again (ZeRO-3 / FSDP, Rajbhandari et al. 2020, 5.3).
+
+    Args:
+      base: a ``jax.checkpoint_policies`` policy, or None for "save everything".
+
+    Returns:
+      ``policy(prim, *args, **params) -> bool``.
+    """
+    def policy(prim, *args, **params) -> bool:
+        if prim.name == "custom_jvp_call" and _gathers(params):
+            return False
+        if prim.name in _LAYOUT_PRIMITIVES:
+            return False
+        return True if base is None else bool(base(prim, *args, **params))
+
+    return policy

@@ -145,7 +145,7 @@ for a in (3.0, 0.5, 0.5, 0.5, 0.5):  # five more steps: the 8 falls out of the 4
 
 `jaxmp.models.capture_matmul_operands` records every weight matmul's operands during a forward pass; `diagnostics.fp8_report` compares the recipes per module. Then the trainer's own step is lowered and its `dot_general` ops are counted (case FP8-2): under `fp8_blockwise` every weight matmul of attention and the FFNs becomes three dots with two FP8 operands (forward, `dx`, `dw`), and only the head, the router, the attention core and the gate-weighted sums keep bfloat16/float32 dots."""),
     ("code", """\
-from jaxmp.analysis.accounting import count_fp8_dots, stablehlo_dots
+from jaxmp.analysis.hlo import count_fp8_dots, stablehlo_dots
 from jaxmp.models import capture_matmul_operands
 from jaxmp.train import Experiment
 from jaxmp.train.config import load_config

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from _configs import load_config
-from jaxmp.analysis import accounting, report
+from jaxmp.analysis import accounting, hlo, remat, report, residuals
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MIXED_MODES = ("mixed_bf16", "mixed_fp16", "bf16_moments", "bf16_allreduce", "topk_allreduce",
@@ -34,7 +34,7 @@ def test_residuals_of_matmul_tanh_by_hand(b, d, h):
     weight gradient needs x, which is an argument and not counted.
     """
     w, x = jax.ShapeDtypeStruct((d, h), jnp.float32), jax.ShapeDtypeStruct((b, d), jnp.float32)
-    res = accounting.saved_residuals(lambda w, x: jnp.tanh(x @ w).sum(), w, x, argnums=0)
+    res = residuals.saved_residuals(lambda w, x: jnp.tanh(x @ w).sum(), w, x, argnums=0)
     computed = [r for r in res if r.kind == "computed"]
     assert sorted(r.shape for r in computed) == [(b, h), (b, h)]
     assert sum(r.nbytes for r in computed) == 2 * b * h * 4
@@ -51,7 +51,7 @@ def test_residuals_of_bf16_matmul_tanh_by_hand(b, d, h):
         return y.astype(jnp.float32).sum()
 
     w, x = jax.ShapeDtypeStruct((d, h), jnp.float32), jax.ShapeDtypeStruct((b, d), jnp.float32)
-    res = accounting.saved_residuals(loss, w, x)
+    res = residuals.saved_residuals(loss, w, x)
     computed = [r for r in res if r.kind == "computed"]
     assert {r.dtype for r in computed} == {"bfloat16"}
     assert sum(r.nbytes for r in computed) == 2 * (b * d + 2 * b * h)
@@ -62,8 +62,8 @@ def test_residuals_differentiate_only_argnums():
     differentiated."""
     f = lambda w, x: jnp.sum(jnp.exp(w) * x)  # noqa: E731
     w = x = jax.ShapeDtypeStruct((3, 5), jnp.float32)
-    only_x = accounting.saved_residuals(f, w, x, argnums=1)
-    both = accounting.saved_residuals(f, w, x, argnums=(0, 1))
+    only_x = residuals.saved_residuals(f, w, x, argnums=1)
+    both = residuals.saved_residuals(f, w, x, argnums=(0, 1))
     # d/dx = exp(w): one computed [3, 5] array either way; d/dw adds nothing new (exp(w)
     # times x, with x an argument).
     assert sum(r.nbytes for r in only_x if r.kind == "computed") == 15 * 4
@@ -76,18 +76,18 @@ def test_residuals_differentiate_only_argnums():
 def test_saved_residuals_rejects_bad_argnums(argnums):
     w = jax.ShapeDtypeStruct((2,), jnp.float32)
     with pytest.raises(ValueError, match="argnums"):
-        accounting.saved_residuals(lambda a, b: (a * b).sum(), w, w, argnums=argnums)
+        residuals.saved_residuals(lambda a, b: (a * b).sum(), w, w, argnums=argnums)
 
 
 def test_residual_breakdown_groups_and_sorts():
-    rows = [accounting.Residual((4,), "float32", 16, "computed", "output of exp from a.py:1"),
-            accounting.Residual((4,), "float32", 16, "computed", "output of exp from a.py:1"),
-            accounting.Residual((8,), "bfloat16", 16, "computed", "output of mul from b.py:2"),
-            accounting.Residual((100,), "float32", 400, "argument", "from the argument w")]
-    got = accounting.residual_breakdown(rows)
+    rows = [residuals.Residual((4,), "float32", 16, "computed", "output of exp from a.py:1"),
+            residuals.Residual((4,), "float32", 16, "computed", "output of exp from a.py:1"),
+            residuals.Residual((8,), "bfloat16", 16, "computed", "output of mul from b.py:2"),
+            residuals.Residual((100,), "float32", 400, "argument", "from the argument w")]
+    got = residuals.residual_breakdown(rows)
     assert got == [{"source": "output of exp from a.py:1", "dtype": "float32", "count": 2, "bytes": 32},
                    {"source": "output of mul from b.py:2", "dtype": "bfloat16", "count": 1, "bytes": 16}]
-    assert accounting.residual_breakdown(rows, top=1) == got[:1]
+    assert residuals.residual_breakdown(rows, top=1) == got[:1]
 
 
 # ----------------------------------------------------------------------------- HLO parsing
@@ -131,7 +131,7 @@ ENTRY %main (w: f32[64,32], v: bf16[8]) -> f32[] {
 
 
 def test_hlo_collectives_by_hand():
-    found = {c.name: c for c in accounting.hlo_collectives(HLO)}
+    found = {c.name: c for c in hlo.hlo_collectives(HLO)}
     assert set(found) == {"all-reduce.3", "rs", "ag", "ars", "ar.loop"}
     ar = found["all-reduce.3"]
     assert ar.op == "all-reduce" and ar.count == 1
@@ -145,7 +145,7 @@ def test_hlo_collectives_by_hand():
 
 
 def test_gradient_collective_bytes_by_hand():
-    colls = accounting.hlo_collectives(HLO)
+    colls = hlo.hlo_collectives(HLO)
     # Gradient leaves of 2048 (= 64 x 32, seen transposed as [32, 64]) and 16 elements;
     # the scalar and the bf16[8] operand are not gradients.
     dense = accounting.gradient_collective_bytes(colls, [2048, 16])
@@ -211,7 +211,7 @@ ENTRY %main (w: f32[16]) -> f32[] {
 
 
 def test_a_scans_counted_loop_is_counted_without_known_trip_count():
-    found = {c.name: c for c in accounting.hlo_collectives(HLO_SCAN)}
+    found = {c.name: c for c in hlo.hlo_collectives(HLO_SCAN)}
     assert found["rs.loop"].count == 3 and found["ar.other"].count == 1
     assert accounting.gradient_collective_bytes(list(found.values()), [16]) == 3 * 16 * 4 + 16 * 4
 
@@ -242,7 +242,7 @@ def test_tuple_all_reduce_bytes_match_numpy(arrays):
     result = ", ".join(f"{t}[{','.join(map(str, s))}]" for t, s in arrays)
     ops = ", ".join(f"%p{i}" for i in range(len(arrays)))
     text = f"ENTRY %m () -> f32[] {{\n{params}\n  %x = ({result}) all-reduce({ops}), to_apply=%add\n}}\n"
-    (c,) = accounting.hlo_collectives(text)
+    (c,) = hlo.hlo_collectives(text)
     want = sum(np.zeros(s, HLO_DTYPES[t]).nbytes for t, s in arrays)
     assert sum(a.nbytes for a in c.operands) == want == sum(a.nbytes for a in c.results)
     sizes = {int(np.prod(s)) for _, s in arrays}
@@ -442,7 +442,7 @@ def settings_config():
 
 @pytest.fixture(scope="module")
 def hand_settings():
-    return accounting.activation_settings(settings_config(), "mixed_bf16", 8,
+    return remat.activation_settings(settings_config(), "mixed_bf16", 8,
                                           attentions=("reference", "cudnn"),
                                           remats=("none", "attention", "full"), flops=True)
 
@@ -481,9 +481,9 @@ def test_settings_recompute_flops(hand_settings):
 
 def test_settings_reject_bad_names_before_work():
     with pytest.raises(ValueError, match="attention path 'flash'"):
-        accounting.activation_settings(hand_config(), attentions=("flash",))
+        remat.activation_settings(hand_config(), attentions=("flash",))
     with pytest.raises(ValueError, match="remat setting 'some'"):
-        accounting.activation_settings(hand_config(), remats=("some",))
+        remat.activation_settings(hand_config(), remats=("some",))
 
 
 def test_stablehlo_dots_by_hand():
@@ -493,9 +493,9 @@ def test_stablehlo_dots_by_hand():
     %2 = stablehlo.dot_general %c, %d, contracting_dims = [1] x [1] : (tensor<4x3xf8E5M2>, tensor<8x3xf8E4M3FN>) -> tensor<4x8xf32>
     %3 = stablehlo.dot_general %e, %f, contracting_dims = [1] x [0] : (tensor<4x8xf8E4M3FN>, tensor<8x3xbf16>) -> tensor<4x3xf32>
     """
-    dots = accounting.stablehlo_dots(text)
+    dots = hlo.stablehlo_dots(text)
     assert [(d.lhs, d.rhs, d.out) for d in dots] == [
         ("f8E4M3FN", "f8E4M3FN", "f32"), ("bf16", "bf16", "bf16"), ("f8E5M2", "f8E4M3FN", "f32"),
         ("f8E4M3FN", "bf16", "f32")]
     assert [d.fp8 for d in dots] == [True, False, True, False]
-    assert accounting.count_fp8_dots(text) == (2, 2)
+    assert hlo.count_fp8_dots(text) == (2, 2)

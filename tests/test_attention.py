@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.analysis.accounting import saved_residuals
+from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.models import attention as attn
 from jaxmp.models.attention import attention_core, cudnn_support, resolve_attention
 
@@ -142,20 +142,19 @@ def test_float16_scores_beyond_its_range_are_handled_in_float32(implementation):
 
 
 def test_auto_resolves_to_what_runs_here():
-    if jax.default_backend() == "cpu":
-        assert resolve_attention("auto", jnp.bfloat16, HD) == "xla"
-        assert resolve_attention("auto", jnp.float32, HD) == "xla"
-        # XLA:CPU cannot compile the F16_F16_F32 dot jax.nn.dot_product_attention asks for.
+    if jax.default_backend() == "cpu":  # no cuDNN: the lean reference path (2 B/score)
+        assert resolve_attention("auto", jnp.bfloat16, HD) == "reference"
+        assert resolve_attention("auto", jnp.float32, HD) == "reference"
         assert resolve_attention("auto", jnp.float16, HD) == "reference"
         ok, reason = cudnn_support(jnp.bfloat16, HD)
         assert not ok and "cpu" in reason
-        with pytest.raises(ValueError, match=r"model.attention='cudnn' cannot run here: the default "
-                                             r"JAX backend is 'cpu'.*use 'auto'"):
+        with pytest.raises(ValueError, match=r"model.attention='cudnn' cannot run here: the compile "
+                                             r"target is 'cpu'.*use 'auto'"):
             resolve_attention("cudnn", jnp.bfloat16, HD)
-    else:  # on a GPU with cuDNN: the fused kernel for 16-bit compute, XLA for float32
-        want = "cudnn" if cudnn_support(jnp.bfloat16, HD)[0] else "xla"
+    else:  # on a GPU with cuDNN: the fused kernel for 16-bit compute, the reference for float32
+        want = "cudnn" if cudnn_support(jnp.bfloat16, HD)[0] else "reference"
         assert resolve_attention("auto", jnp.bfloat16, HD) == want
-        assert resolve_attention("auto", jnp.float32, HD) == "xla"
+        assert resolve_attention("auto", jnp.float32, HD) == "reference"
     with pytest.raises(ValueError, match="model.attention='flash'; allowed: reference, xla, cudnn, auto"):
         resolve_attention("flash", jnp.bfloat16, HD)
     with pytest.raises(ValueError, match="allowed: reference, xla, cudnn"):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jaxmp.models import (MoE, ModelConfig, MoETransformer, Router, RouterBias, apply_rope,
                           count_params, generate, update_router_bias)
 from jaxmp import ops
-from jaxmp.analysis import accounting
+from jaxmp.analysis import residuals
 from jaxmp.precision.policy import get_policy_rules
 
 SEED_RULES = "mixed_fp16; router: fp32; experts: p=f32,c=f16,o=f32"
@@ -503,7 +503,7 @@ def test_no_weight_copy_is_kept_for_the_backward_pass(rules):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     param_shapes = {tuple(p.shape) for p in jax.tree.leaves(params)}
     toks = jax.ShapeDtypeStruct((1, 5), jnp.int32)
-    res = accounting.saved_residuals(_model_loss(graphdef), params, rest, toks, argnums=0)
+    res = residuals.saved_residuals(_model_loss(graphdef), params, rest, toks, argnums=0)
     computed = [r for r in res if r.kind == "computed"]
     assert computed and not [r for r in computed if r.shape in param_shapes]
     # The weights the backward pass needs are read from the float32 masters themselves.

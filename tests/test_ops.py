@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from jaxmp import ops
-from jaxmp.analysis import accounting
+from jaxmp.analysis import residuals
 
 LOW = [jnp.float32, jnp.bfloat16, jnp.float16]
 # Relative error of one rounding to each dtype (2**-mantissa bits), with a 2x margin.
@@ -530,7 +530,7 @@ def test_bad_axis_or_dtype(call, match):
 def computed_residuals(fn, *args, argnums=0):
     """(shape, dtype) of the arrays ``fn``'s forward pass keeps for its backward pass,
     arguments excluded (jaxmp.accounting's definition of activation memory)."""
-    res = accounting.saved_residuals(fn, *args, argnums=argnums)
+    res = residuals.saved_residuals(fn, *args, argnums=argnums)
     return sorted((r.shape, r.dtype) for r in res if r.kind == "computed")
 
 

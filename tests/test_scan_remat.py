@@ -13,7 +13,7 @@ from flax import nnx
 from _configs import small_config
 from jaxmp import ops, sharding
 from jaxmp.analysis import accounting
-from jaxmp.analysis.accounting import saved_residuals
+from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.models import ModelConfig, MoETransformer, RouterBias
 from jaxmp.models.transformer import REMAT_POLICIES, layer_stacks
 from jaxmp.precision._paths import path_name

@@ -25,10 +25,18 @@
     ``--config.parallel.expert`` choose the layout whose bytes and collectives are
     counted. ``--settings`` adds, for the first mode, the saved activation
     bytes and per-device total of every attention path x remat setting
-    (:func:`jaxmp.analysis.accounting.activation_settings`; the cuDNN path is traced, not
+    (:func:`jaxmp.analysis.remat.activation_settings`; the cuDNN path is traced, not
     run, where there is no GPU), and ``--flops`` the train step's FLOPs from the compiled
     program per remat setting, i.e. what each recomputes (one unscanned compile per
     setting: minutes for the seed config).
+
+``python -m jaxmp.report --config configs/X.py --target H200 [--devices N] [--config.KEY=VALUE ...]``
+    The trainer's own step compiled by XLA's GPU compiler for N x that GPU without one
+    (:mod:`jaxmp.analysis.gpu`; needs ``pip install -e ".[gpu]"``): memory per device
+    and whether it fits, the largest buffers, kernels by kind, GEMM FLOPs against
+    6 x active params x tokens, collectives, and a roofline bound on the step time and
+    MFU. ``--target`` takes H100, H200, H800, A100 or the path of a
+    ``GpuTargetConfigProto`` text file.
 
 ``--json OUT`` also writes the printed tables to ``OUT`` as JSON: one top-level key per
 mode (``"article"``, ``"cost"``), or for ``--config`` the accounting report itself
@@ -249,6 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=8,
                    help="devices of the --config mesh (parallel.expert of them along 'expert'), or the "
                         "data-parallel devices of --article's communication table (default 8)")
+    g = p.add_argument_group("--config with --target: the step compiled for a GPU without one")
+    g.add_argument("--target", metavar="GPU",
+                   help="compile the trainer's step with XLA's GPU compiler for --devices x this "
+                        "GPU (H100, H200, H800, A100, or a GpuTargetConfigProto .pbtxt) and report "
+                        "memory, kernels, GEMM FLOPs, collectives and a roofline bound; needs "
+                        "pip install -e \".[gpu]\"")
+    g.add_argument("--autotune_results", metavar="FILE",
+                   help="with --target: XLA autotune results from a real GPU of that kind "
+                        "(benchmarks/gpu_suite.py writes them)")
+    g.add_argument("--top", type=int, default=10, help="with --target: largest buffers listed")
     a = p.add_argument_group("--config options")
     a.add_argument("--modes", default=None,
                    help="comma-separated precision modes (default: all of jaxmp.analysis.accounting.MODES)")
@@ -295,6 +313,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     problem = output_problem(args.json) if args.json else None
     if problem:
         parser.error(f"--json: {problem}")
+    if (args.target or args.autotune_results) and not args.config:
+        parser.error("--target compiles a config's step: give --config PATH")
+    if args.autotune_results and not args.target:
+        parser.error("--autotune_results goes with --target")
+    if args.config and args.target:
+        return _main_target(parser, args)
     if args.config:
         return _main_config(parser, args)
     out, text = {}, []
@@ -323,7 +347,7 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
     if args.breakdown < 0:
         parser.error(f"--breakdown must be >= 0, got {args.breakdown}")
     _force_host_devices(args.devices)
-    from jaxmp.analysis import accounting  # imports JAX's backends' users: after XLA_FLAGS is set
+    from jaxmp.analysis import accounting, remat  # JAX's backends' users: after XLA_FLAGS is set
     from jaxmp.train.config import load_config
 
     if args.flops and not args.settings:
@@ -336,14 +360,49 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
         config = load_config(args.config, args.overrides)
         out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown)
         if args.settings:
-            out["settings"] = accounting.activation_settings(
+            out["settings"] = remat.activation_settings(
                 config, next(iter(out["modes"])), args.devices, flops=args.flops)
     except ValueError as e:
         parser.error(str(e))
     print(accounting.format_accounting(out, args.config))
     if args.settings:
         print()
-        print(accounting.format_settings(out["settings"]))
+        print(remat.format_settings(out["settings"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def _main_target(parser: argparse.ArgumentParser, args) -> int:
+    if args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    if args.top < 0:
+        parser.error(f"--top must be >= 0, got {args.top}")
+    for flag in ("modes", "settings", "flops", "breakdown"):
+        if getattr(args, flag):
+            parser.error(f"--{flag} is a CPU accounting option; --target compiles the config as it "
+                         f"is (set e.g. --config.precision.policy=... instead)")
+    # The CUDA plugin registers only on the CPU platform when no GPU is attached (else its
+    # cuInit fails with error 303); compiling for a target needs no GPU either way.
+    import jax
+
+    if "JAX_PLATFORMS" not in os.environ:  # read by JAX at import: set it in its config
+        jax.config.update("jax_platforms", "cpu")
+    from jaxmp.analysis import gpu
+    from jaxmp.train.config import load_config
+
+    try:
+        target = gpu.get_target(args.target)
+        problem = gpu.plugin_problem()
+        if problem:
+            raise ValueError(f"--target needs XLA's GPU compiler: {problem}")
+        config = load_config(args.config, args.overrides)
+        out = gpu.gpu_report(config, target, args.devices, top=args.top,
+                             autotune_results=args.autotune_results)
+    except ValueError as e:
+        parser.error(str(e))
+    print(gpu.format_gpu_report(out, args.config))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

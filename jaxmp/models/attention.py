@@ -17,7 +17,7 @@ and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTA
     written by JAX. It materializes the scores too and keeps more of them for the
     backward pass than ``"reference"`` (a boolean mask, the float32 masked scores and
     exponentials and the compute-dtype probabilities: 11 bytes per score in bf16,
-    measured by :func:`jaxmp.analysis.accounting.saved_residuals`).
+    measured by :func:`jaxmp.analysis.residuals.saved_residuals`).
 ``"cudnn"``
     ``jax.nn.dot_product_attention(implementation="cudnn")``: cuDNN's fused
     (FlashAttention-style, Dao et al. 2022) kernel on NVIDIA GPUs. The scores never
@@ -27,10 +27,11 @@ and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTA
     head dimension that is a multiple of 8, at most 128 (256 on Hopper and newer).
 ``"auto"`` (the default)
     ``"cudnn"`` where :func:`cudnn_support` says it runs (an NVIDIA GPU with cuDNN, a
-    16-bit compute dtype, a supported head dimension), else ``"xla"``, except for a
-    float16 compute dtype on CPU, where ``"xla"`` does not compile (:func:`xla_support`)
-    and ``"reference"`` runs. Resolved once per attention module, when the model is
-    built, from that module's compute dtype.
+    16-bit compute dtype, a supported head dimension), else ``"reference"``, which keeps
+    2 bytes per score for the backward pass where ``"xla"`` keeps 11. Resolved once per
+    attention module, when the model is built, from that module's compute dtype and the
+    compile target (:func:`jaxmp.target.current`: a deviceless compile for an H200 gets
+    ``"cudnn"``).
 
 Every path is causal and takes optional per-sequence ``lengths`` (right padding): a
 padded position neither attends nor is attended to, and its output row is exactly 0
@@ -54,6 +55,7 @@ import jax.extend
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmp import target
 from jaxmp.models.layers import add_fp8_states, apply_rope, make_param, matmul
 from jaxmp.precision import ops
 from jaxmp.precision.policy import Policy, PolicyRules
@@ -85,8 +87,9 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
 
     The conditions are those ``jax.nn.dot_product_attention(implementation="cudnn")``
     checks (jax/_src/cudnn/fused_attention_stablehlo.py: ``check_layout``,
-    ``check_is_flash_attention``): an NVIDIA GPU as the default backend with cuDNN
-    found, float16 or bfloat16 operands, and a head dimension that is a multiple of 8
+    ``check_is_flash_attention``): an NVIDIA GPU as the compile target
+    (:func:`jaxmp.target.current`: the host's GPU with cuDNN found, or a deviceless GPU
+    target), float16 or bfloat16 operands, and a head dimension that is a multiple of 8
     and at most 128 (256 on compute capability >= 9.0).
 
     Args:
@@ -103,9 +106,18 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
         return ok, ("traced without a GPU (trace_cudnn_without_gpu)" if ok else
                     f"cuDNN needs float16/bfloat16 operands and a head dimension that is a "
                     f"multiple of 8 and <= 256; got {dtype.name}, {head_dim}")
-    backend = jax.default_backend()
-    if backend != "gpu":
-        return False, f"the default JAX backend is {backend!r}, not an NVIDIA GPU"
+    where = target.current()
+    if where.platform != "gpu":
+        return False, f"the compile target is {where.platform!r}, not an NVIDIA GPU"
+    if where.deviceless:  # compiled for a GPU target description: its cuDNN, never run here
+        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return False, (f"cuDNN fused attention takes float16 or bfloat16 q/k/v; this "
+                           f"module computes in {dtype.name}")
+        limit = 256 if where.is_nvidia((9, 0)) else 128
+        if head_dim % 8 or head_dim > limit:
+            return False, (f"cuDNN fused attention needs a head dimension that is a multiple of "
+                           f"8 and <= {limit} on {where.device_kind}; got {head_dim}")
+        return True, f"cuDNN on {where.device_kind} (deviceless compile)"
     device = jax.devices()[0]
     # The backend's platform version ("cuda 12080", ...), as JAX's cuDNN check reads it.
     if "cuda" not in str(jax.extend.backend.get_backend().platform_version).lower():
@@ -124,7 +136,7 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
 
 
 def resolve_attention(name: str, dtype, head_dim: int) -> str:
-    """The path an attention module runs: ``name`` itself, or for ``"auto"`` cudnn/xla.
+    """The path an attention module runs: ``name`` itself, or for ``"auto"`` cudnn/reference.
 
     Args:
       name: one of :data:`ATTENTION_IMPLEMENTATIONS`.
@@ -142,15 +154,13 @@ def resolve_attention(name: str, dtype, head_dim: int) -> str:
     if name not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"model.attention={name!r}; allowed: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
     xla_ok, xla_reason = xla_support(dtype)
-    if name == "auto":
-        if cudnn_support(dtype, head_dim)[0]:
-            return "cudnn"
-        return "xla" if xla_ok else "reference"
+    if name == "auto":  # where cuDNN is absent, the reference keeps 2 bytes per score, xla 11
+        return "cudnn" if cudnn_support(dtype, head_dim)[0] else "reference"
     if name == "cudnn":
         ok, reason = cudnn_support(dtype, head_dim)
         if not ok:
             raise ValueError(f"model.attention='cudnn' cannot run here: {reason}; use 'auto' "
-                             f"(cudnn where it runs, else xla), 'xla' or 'reference'")
+                             f"(cudnn where it runs, else reference), 'xla' or 'reference'")
     if name == "xla" and not xla_ok:
         raise ValueError(f"model.attention='xla' cannot run here: {xla_reason}; use 'auto' or "
                          f"'reference'")
@@ -180,7 +190,7 @@ def trace_cudnn_without_gpu():
 
     Inside the context, ``model.attention="cudnn"`` builds on any backend and JAX's cuDNN
     version check reports 9.8, so ``jax.make_jaxpr``, ``jax.eval_shape`` and
-    :func:`jaxmp.analysis.accounting.saved_residuals` see the fused kernel's real
+    :func:`jaxmp.analysis.residuals.saved_residuals` see the fused kernel's real
     forward/backward rule (its residuals are what a GPU run keeps). A program traced
     here cannot be compiled or run off a GPU: use it for abstract evaluation only.
     """

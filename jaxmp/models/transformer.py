@@ -110,7 +110,7 @@ from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
 from jaxmp.models.moe import SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
-from jaxmp.sharding import constrain, param_gather
+from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
 
 __all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
            "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes"]
@@ -356,16 +356,21 @@ def _stack(blocks) -> Block:
 def _run_block(graphdef, remat: str, prevent_cse: bool, gather=None, dtypes=None):
     """``(block state, h) -> (h, stats)`` for one block, under ``jax.checkpoint`` when
     ``remat`` asks for a block-level policy. With ``gather`` (FSDP) the block's
-    parameters are gathered inside, so that a checkpointed block keeps its split
-    parameters and gathers them again for the backward pass."""
+    parameters are gathered inside, and the block always runs under
+    :func:`jaxmp.sharding.fsdp_checkpoint_policy` of ``remat``'s policy: it keeps its
+    split parameters and gathers them again for the backward pass, and saves no more
+    than ``remat`` allows."""
     def run(state, h):
         if gather is not None:
             state = _gathered(state, dtypes, gather)
         return nnx.merge(graphdef, state)(h)
 
-    if remat not in _BLOCK_CHECKPOINT_POLICIES:
+    policy = _BLOCK_CHECKPOINT_POLICIES.get(remat)
+    if gather is not None:  # FSDP: the remat policy, and never a gathered weight
+        policy = fsdp_checkpoint_policy(policy)
+    elif policy is None:
         return run
-    return jax.checkpoint(run, policy=_BLOCK_CHECKPOINT_POLICIES[remat], prevent_cse=prevent_cse)
+    return jax.checkpoint(run, policy=policy, prevent_cse=prevent_cse)
 
 
 def param_compute_dtypes(module: nnx.Module) -> dict:
@@ -400,12 +405,18 @@ def _gathered(state, dtypes: dict, gather):
 
 
 def _call_gathered(module: nnx.Module, *args):
-    """``module(*args)``, with its parameters gathered first inside an FSDP step."""
+    """``module(*args)``, with its parameters gathered first inside an FSDP step (under
+    :func:`jaxmp.sharding.fsdp_checkpoint_policy`: the backward pass gathers them again)."""
     gather = param_gather()
     if gather is None:
         return module(*args)
     graphdef, state = nnx.split(module)
-    return nnx.merge(graphdef, _gathered(state, param_compute_dtypes(module), gather))(*args)
+    dtypes = param_compute_dtypes(module)
+
+    def run(state, *args):
+        return nnx.merge(graphdef, _gathered(state, dtypes, gather))(*args)
+
+    return jax.checkpoint(run, policy=fsdp_checkpoint_policy())(state, *args)
 
 
 class MoETransformer(nnx.Module):

@@ -243,7 +243,7 @@ def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any, reduce_dtyp
 # to float32, divide by ``total``, cast to ``reduce_dtype``, reduce-scatter (the
 # transpose of a tiled all-gather), cast back. Under ``jax.checkpoint`` the call is one
 # ``custom_jvp_call`` whose output a policy may save or recompute; the FSDP step's
-# policy (``jaxmp.train.step._fsdp_policy``) never saves it, so the backward pass
+# policy (``jaxmp.sharding.fsdp_checkpoint_policy``) never saves it, so the backward pass
 # gathers the weight again instead of keeping it whole from the forward pass.
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _gather_param(x, axis_name, dim, dtype, reduce_dtype, total):

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxmp import sharding
+from jaxmp import sharding, target
 from jaxmp.models import MoETransformer, count_params
 from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
@@ -128,6 +128,15 @@ class Experiment:
           ValueError: any bad config value (:func:`validate_config`), or more devices
             than exist.
         """
+        if mesh is not None:
+            # Hardware choices (model.attention="auto") follow the mesh's devices, which
+            # may be a GPU topology compiled for without a GPU (jaxmp.analysis.gpu).
+            with target.compiling_for(mesh.devices.flat[0]):
+                return cls._create(config, mesh, None)
+        return cls._create(config, None, num_devices)
+
+    @classmethod
+    def _create(cls, config, mesh: Optional[Mesh], num_devices: Optional[int]) -> "Experiment":
         if mesh is None:  # validated first, so a bad layout is named before the mesh is built
             num_devices = num_devices or complete_config(config).train.num_devices or None
             settings = validate_config(config, num_devices or len(jax.devices()))

@@ -193,34 +193,6 @@ class _Plan:
         return jax.tree.map(one, tree)
 
 
-# Primitives that only move, reshape or retype their input. Under FSDP their outputs are
-# never saved for the backward pass: a gathered weight reaches its matmul through them
-# (a transpose, a reshape into heads, a cast), and saving any of those would keep a
-# whole copy of the weight alive between the passes. They are recomputed instead,
-# from their saved inputs (activations) or from a fresh gather (weights); the outputs
-# of computing primitives (matmuls, elementwise math, reductions) are saved as usual.
-_LAYOUT_PRIMITIVES = frozenset({
-    "transpose", "reshape", "convert_element_type", "broadcast_in_dim", "squeeze",
-    "expand_dims", "slice", "dynamic_slice", "concatenate", "copy", "copy_p", "all_gather",
-    "rev", "pad", "select_n"})
-
-
-def _gathers(params) -> bool:
-    """True for a ``custom_jvp_call`` whose function all-gathers (:func:`jaxmp.comm.gather_param`)."""
-    jaxpr = params.get("call_jaxpr")
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))
-
-
-def _fsdp_policy(prim, *_, **params) -> bool:
-    """The FSDP loss's ``jax.checkpoint`` policy: save everything but a gathered
-    parameter (the ``custom_jvp_call`` of :func:`jaxmp.comm.gather_param`) and the
-    outputs of :data:`_LAYOUT_PRIMITIVES`."""
-    if prim.name == "custom_jvp_call" and _gathers(params):
-        return False
-    return prim.name not in _LAYOUT_PRIMITIVES
-
-
 def _varying_axes(x) -> frozenset:
     """The mesh axes over which ``x`` may differ between devices, inside ``shard_map``."""
     aval = jax.typeof(x)
@@ -435,10 +407,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
     layout = layout or sharding.layout("dp", 1)
     if grad_compression == "topk" and (layout.strategy != "dp" or mesh.shape.get(EXPERT_AXIS, 1) > 1):
         raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and parallel.expert=1")
-    loss = _fp8_loss
-    if layout.strategy == "fsdp":  # keep the split parameters, gather them again for the backward pass
-        loss = jax.checkpoint(_fp8_loss, static_argnums=(0,), policy=_fsdp_policy)
-    grad_fn = jax.grad(loss, argnums=(1, 3), has_aux=True)
+    # Under FSDP each module gathers its weights inside its own checkpoint
+    # (jaxmp.sharding.fsdp_checkpoint_policy, composed with model.remat's policy).
+    grad_fn = jax.grad(_fp8_loss, argnums=(1, 3), has_aux=True)
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         compute = state.compute_params if layout.compute_copy else state.params

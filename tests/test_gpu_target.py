@@ -1,0 +1,191 @@
+"""Deviceless GPU compilation (jaxmp.analysis.gpu, python -m jaxmp.report --target): the
+trainer's own step compiled by XLA's GPU compiler for H200/H100 targets on this CPU
+machine. The FLOP counter is checked against hand counts first; the compiled programs
+against the bounds of the issue (memory, kernels, collectives' dtypes, FLOP ratio).
+
+Skips, with the reason, where JAX's CUDA plugin (the ``gpu`` extra) is absent.
+"""
+import collections
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _configs import load_config
+from jaxmp.analysis import gpu, hlo
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROBLEM = gpu.plugin_problem()
+needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"deviceless GPU compile: {PROBLEM}")
+GB = 1e9
+
+
+def _compile_fn(fn, *shapes, devices=1, name="H200"):
+    mesh = gpu.target_mesh(gpu.get_target(name), devices)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=rep) for s in shapes]
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def test_targets_carry_the_datasheet_figures_and_bad_names_are_one_line_errors(tmp_path):
+    h200, h100, h800, a100 = (gpu.get_target(n) for n in ("H200", "h100", "H800", "A100"))
+    assert h200.memory_bytes == 150_754_820_096 and h200.hbm_bytes_per_s == 4.8e12
+    assert h100.hbm_bytes_per_s == 3.35232e12 and h100.memory_bytes < h200.memory_bytes
+    assert h800.nvlink_bytes_per_s == 200e9 < h100.nvlink_bytes_per_s == 450e9
+    assert a100.peak_flops("bf16") == pytest.approx(312e12)
+    assert h200.peak_flops("f8e4m3fn") == pytest.approx(1978.9e12)
+    assert h200.peak_flops("f32") == pytest.approx(494.7e12)  # TF32 tensor cores
+    assert h200.peak_flops("f32", highest=True) == pytest.approx(66.9e12)
+    with pytest.raises(ValueError, match=r"--target 'B300': allowed: H100, H200, H800, A100, or "):
+        gpu.get_target("B300")
+    with pytest.raises(ValueError, match=r"cannot read the target description"):
+        gpu.get_target(str(tmp_path / "none.pbtxt"))
+    no_runtime = tmp_path / "mine.pbtxt"
+    no_runtime.write_text(h200.proto.split("runtime_version")[0])
+    with pytest.raises(ValueError, match=r"no runtime_version, without which XLA rewrites no FP8"):
+        gpu.get_target(str(no_runtime))
+    own = tmp_path / "own.pbtxt"
+    own.write_text(h200.proto)
+    assert gpu.get_target(str(own)).memory_bytes == h200.memory_bytes
+
+
+@needs_plugin
+def test_flop_counter_against_hand_counts_for_two_matmuls_and_a_scan():
+    m, k, n, p = 256, 512, 128, 64
+
+    def two(a, b, c):
+        return (a @ b) @ c
+
+    kernels = hlo.hlo_kernels(_compile_fn(two, (m, k), (k, n), (n, p)))
+    flops = sum(x.flops * x.runs for x in kernels if x.kind == "gemm")
+    assert flops == 2 * m * k * n + 2 * m * n * p
+
+    layers = 5
+
+    def scanned(x, w):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+        return jax.lax.scan(body, x, None, length=layers)[0]
+
+    kernels = hlo.hlo_kernels(_compile_fn(scanned, (m, k), (k, k)))
+    gemms = [x for x in kernels if x.kind == "gemm"]
+    assert sum(x.flops * x.runs for x in gemms) == layers * 2 * m * k * k
+    assert all(x.runs == layers for x in gemms)  # inside the loop: its trip count
+
+
+@pytest.fixture(scope="module")
+def seed_dp():
+    if PROBLEM:
+        pytest.skip(f"deviceless GPU compile: {PROBLEM}")
+    config = load_config("seed_moe", ["--config.model.remat=full"])
+    return gpu.gpu_report(config, gpu.get_target("H200"), 8)
+
+
+@needs_plugin
+def test_seed_config_fits_an_h200_with_cudnn_attention_forward_and_backward(seed_dp):
+    mem = seed_dp["memory"]
+    assert seed_dp["setup"]["attention_path"] == "cudnn"
+    assert mem["total_bytes"] <= 120 * GB and mem["fits"]
+    assert mem["total_bytes"] == (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
+                                  + mem["temp_bytes"])
+    assert seed_dp["kernels"]["cudnn_attention_fwd"]["launches"] >= 24  # 24 layers
+    assert seed_dp["kernels"]["cudnn_attention_bwd"]["launches"] == 24
+    # The state is replicated under dp: the float32 master weights, gradients' buffers and
+    # two Adam moments of every parameter are arguments (12 B/param plus the bf16 copy-free
+    # step's small leaves).
+    assert mem["argument_bytes"] >= 12 * seed_dp["setup"]["params"]
+    assert len(seed_dp["largest_buffers"]) == 10
+    sizes = [b["bytes"] for b in seed_dp["largest_buffers"]]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+@needs_plugin
+@pytest.mark.parametrize("name", ["H200", "H100"])
+def test_fsdp_honours_remat_and_fits_an_h100(seed_dp, name):
+    config = load_config("seed_moe", ["--config.model.remat=full",
+                                         "--config.parallel.strategy=fsdp"])
+    report = gpu.gpu_report(config, gpu.get_target(name), 8, top=0)
+    total = report["memory"]["total_bytes"]
+    assert total <= 0.6 * seed_dp["memory"]["total_bytes"]
+    assert report["memory"]["fits"] and total <= 0.9 * gpu.get_target("H100").memory_bytes
+    # The master weights and moments are split 8 ways: 12 B/param / 8 plus the router biases.
+    assert report["memory"]["argument_bytes"] < 2 * report["setup"]["params"]
+
+
+@pytest.fixture(scope="module")
+def dense_bf16():
+    if PROBLEM:
+        pytest.skip(f"deviceless GPU compile: {PROBLEM}")
+    return gpu.gpu_report(load_config("dense_1b"), gpu.get_target("H200"), 1, top=0)
+
+
+@needs_plugin
+def test_dense_gemm_flops_are_six_n_d(dense_bf16):
+    setup, flops = dense_bf16["setup"], dense_bf16["flops"]
+    tokens = setup["tokens_per_device"]
+    assert flops["model_6nd"] == 6 * setup["active_params"] * tokens
+    assert 0.85 <= flops["gemm_ratio"] <= 1.1
+    r = dense_bf16["roofline"]
+    assert r["bound_s"] == pytest.approx(r["gemm_s"] + r["attention_s"] + r["memory_s"] + r["collective_s"])
+    # A lower bound: no faster than every GEMM FLOP at the dense bf16 peak.
+    assert r["bound_s"] >= flops["gemm"] / 989.4e12
+    assert 0 < r["mfu_bound"] <= 1
+
+
+@needs_plugin
+@pytest.mark.parametrize("policy", ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_blockwise"])
+def test_every_layer_body_matmul_is_an_fp8_gemm(policy):
+    # dense_1b's widths, 2 layers and one sequence: the same layer body, a faster compile.
+    config = load_config("dense_1b", [f"--config.precision.policy={policy}",
+                                         "--config.model.num_layers=2", "--config.train.batch_size=1"])
+    step = gpu.compile_step(config, gpu.get_target("H200"), 1)
+    kinds = collections.Counter(k.kind for k in hlo.hlo_kernels(step.hlo_text)
+                                if "/while/body/" in k.op_name and k.kind in ("gemm", "fp8_gemm"))
+    # q, k, v, o, gate, up, down at least forward (XLA may merge a few dx/dw GEMMs of one
+    # input into one), and no GEMM of the layer body outside FP8.
+    assert kinds["fp8_gemm"] >= 7 and kinds["gemm"] == 0, kinds
+
+
+def _tiny(overrides, devices=8):
+    config = load_config("tiny_moe", ["--config.precision.policy=mixed_bf16",
+                                         "--config.precision.grad_reduce_dtype=bfloat16"] + overrides)
+    return gpu.gpu_report(config, gpu.get_target("H200"), devices, top=0)["collectives"]
+
+
+@needs_plugin
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_sharded_strategies_reduce_scatter_and_all_gather_in_bf16(strategy):
+    colls = _tiny([f"--config.parallel.strategy={strategy}"])
+    assert colls["reduce-scatter"].get("bf16", 0) > 0 and set(colls["reduce-scatter"]) == {"bf16"}
+    assert colls["all-gather"].get("bf16", 0) > 0
+
+
+@needs_plugin
+def test_expert_parallel_all_to_all_in_the_dispatch_dtype():
+    colls = _tiny(["--config.parallel.expert=2", "--config.model.capacity_factor=1.25"])
+    assert set(colls["all-to-all"]) == {"bf16"}
+
+
+@needs_plugin
+def test_report_cli_target_json(tmp_path):
+    out = tmp_path / "r.json"
+    env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)  # the report itself chooses the CPU platform for --target
+    proc = subprocess.run([sys.executable, "-m", "jaxmp.report", "--config", "configs/tiny_moe.py",
+                           "--target", "H100", "--devices", "2", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["target"]["name"] == "H100" and report["setup"]["devices"] == 2
+    assert "roofline bound" in proc.stdout and "fits" in proc.stdout
+    assert "cuInit" not in proc.stderr  # the plugin is not asked for a GPU
+    bad = subprocess.run([sys.executable, "-m", "jaxmp.report", "--config", "configs/tiny_moe.py",
+                          "--target", "H100", "--modes", "fp32"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "--modes is a CPU accounting option" in bad.stderr
