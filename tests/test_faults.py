@@ -5,8 +5,11 @@ checkpoint, and its losses equal an uninterrupted run's, loss by loss.
 The subprocesses are bounded by progress (rows in metrics.jsonl, checkpoints on disk)
 with generous time limits, never by how fast the machine is.
 """
+import hashlib
+import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,7 +167,8 @@ def test_a_signal_during_compilation_exits_without_saving(tmp_path):
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     sender = threading.Thread(target=interrupt_when_compiling, daemon=True)
     sender.start()
-    with pytest.raises(Interrupted, match="SIGINT before the first step finished") as e:
+    with pytest.raises(Interrupted, match="SIGINT during start-up: stopped before training; nothing was "
+                                          "trained or saved in this run; rerun the same command to start") as e:
         train_and_evaluate(config, str(tmp_path))
     sender.join()
     assert not e.value.saved and e.value.step == 0
@@ -376,7 +380,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint(tmp_path):
     config.optim.update(dict(learning_rate=1e3, warmup_steps=0, grad_clip=0.0))
     config.precision.policy = "mixed_bf16"
     with pytest.raises(TrainingDiverged, match=r"the last 3 steps applied \(to step 4\) looked divergent.*"
-                                               r"The last checkpoint, step 1 in .*, is from before it"):
+                                               r"The last healthy checkpoint, step 1 in .*, is from before it: "
+                                               r"a rerun resumes from there"):
         train_and_evaluate(config, str(tmp_path))
     rows = train_rows(tmp_path)
     assert [r["divergent_steps"] for r in rows] == [0, 1, 2, 3] and all(r["applied"] for r in rows)
@@ -391,3 +396,129 @@ def test_no_eval_batches_train_to_the_end(tmp_path, capsys):
     assert summary["step"] == 3 and summary["eval_loss"] is None
     assert "done: step 3, not evaluated" in capsys.readouterr().out
     assert read_metrics(tmp_path / "metrics.jsonl", "eval") == []
+
+
+
+# ----------------------------------------------------------------------------- every item checked
+
+
+def _canonical_digest(item):
+    """SHA-256 of the JSON item with sorted keys and no spaces (computed here, by hand)."""
+    return hashlib.sha256(json.dumps(item, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _edit_json_item(step_dir, item, edit, forge):
+    """Applies ``edit`` to the JSON item ``item`` of a checkpoint step; with ``forge``
+    the checkpoint's digests are recomputed to match, as a careful attacker would."""
+    path = step_dir / item / "metadata"
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+    if forge:
+        verify_path = step_dir / "verify" / "metadata"
+        verify = json.loads(verify_path.read_text())
+        verify["items"][item] = _canonical_digest(value)
+        verify.pop("digest")
+        verify["digest"] = _canonical_digest(verify)
+        verify_path.write_text(json.dumps(verify))
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A workdir with checkpoints at steps 2 and 4 (copied by each test that damages it)."""
+    workdir = tmp_path_factory.mktemp("four_steps")
+    train_and_evaluate(_config(4, checkpoint_every=2), str(workdir))
+    return workdir
+
+
+def _next_index(delta=None, value=None):
+    def edit(data):
+        it = data["iterator"]
+        it["next_index"] = value if value is not None else it["next_index"] + delta
+    return edit
+
+
+@pytest.mark.parametrize("item, edit, forge, why", [
+    ("data", _next_index(delta=1), False, "its data-iterator state does not match its checksum"),
+    ("data", _next_index(value=-7), True, r"its data-iterator state does not fit this run's data "
+                                          r"\(the iterator position next_index=-7 must be an integer >= 0\)"),
+    ("config", lambda c: c["train"].update(log_every=7), False, "its config item does not match its checksum"),
+    ("verify", lambda v: v.update(num_devices=4), False, r"its checksums item \(verify\) was altered"),
+])
+def test_an_edited_json_item_is_corrupt_and_the_previous_checkpoint_resumes_like_the_reference(
+        four_steps, tmp_path, reference, capsys, item, edit, forge, why):
+    """The data iterator's position moved by one (30 to 31 in the attack), an out-of-range
+    position with forged digests, a config value, the saved-for facts: each makes step 4
+    corrupt; the run resumes from step 2 and its losses equal an uninterrupted run's."""
+    workdir = tmp_path / "run"
+    shutil.copytree(four_steps, workdir)
+    _edit_json_item(workdir / "checkpoints" / "4", item, edit, forge and item != "verify")
+    capsys.readouterr()
+    train_and_evaluate(_config(6, checkpoint_every=2), str(workdir))
+    out = capsys.readouterr().out
+    assert f"WARNING: checkpoint step 4 in {workdir / 'checkpoints'} is corrupt" in out
+    assert __import__("re").search(why, out), out
+    assert "resuming from step 2 instead" in out and "at step 2" in out
+    assert_resumed_like_the_reference(workdir, reference, 6)
+
+
+# ----------------------------------------------------------------------------- a diverged run
+
+
+def _sigterm_when(workdir, rows):
+    """Sends SIGTERM to this process once ``metrics.jsonl`` holds ``rows`` train rows."""
+    def watch():
+        deadline = time.monotonic() + LIMIT_S
+        while time.monotonic() < deadline:
+            if len(train_rows(workdir)) >= rows:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.002)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _diverging(steps, max_divergent_steps):
+    """Learning rate 1e3 without warm-up or clipping: step 1 is applied healthy, and every
+    later step looks divergent (test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint)."""
+    config = _config(steps, checkpoint_every=1, keep_checkpoints=2, max_divergent_steps=max_divergent_steps)
+    config.optim.update(dict(learning_rate=1e3, warmup_steps=0, grad_clip=0.0))
+    config.precision.policy = "mixed_bf16"
+    return config
+
+
+def test_sigterms_during_a_divergence_never_push_out_the_last_healthy_checkpoint(tmp_path):
+    """keep_checkpoints=2. Two SIGTERMs during the divergence save two unhealthy
+    checkpoints; the healthy step 1 stays beside them, each is marked in its metadata, and
+    the divergence guard of the third run names step 1 as the last healthy checkpoint.
+    The losses equal an uninterrupted run's, step by step."""
+    from jaxmp.train import TrainingDiverged
+    workdir = tmp_path / "run"
+    stops = []
+    for rows in (4, 7):  # the first SIGTERM after step 4 or later, the second after step 7
+        sender = _sigterm_when(workdir, rows)
+        with pytest.raises(Interrupted) as e:
+            train_and_evaluate(_diverging(1000, 1000), str(workdir))
+        sender.join()
+        assert e.value.saved
+        stops.append(e.value.step)
+    steps = complete_steps(workdir)
+    assert steps == [1] + stops, steps  # without the fix: the two newest only
+    for step in steps:
+        verify = json.loads((workdir / "checkpoints" / str(step) / "verify" / "metadata").read_text())
+        rows = {r["step"]: r for r in train_rows(workdir)}
+        healthy = rows[step]["divergent_steps"] == 0 and rows[step]["consecutive_skips"] == 0
+        assert verify["healthy"] is healthy is (step == 1)
+    final = stops[-1] + 1
+    with pytest.raises(TrainingDiverged) as e:
+        train_and_evaluate(_diverging(1000, 3), str(workdir))
+    text = str(e.value)
+    assert (f"The last healthy checkpoint, step 1 in {workdir / 'checkpoints'}, is from before it; the "
+            f"newer checkpoints {stops[0]}, {stops[1]} were saved while the run was unhealthy, and a rerun "
+            f"resumes from step {stops[1]}: move them out of") in text, text
+    assert complete_steps(workdir) == [1] + stops
+    reference = tmp_path / "reference"
+    train_and_evaluate(_diverging(final, 1000), str(reference))
+    assert [r["step"] for r in train_rows(workdir)] == list(range(1, final + 1))
+    assert [r["loss"] for r in train_rows(workdir)] == [r["loss"] for r in train_rows(reference)]
