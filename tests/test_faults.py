@@ -522,3 +522,74 @@ def test_sigterms_during_a_divergence_never_push_out_the_last_healthy_checkpoint
     train_and_evaluate(_diverging(final, 1000), str(reference))
     assert [r["step"] for r in train_rows(workdir)] == list(range(1, final + 1))
     assert [r["loss"] for r in train_rows(workdir)] == [r["loss"] for r in train_rows(reference)]
+
+
+# ----------------------------------------------------------------------------- exits while compiling
+
+
+def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
+    """A data error while the step compiles in its thread (a missing path, an empty
+    directory, binaries, a .jsonl without its text field) and SIGINT during the
+    compilation, each repeated in forked children of one interpreter
+    (tests/_exit_repeats.py): every exit is its one line and status, never an abort
+    (``terminate called``, ``Fatal Python error``, exit 134) and never a traceback."""
+    repeats = {"sigint": 8, "missing": 3, "empty": 3, "binary": 3, "jsonl": 3}
+    want = {"sigint": (130, "train.py: SIGINT during start-up: stopped before training; nothing was "
+                            "trained or saved in this run; rerun the same command to start"),
+            "missing": (1, "train.py: error: no file matches data.path glob"),
+            "empty": (1, "train.py: error: data.path directory"),
+            "binary": (1, "train.py: error: data.path directory"),
+            "jsonl": (1, "train.py: error: ")}
+    results = []
+    for kind, n in repeats.items():
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_exit_repeats.py"), str(n),
+                               str(tmp_path), kind], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                              timeout=LIMIT_S)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == sum(repeats.values())
+    for r in results:
+        status, first = want[r["kind"]]
+        lines = [line for line in r["stderr"].splitlines() if line.strip()]
+        assert r["status"] == status and len(lines) == 1 and lines[0].startswith(first), r
+    assert all("expected a JSON object with a string field 'text'" in r["stderr"]
+               for r in results if r["kind"] == "jsonl")
+
+
+# ----------------------------------------------------------------------------- a peer that dies
+
+
+@pytest.mark.slow
+def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_like_one_process(tmp_path):
+    """2 processes x 4 CPU devices over loopback. kill -9 of process 1, then (after a
+    resume) of process 0, the coordinator: each time the survivor prints one line naming
+    the lost process and the last checkpoint, and exits 1 without a stack trace. Rerun
+    together, the losses equal one 8-device process's, step by step."""
+    from test_multiprocess import OVERRIDES as MP, RTOL, finish as finish_all, launch_pair, rows
+    reference = tmp_path / "one"
+    train_and_evaluate(load_config("tiny_moe", MP + ["train.steps=8", "train.checkpoint_every=100"]),
+                       str(reference))
+    want = [r["loss"] for r in rows(reference)]
+    two = tmp_path / "two"
+    for victim, until in ((1, 3), (0, 6)):
+        procs = launch_pair(two, "train.steps=100000", "train.checkpoint_every=2")
+        deadline = time.monotonic() + LIMIT_S
+        while len(rows(two)) < until and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.02)
+        assert len(rows(two)) >= until, finish_all(procs)[0][1][-3000:]
+        procs[victim].send_signal(signal.SIGKILL)
+        survivor = 1 - victim
+        out, err = finish_all(procs)[survivor]
+        assert procs[survivor].returncode == 1, err[-3000:]
+        last = complete_steps(two)[-1]
+        lines = [line for line in err.splitlines() if line.startswith("train.py")]
+        assert lines == [f"train.py: error: process {victim} of 2 exited without a word (killed or "
+                         f"crashed); process {survivor} stops too. The last checkpoint to resume from is "
+                         f"step {last} in {two / 'checkpoints'}; rerun all 2 processes to resume"], err[-3000:]
+        for bad in ("Traceback", "Fatal Python error", "client.h", "Terminating process", "terminate called"):
+            assert bad not in err, err[-3000:]
+    results = finish_all(launch_pair(two, "train.steps=8", "train.checkpoint_every=100000"))
+    assert "resumed from" in results[0][0], results[0][1][-3000:]
+    got = rows(two)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    np.testing.assert_allclose([r["loss"] for r in got], want, rtol=RTOL)

@@ -203,7 +203,7 @@ class PeerWatchdog:
                         conn.sendall(f"lost {peer} {how.replace(' ', '_')}\n".encode())
                     except OSError:
                         pass
-        line = (f"train.py: error: process {peer} of {self.num_processes} {how}; process "
+        line = (f"\ntrain.py: error: process {peer} of {self.num_processes} {how}; process "
                 f"{self.process_id} stops too. {self.describe()}; rerun all "
                 f"{self.num_processes} processes to resume\n")
         for stream in (sys.stdout, sys.stderr):
