@@ -593,3 +593,41 @@ def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_lik
     got = rows(two)
     assert [r["step"] for r in got] == list(range(1, 9))
     np.testing.assert_allclose([r["loss"] for r in got], want, rtol=RTOL)
+
+
+def test_a_failed_metrics_write_is_the_error_reported_not_the_writers_close(tmp_path, monkeypatch):
+    """The disk fills while step 1's metrics are written: that error is raised, not the
+    OSError of the TensorBoard writer's close() on the way out (the same full disk)."""
+    import tensorboardX
+    real_open = pathlib.Path.open
+
+    def full_disk_open(self, mode="r", *args, **kwargs):
+        if self.name == "metrics.jsonl" and "a" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    def failing_close(self):
+        raise OSError(28, "No space left on device (closing)")
+
+    monkeypatch.setattr(pathlib.Path, "open", full_disk_open)
+    monkeypatch.setattr(tensorboardX.SummaryWriter, "close", failing_close)
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] writing the metrics of step 1 to {tmp_path} failed: "
+                                      rf"No space left on device$"):
+        train_and_evaluate(_config(3), str(tmp_path))
+
+
+def test_orbaxs_never_retrieved_future_traceback_is_dropped():
+    """asyncio's ``Future exception was never retrieved`` for an orbax write names no
+    orbax file in its message, only in its traceback."""
+    import logging
+    from jaxmp.train.checkpoint import _DropOrbaxTracebacks
+    try:
+        exec(compile("raise OSError(28, 'No space left on device')",
+                     os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "write.py"), "exec"))
+    except OSError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1,
+                               "Future exception was never retrieved\nfuture: <Future finished>", (), exc_info)
+    assert not _DropOrbaxTracebacks().filter(record)
+    record.exc_info = (ValueError, ValueError("x"), None)
+    assert _DropOrbaxTracebacks().filter(record)  # asyncio's other messages stay
