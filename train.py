@@ -7,12 +7,14 @@ SIGTERM saves a checkpoint at the current step and exits with status 130 or 143.
 Several processes: --coordinator_address=HOST:PORT --num_processes=N --process_id=I on
 each (jaxmp.train.distributed), or a cluster's environment (Slurm, Open MPI, ...).
 """
+import os
 import sys
 
 from absl import app, flags, logging
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
 from jaxmp.train import distributed
+from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import load_config
 
@@ -54,25 +56,49 @@ def _parse_flags(argv):
         sys.exit(f"train.py: error: {e}")
 
 
+def _leave(code, message=None, watchdog=None, ok=False):
+    """Exits with ``code`` after ``message`` (stderr), telling the other processes first.
+
+    While the train step still compiles in its background thread (a signal during
+    start-up), the interpreter's shutdown could abort the process (``terminate called
+    ...``, exit 134) when that thread comes back to Python: the process then leaves at
+    once with ``os._exit``, nothing being left to save or close.
+    """
+    if watchdog is not None:
+        watchdog.leave(ok)
+    if message:
+        print(message, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if compile_in_progress():
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    watchdog = None
     try:
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                _HEARTBEAT.value)  # before anything touches the devices
+        watchdog = distributed.start_watchdog(_WORKDIR.value)  # a peer that dies stops this one
         train_and_evaluate(_LOADED["config"], _WORKDIR.value)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the
         # message says what and why.
-        sys.exit(f"train.py: error: {e}")
+        _leave(1, f"train.py: error: {e}", watchdog)
     except Interrupted as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        sys.exit(128 + e.signum)
+        _leave(128 + e.signum, f"train.py: {e}", watchdog)
     except KeyboardInterrupt:  # before the trainer's own handler is installed (start-up)
-        print("train.py: interrupted during start-up; nothing was trained", file=sys.stderr)
-        sys.exit(130)
+        _leave(130, "train.py: interrupted during start-up; nothing was trained", watchdog)
+    except Exception:
+        if watchdog is not None:  # a collective that failed because a peer died: say that
+            watchdog.settle(5.0)
+        raise
+    _leave(0, None, watchdog, ok=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Tests for jaxmp.train.data: byte tokenizer, corpus loading, packing, grain pipeline."""
 import json
+import os
 import pathlib
 import sysconfig
 import zlib
@@ -449,3 +450,32 @@ def test_default_corpus_pipeline():
     windows = _windows(_pack([d for _, d in train])[:cap], seq_len)
     row = next(pipe.train_iter)["inputs"][0]
     assert any((row == w[:-1]).all() for w in windows)
+
+
+def test_a_link_loop_reads_each_file_once_with_a_warning(tmp_path):
+    """``DIR/**`` where DIR/sub/up links back to DIR: glob reaches a.txt through
+    up/, up/sub/up/, ... (41 times in the attack); it is read once, with a warning."""
+    from jaxmp.train.data import load_documents
+    (tmp_path / "a.txt").write_text("alpha")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("beta")
+    os.symlink(tmp_path, tmp_path / "sub" / "up")
+    warnings = []
+    docs = load_documents(str(tmp_path / "**"), warnings=warnings)
+    assert sorted(d for _, d in docs) == [b"alpha", b"beta"]
+    assert len(warnings) == 1 and "lead to files already read" in warnings[0]
+    assert f"the link {str(tmp_path / 'sub' / 'up')!r} points to its own ancestor" in warnings[0]
+
+
+def test_a_single_binary_file_is_refused_and_a_binary_among_text_files_is_skipped(tmp_path):
+    from jaxmp.train.data import load_documents
+    elf = tmp_path / "ls.txt"
+    elf.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=rf"data.path {str(elf)!r} matches no text file \(1 binary file"):
+        load_documents(str(elf))
+    (tmp_path / "t.txt").write_text("text")
+    warnings = []
+    docs = load_documents(str(tmp_path / "*.txt"), warnings=warnings)
+    assert [d for _, d in docs] == [b"text"]
+    assert warnings == [f"data.path {str(tmp_path / '*.txt')!r}: skipped 1 binary file(s) (a NUL byte in "
+                        f"the first 8 KiB), e.g. {str(elf)!r}"]

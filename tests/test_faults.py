@@ -5,8 +5,11 @@ checkpoint, and its losses equal an uninterrupted run's, loss by loss.
 The subprocesses are bounded by progress (rows in metrics.jsonl, checkpoints on disk)
 with generous time limits, never by how fast the machine is.
 """
+import hashlib
+import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,7 +167,8 @@ def test_a_signal_during_compilation_exits_without_saving(tmp_path):
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     sender = threading.Thread(target=interrupt_when_compiling, daemon=True)
     sender.start()
-    with pytest.raises(Interrupted, match="SIGINT before the first step finished") as e:
+    with pytest.raises(Interrupted, match="SIGINT during start-up: stopped before training; nothing was "
+                                          "trained or saved in this run; rerun the same command to start") as e:
         train_and_evaluate(config, str(tmp_path))
     sender.join()
     assert not e.value.saved and e.value.step == 0
@@ -376,7 +380,8 @@ def test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint(tmp_path):
     config.optim.update(dict(learning_rate=1e3, warmup_steps=0, grad_clip=0.0))
     config.precision.policy = "mixed_bf16"
     with pytest.raises(TrainingDiverged, match=r"the last 3 steps applied \(to step 4\) looked divergent.*"
-                                               r"The last checkpoint, step 1 in .*, is from before it"):
+                                               r"The last healthy checkpoint, step 1 in .*, is from before it: "
+                                               r"a rerun resumes from there"):
         train_and_evaluate(config, str(tmp_path))
     rows = train_rows(tmp_path)
     assert [r["divergent_steps"] for r in rows] == [0, 1, 2, 3] and all(r["applied"] for r in rows)
@@ -391,3 +396,238 @@ def test_no_eval_batches_train_to_the_end(tmp_path, capsys):
     assert summary["step"] == 3 and summary["eval_loss"] is None
     assert "done: step 3, not evaluated" in capsys.readouterr().out
     assert read_metrics(tmp_path / "metrics.jsonl", "eval") == []
+
+
+
+# ----------------------------------------------------------------------------- every item checked
+
+
+def _canonical_digest(item):
+    """SHA-256 of the JSON item with sorted keys and no spaces (computed here, by hand)."""
+    return hashlib.sha256(json.dumps(item, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _edit_json_item(step_dir, item, edit, forge):
+    """Applies ``edit`` to the JSON item ``item`` of a checkpoint step; with ``forge``
+    the checkpoint's digests are recomputed to match, as a careful attacker would."""
+    path = step_dir / item / "metadata"
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+    if forge:
+        verify_path = step_dir / "verify" / "metadata"
+        verify = json.loads(verify_path.read_text())
+        verify["items"][item] = _canonical_digest(value)
+        verify.pop("digest")
+        verify["digest"] = _canonical_digest(verify)
+        verify_path.write_text(json.dumps(verify))
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """A workdir with checkpoints at steps 2 and 4 (copied by each test that damages it)."""
+    workdir = tmp_path_factory.mktemp("four_steps")
+    train_and_evaluate(_config(4, checkpoint_every=2), str(workdir))
+    return workdir
+
+
+def _next_index(delta=None, value=None):
+    def edit(data):
+        it = data["iterator"]
+        it["next_index"] = value if value is not None else it["next_index"] + delta
+    return edit
+
+
+@pytest.mark.parametrize("item, edit, forge, why", [
+    ("data", _next_index(delta=1), False, "its data-iterator state does not match its checksum"),
+    ("data", _next_index(value=-7), True, r"its data-iterator state does not fit this run's data "
+                                          r"\(the iterator position next_index=-7 must be an integer >= 0\)"),
+    ("config", lambda c: c["train"].update(log_every=7), False, "its config item does not match its checksum"),
+    ("verify", lambda v: v.update(num_devices=4), False, r"its checksums item \(verify\) was altered"),
+])
+def test_an_edited_json_item_is_corrupt_and_the_previous_checkpoint_resumes_like_the_reference(
+        four_steps, tmp_path, reference, capsys, item, edit, forge, why):
+    """The data iterator's position moved by one (30 to 31 in the attack), an out-of-range
+    position with forged digests, a config value, the saved-for facts: each makes step 4
+    corrupt; the run resumes from step 2 and its losses equal an uninterrupted run's."""
+    workdir = tmp_path / "run"
+    shutil.copytree(four_steps, workdir)
+    _edit_json_item(workdir / "checkpoints" / "4", item, edit, forge and item != "verify")
+    capsys.readouterr()
+    train_and_evaluate(_config(6, checkpoint_every=2), str(workdir))
+    out = capsys.readouterr().out
+    assert f"WARNING: checkpoint step 4 in {workdir / 'checkpoints'} is corrupt" in out
+    assert __import__("re").search(why, out), out
+    assert "resuming from step 2 instead" in out and "at step 2" in out
+    assert_resumed_like_the_reference(workdir, reference, 6)
+
+
+# ----------------------------------------------------------------------------- a diverged run
+
+
+def _sigterm_when(workdir, rows):
+    """Sends SIGTERM to this process once ``metrics.jsonl`` holds ``rows`` train rows."""
+    def watch():
+        deadline = time.monotonic() + LIMIT_S
+        while time.monotonic() < deadline:
+            if len(train_rows(workdir)) >= rows:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.002)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _diverging(steps, max_divergent_steps):
+    """Learning rate 1e3 without warm-up or clipping: step 1 is applied healthy, and every
+    later step looks divergent (test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint)."""
+    config = _config(steps, checkpoint_every=1, keep_checkpoints=2, max_divergent_steps=max_divergent_steps)
+    config.optim.update(dict(learning_rate=1e3, warmup_steps=0, grad_clip=0.0))
+    config.precision.policy = "mixed_bf16"
+    return config
+
+
+def test_sigterms_during_a_divergence_never_push_out_the_last_healthy_checkpoint(tmp_path):
+    """keep_checkpoints=2. Two SIGTERMs during the divergence save two unhealthy
+    checkpoints; the healthy step 1 stays beside them, each is marked in its metadata, and
+    the divergence guard of the third run names step 1 as the last healthy checkpoint.
+    The losses equal an uninterrupted run's, step by step."""
+    from jaxmp.train import TrainingDiverged
+    workdir = tmp_path / "run"
+    stops = []
+    for rows in (4, 7):  # the first SIGTERM after step 4 or later, the second after step 7
+        sender = _sigterm_when(workdir, rows)
+        with pytest.raises(Interrupted) as e:
+            train_and_evaluate(_diverging(1000, 1000), str(workdir))
+        sender.join()
+        assert e.value.saved
+        stops.append(e.value.step)
+    steps = complete_steps(workdir)
+    assert steps == [1] + stops, steps  # without the fix: the two newest only
+    for step in steps:
+        verify = json.loads((workdir / "checkpoints" / str(step) / "verify" / "metadata").read_text())
+        rows = {r["step"]: r for r in train_rows(workdir)}
+        healthy = rows[step]["divergent_steps"] == 0 and rows[step]["consecutive_skips"] == 0
+        assert verify["healthy"] is healthy is (step == 1)
+    final = stops[-1] + 1
+    with pytest.raises(TrainingDiverged) as e:
+        train_and_evaluate(_diverging(1000, 3), str(workdir))
+    text = str(e.value)
+    assert (f"The last healthy checkpoint, step 1 in {workdir / 'checkpoints'}, is from before it; the "
+            f"newer checkpoints {stops[0]}, {stops[1]} were saved while the run was unhealthy, and a rerun "
+            f"resumes from step {stops[1]}: move them out of") in text, text
+    assert complete_steps(workdir) == [1] + stops
+    reference = tmp_path / "reference"
+    train_and_evaluate(_diverging(final, 1000), str(reference))
+    assert [r["step"] for r in train_rows(workdir)] == list(range(1, final + 1))
+    assert [r["loss"] for r in train_rows(workdir)] == [r["loss"] for r in train_rows(reference)]
+
+
+# ----------------------------------------------------------------------------- exits while compiling
+
+
+def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
+    """A data error while the step compiles in its thread (a missing path, an empty
+    directory, binaries, a .jsonl without its text field) and SIGINT during the
+    compilation, each repeated in forked children of one interpreter
+    (tests/_exit_repeats.py): every exit is its one line and status, never an abort
+    (``terminate called``, ``Fatal Python error``, exit 134) and never a traceback."""
+    repeats = {"sigint": 8, "missing": 3, "empty": 3, "binary": 3, "jsonl": 3}
+    want = {"sigint": (130, "train.py: SIGINT during start-up: stopped before training; nothing was "
+                            "trained or saved in this run; rerun the same command to start"),
+            "missing": (1, "train.py: error: no file matches data.path glob"),
+            "empty": (1, "train.py: error: data.path directory"),
+            "binary": (1, "train.py: error: data.path directory"),
+            "jsonl": (1, "train.py: error: ")}
+    results = []
+    for kind, n in repeats.items():
+        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_exit_repeats.py"), str(n),
+                               str(tmp_path), kind], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                              timeout=LIMIT_S)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == sum(repeats.values())
+    for r in results:
+        status, first = want[r["kind"]]
+        lines = [line for line in r["stderr"].splitlines() if line.strip()]
+        assert r["status"] == status and len(lines) == 1 and lines[0].startswith(first), r
+    assert all("expected a JSON object with a string field 'text'" in r["stderr"]
+               for r in results if r["kind"] == "jsonl")
+
+
+# ----------------------------------------------------------------------------- a peer that dies
+
+
+@pytest.mark.slow
+def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_like_one_process(tmp_path):
+    """2 processes x 4 CPU devices over loopback. kill -9 of process 1, then (after a
+    resume) of process 0, the coordinator: each time the survivor prints one line naming
+    the lost process and the last checkpoint, and exits 1 without a stack trace. Rerun
+    together, the losses equal one 8-device process's, step by step."""
+    from test_multiprocess import OVERRIDES as MP, RTOL, finish as finish_all, launch_pair, rows
+    reference = tmp_path / "one"
+    train_and_evaluate(load_config("tiny_moe", MP + ["train.steps=8", "train.checkpoint_every=100"]),
+                       str(reference))
+    want = [r["loss"] for r in rows(reference)]
+    two = tmp_path / "two"
+    for victim, until in ((1, 3), (0, 6)):
+        procs = launch_pair(two, "train.steps=100000", "train.checkpoint_every=2")
+        deadline = time.monotonic() + LIMIT_S
+        while len(rows(two)) < until and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.02)
+        assert len(rows(two)) >= until, finish_all(procs)[0][1][-3000:]
+        procs[victim].send_signal(signal.SIGKILL)
+        survivor = 1 - victim
+        out, err = finish_all(procs)[survivor]
+        assert procs[survivor].returncode == 1, err[-3000:]
+        last = complete_steps(two)[-1]
+        lines = [line for line in err.splitlines() if line.startswith("train.py")]
+        assert lines == [f"train.py: error: process {victim} of 2 exited without a word (killed or "
+                         f"crashed); process {survivor} stops too. The last checkpoint to resume from is "
+                         f"step {last} in {two / 'checkpoints'}; rerun all 2 processes to resume"], err[-3000:]
+        for bad in ("Traceback", "Fatal Python error", "client.h", "Terminating process", "terminate called"):
+            assert bad not in err, err[-3000:]
+    results = finish_all(launch_pair(two, "train.steps=8", "train.checkpoint_every=100000"))
+    assert "resumed from" in results[0][0], results[0][1][-3000:]
+    got = rows(two)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    np.testing.assert_allclose([r["loss"] for r in got], want, rtol=RTOL)
+
+
+def test_a_failed_metrics_write_is_the_error_reported_not_the_writers_close(tmp_path, monkeypatch):
+    """The disk fills while step 1's metrics are written: that error is raised, not the
+    OSError of the TensorBoard writer's close() on the way out (the same full disk)."""
+    import tensorboardX
+    real_open = pathlib.Path.open
+
+    def full_disk_open(self, mode="r", *args, **kwargs):
+        if self.name == "metrics.jsonl" and "a" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    def failing_close(self):
+        raise OSError(28, "No space left on device (closing)")
+
+    monkeypatch.setattr(pathlib.Path, "open", full_disk_open)
+    monkeypatch.setattr(tensorboardX.SummaryWriter, "close", failing_close)
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] writing the metrics of step 1 to {tmp_path} failed: "
+                                      rf"No space left on device$"):
+        train_and_evaluate(_config(3), str(tmp_path))
+
+
+def test_orbaxs_never_retrieved_future_traceback_is_dropped():
+    """asyncio's ``Future exception was never retrieved`` for an orbax write names no
+    orbax file in its message, only in its traceback."""
+    import logging
+    from jaxmp.train.checkpoint import _DropOrbaxTracebacks
+    try:
+        exec(compile("raise OSError(28, 'No space left on device')",
+                     os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "write.py"), "exec"))
+    except OSError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("asyncio", logging.ERROR, "base_events.py", 1,
+                               "Future exception was never retrieved\nfuture: <Future finished>", (), exc_info)
+    assert not _DropOrbaxTracebacks().filter(record)
+    record.exc_info = (ValueError, ValueError("x"), None)
+    assert _DropOrbaxTracebacks().filter(record)  # asyncio's other messages stay

@@ -309,3 +309,57 @@ def test_a_policy_rule_that_matches_no_module_is_named_in_a_warning(tmp_path, ca
     out = capsys.readouterr().out
     assert "warning: precision.policy rule 'rooter' matches no module" in out
     assert "blocks/{i}/moe/router" in out
+
+
+@pytest.mark.parametrize("body, cause", [
+    ("def get_config(:\n", r" has a syntax error at line 1: "),
+    ("def get_config():\n    raise RuntimeError('no such preset')\n",
+     r": get_config\(\) raised RuntimeError: no such preset"),
+    ("def get_config():\n    return 42\n", r": get_config\(\) returned 42 \(a int\); it must return an "
+                                          r"ml_collections.ConfigDict"),
+    ("import no_such_module_anywhere\n", r" fails to run: ModuleNotFoundError: No module named"),
+])
+def test_a_config_file_that_fails_is_one_line_naming_the_file(tmp_path, body, cause):
+    from jaxmp.train.config import load_config
+    file = tmp_path / "bad.py"
+    file.write_text(body)
+    with pytest.raises(ValueError, match=rf"^config file {str(file)!r}" + cause) as e:
+        load_config(file)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("override, match", [
+    ("train.steps=100000000000000000000", r"train.steps=100000000000000000000 is not allowed; it must be an "
+                                          r"integer in \[1, 2\*\*31 - 1\]"),
+    ("precision.policy=", r"precision.policy='' is not allowed; it must name a preset"),
+    ("model.max_len=100000000000", r"model.max_len=100000000000 is not allowed; it must be at most 2\*\*31 - 1"),
+])
+def test_values_beyond_what_the_run_can_hold_are_refused(tmp_path, override, match):
+    from jaxmp.train.config import apply_overrides
+    config = apply_overrides(small_config(), [override])
+    with pytest.raises(ValueError, match=match):
+        train_and_evaluate(config, str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "1e999", "NaN"])
+def test_a_non_finite_number_on_the_command_line_is_refused_as_such(text):
+    from jaxmp.train.config import apply_overrides
+    with pytest.raises(ValueError, match=rf"config override optim.learning_rate={text!r}: the value must "
+                                         rf"be a finite number \(the key holds 0.003\)"):
+        apply_overrides(small_config(), [f"optim.learning_rate={text}"])
+
+
+def test_a_max_len_whose_sample_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A device of 64 MiB (patched in): the sample's context of max_len = 2**17 tokens
+    needs at least 2**17 x (4 + 2 x 257) B = 64.75 MiB (int32 ids + bfloat16 logits)."""
+    from jaxmp.train import loop
+    monkeypatch.setattr(loop, "_device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
+    config = small_config()
+    config.model.max_len = 2**17
+    need = 2**17 * (4 + 2 * 257) / 2**30
+    with pytest.raises(ValueError, match=rf"model.max_len=131072: the closing sample runs the model over "
+                                         rf"131072 tokens, which needs at least {need:.2f} GiB .* but a device "
+                                         rf"has 0.06 GiB \(a 64 MiB test device\); lower model.max_len"):
+        train_and_evaluate(config, str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()

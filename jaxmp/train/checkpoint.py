@@ -10,8 +10,16 @@ A checkpoint step directory holds four items, written by one
   an uninterrupted run would have seen;
 * ``config``: the run's config (JSON), checked against the current one on resume;
 * ``verify``: a 64-bit checksum of every array of the state, computed on the devices at
-  save time (:func:`state_checksums`), and what the state was saved for (the number of
-  data-parallel devices).
+  save time (:func:`state_checksums`), a SHA-256 digest of each JSON item (``data``,
+  ``config``) and of ``verify`` itself (:func:`json_digest`), whether the state was
+  healthy (its latest step applied and not divergent), and what the state was saved for
+  (the number of data-parallel devices). Every item of a checkpoint is thus checked on
+  restore.
+
+Rotation keeps the ``keep`` newest checkpoints and, outside that count, the newest healthy
+one: checkpoints saved while a run stalls or diverges (a SIGTERM then) never push out the
+last healthy state (:meth:`Checkpointer.healthy_step`). Older ones are deleted once a
+newer save is complete.
 
 Saves are asynchronous (orbax's default): :meth:`Checkpointer.save` returns once the
 arrays are copied off the devices, and the files are written in a background thread
@@ -24,7 +32,7 @@ Restoring never adjusts the loss scale or runs a step (case LS-9): the restored 
 is used as it is, after its checksums are recomputed and compared and its floating-point
 leaves checked finite. A checkpoint written for another model or precision setup raises
 :class:`CheckpointError` naming the differences. One that fails to read or to verify is
-corrupt: when resuming from the newest checkpoint, it is moved to
+corrupt (so is a data-iterator state that the run's data cannot take): when resuming from the newest checkpoint, it is moved to
 ``checkpoints/corrupt/STEP`` with a loud warning (:attr:`Checkpointer.warnings`) and the
 next older one is tried; when none is good, :class:`CheckpointError` names each, and
 nothing is moved. A run never continues from garbage, and never silently starts afresh. A save that fails (a full disk, a read-only directory) raises
@@ -33,6 +41,7 @@ a new one is complete, so the earlier ones stay.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,8 +60,10 @@ from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import all_finite
 
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
-           "state_checksums",
-           "config_differences"]
+           "state_checksums", "json_digest", "config_differences"]
+
+# 1: array checksums only; 2: also the digests of the JSON items and the health flag.
+_FORMAT = 2
 
 # Config sections that must match between a checkpoint and the run resuming it; the
 # rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
@@ -115,9 +126,19 @@ class _DropOrbaxTracebacks(logging.Filter):
     the cause in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name == "asyncio":
-            return "orbax" not in record.getMessage()
+        if record.name == "asyncio":  # e.g. "Future exception was never retrieved"
+            return "orbax" not in record.getMessage() and not _raised_in_orbax(record.exc_info)
         return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _raised_in_orbax(exc_info) -> bool:
+    """Whether an exception's traceback runs through orbax's files."""
+    tb = exc_info[2] if isinstance(exc_info, tuple) and len(exc_info) == 3 else None
+    while tb is not None:
+        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _closed_loop_noise(unraisable) -> bool:
@@ -187,8 +208,39 @@ def state_checksums(state: Any) -> dict:
     return {f"{i}:{n}": f"{int(h[0]):08x}{int(h[1]):08x}" for i, (n, h) in enumerate(zip(names, hashes))}
 
 
+def json_digest(item: Any) -> str:
+    """SHA-256 (hex) of a JSON item in canonical form (sorted keys, no spaces), as it
+    reads back from disk: tuples and lists alike, so the digest at save time equals the
+    one of the restored item."""
+    text = json.dumps(json.loads(json.dumps(item)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 class _Corrupt(Exception):
     """A checkpoint that cannot be read or does not verify (internal)."""
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's text on one line, at most 200 characters."""
+    return " ".join(str(error).split())[:200]
+
+
+def _check_digests(meta: dict) -> Optional[dict]:
+    """The JSON items' digests of a format-2 ``verify`` item after checking ``verify``
+    itself against its own digest; None for a format-1 checkpoint (arrays only).
+
+    Raises:
+      _Corrupt: the digests are missing or ``verify`` was altered.
+    """
+    if meta.get("format") == 1 and "digest" not in meta:
+        return None
+    rest = {k: v for k, v in meta.items() if k != "digest"}
+    items = meta.get("items")
+    if (meta.get("format") != _FORMAT or not isinstance(meta.get("digest"), str)
+            or json_digest(rest) != meta["digest"] or not isinstance(items, dict)
+            or not {"data", "config"} <= set(items)):
+        raise _Corrupt("its checksums item (verify) was altered or is incomplete")
+    return items
 
 
 class Checkpointer:
@@ -198,7 +250,8 @@ class Checkpointer:
 
     Args:
       workdir: the run directory.
-      keep: how many most recent checkpoints to keep (orbax ``max_to_keep``).
+      keep: how many most recent checkpoints to keep; the newest healthy one is kept
+        besides them (see the module docstring).
 
     Raises:
       ValueError: ``keep`` < 1.
@@ -213,11 +266,15 @@ class Checkpointer:
         self.saved_meta: dict = {}  # what the last restored checkpoint was saved for
         self.warnings: list = []  # corrupt checkpoints set aside while restoring
         self._pending: Optional[int] = None  # the step being written in the background
+        self.keep = int(keep)
+        self._health: dict = {}  # step -> healthy (True, False, None: unknown), read once
         _quiet_orbax_tracebacks()
         try:
+            # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
+            # newest healthy checkpoint is kept outside the rotation.
             self.manager = ocp.CheckpointManager(
                 self.directory,
-                options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                      cleanup_tmp_directories=True),
                 item_names=("state", "data", "config", "verify"),
             )
@@ -239,6 +296,41 @@ class Checkpointer:
         """Every complete saved step, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def healthy(self, step: int) -> Optional[bool]:
+        """Whether checkpoint ``step`` was saved healthy (its latest step applied and not
+        divergent); None when unknown (written before format 2, or unreadable)."""
+        if step not in self._health:
+            try:
+                meta = self.manager.restore(step, args=ocp.args.Composite(
+                    verify=ocp.args.JsonRestore()))["verify"]
+                flag = meta.get("healthy") if isinstance(meta, dict) else None
+                self._health[step] = flag if isinstance(flag, bool) else None
+            except Exception:  # a damaged checkpoint: restore() says what is wrong with it
+                self._health[step] = None
+        return self._health[step]
+
+    def healthy_step(self) -> Optional[int]:
+        """The newest checkpoint saved healthy, or None when there is none."""
+        return next((s for s in reversed(self.all_steps()) if self.healthy(s)), None)
+
+    def unhealthy_steps(self) -> list:
+        """The checkpoints newer than :meth:`healthy_step` that were saved unhealthy."""
+        last = self.healthy_step() or 0
+        return [s for s in self.all_steps() if s > last and self.healthy(s) is False]
+
+    def _prune(self) -> None:
+        """Deletes the checkpoints that are neither among the ``keep`` newest nor the
+        newest healthy one (after a save is complete, as orbax's ``max_to_keep`` does)."""
+        steps = self.all_steps()
+        kept = set(steps[-self.keep:])
+        healthy = self.healthy_step()
+        if healthy is not None:
+            kept.add(healthy)
+        for step in steps:
+            if step not in kept:
+                self.manager.delete(step)
+                self._health.pop(step, None)
+
     def _failed(self, what: str, error: BaseException) -> CheckpointError:
         cause = _os_cause(error)
         kept = self.all_steps()
@@ -247,12 +339,14 @@ class Checkpointer:
             f"checkpoints ({', '.join(map(str, kept)) or 'none'}) are intact. Free disk space or "
             f"make the directory writable, then rerun to resume")
 
-    def save(self, step: int, state: Any, data_state: dict, config: dict, meta: Optional[dict] = None) -> None:
+    def save(self, step: int, state: Any, data_state: dict, config: dict, meta: Optional[dict] = None,
+             healthy: bool = True) -> None:
         """Starts an asynchronous save of a checkpoint at ``step``.
 
-        Waits for the previous save first; computes the state's checksums on the
-        devices; returns once ``state`` is copied off the devices (so it may be donated
-        to the next step right away).
+        Waits for the previous save first (and then deletes the checkpoints the rotation
+        no longer keeps); computes the state's checksums on the devices; returns once
+        ``state`` is copied off the devices (so it may be donated to the next step right
+        away).
 
         Args:
           step: the step number (the directory's name).
@@ -260,13 +354,19 @@ class Checkpointer:
           data_state: the data iterator's JSON state.
           config: the run's config as a dict.
           meta: JSON facts the state was saved for (e.g. ``{"num_devices": 8}``).
+          healthy: False when the state's latest step was skipped or looked divergent:
+            such a checkpoint never displaces the newest healthy one.
 
         Raises:
           CheckpointError: this or the previous save failed; the message names the
             step, the directory and the checkpoints that remain.
         """
         self.wait()
-        verify = {"format": 1, "checksums": state_checksums(state), **(meta or {})}
+        verify = {**(meta or {}), "format": _FORMAT, "checksums": state_checksums(state),
+                  "healthy": bool(healthy),
+                  "items": {"data": json_digest(data_state), "config": json_digest(config)}}
+        verify["digest"] = json_digest(verify)
+        self._health[step] = bool(healthy)
         self._pending = step
         try:
             self.manager.save(step, args=ocp.args.Composite(
@@ -289,9 +389,12 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._failed(f"writing checkpoint step {step}", e) from None
+        if step is not None:
+            self._prune()
 
     def restore(self, template: Any, config: dict, step: Optional[int] = None,
-                adapt: Optional[Callable[[dict, Any], Any]] = None) -> Tuple[int, Any, dict]:
+                adapt: Optional[Callable[[dict, Any], Any]] = None,
+                check_data: Optional[Callable[[dict], None]] = None) -> Tuple[int, Any, dict]:
         """Restores and verifies a checkpoint onto ``template``'s shardings.
 
         With ``step=None`` the newest checkpoint is tried first; one that is corrupt
@@ -307,6 +410,9 @@ class Checkpointer:
           adapt: ``adapt(saved_meta, template) -> template`` to restore a state saved
             for another setup (e.g. another device count) in its saved shape; the
             caller converts it afterwards.
+          check_data: ``check_data(data_state)`` raises ValueError when the run's data
+            cannot take the saved iterator state (e.g. a position out of range); such a
+            checkpoint is treated as corrupt.
 
         Returns:
           ``(step, state, data_state)``; :attr:`saved_config` and :attr:`saved_meta`
@@ -323,7 +429,7 @@ class Checkpointer:
         faults = []
         for s in steps:
             try:
-                out = self._restore_one(s, template, config, adapt)
+                out = self._restore_one(s, template, config, adapt, check_data)
             except _Corrupt as e:
                 faults.append((s, str(e)))
                 continue
@@ -334,14 +440,20 @@ class Checkpointer:
         raise CheckpointError(f"no checkpoint in {self.directory} can be restored ({listed}); "
                               f"use a new --workdir to start afresh")
 
-    def _restore_one(self, step: int, template: Any, config: dict, adapt) -> Tuple[int, Any, dict]:
+    def _restore_one(self, step: int, template: Any, config: dict, adapt,
+                     check_data) -> Tuple[int, Any, dict]:
         try:
             saved = self.manager.restore(step, args=ocp.args.Composite(
                 config=ocp.args.JsonRestore(), verify=ocp.args.JsonRestore()))
             saved_config, meta = saved["config"], saved["verify"]
         except Exception as e:  # orbax raises many types for a damaged directory
             raise _Corrupt(f"its config or checksums are unreadable ({type(e).__name__}: "
-                           f"{' '.join(str(e).split())[:200]})") from None
+                           f"{_one_line(e)})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict):
+            raise _Corrupt("it holds no checksums")
+        digests = _check_digests(meta)
+        if digests and json_digest(saved_config) != digests["config"]:
+            raise _Corrupt("its config item does not match its checksum")
         diffs = config_differences(saved_config, config)
         if diffs:
             listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
@@ -349,8 +461,6 @@ class Checkpointer:
                 f"checkpoint step {step} in {self.directory} was written with different settings "
                 f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
                 f"use a new --workdir")
-        if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict):
-            raise _Corrupt("it holds no checksums")
         if adapt is not None:
             template = adapt(meta, template)
         abstract = jax.tree.map(
@@ -361,8 +471,15 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         except Exception as e:
             raise _Corrupt(f"it does not read as this model's state ({type(e).__name__}: "
-                           f"{' '.join(str(e).split())[:200]})") from None
-        state = restored["state"]
+                           f"{_one_line(e)})") from None
+        state, data_state = restored["state"], restored["data"]
+        if digests and json_digest(data_state) != digests["data"]:
+            raise _Corrupt("its data-iterator state does not match its checksum")
+        if check_data is not None:
+            try:
+                check_data(data_state)
+            except ValueError as e:
+                raise _Corrupt(f"its data-iterator state does not fit this run's data ({e})") from None
         sums = state_checksums(state)
         bad = [k.split(":", 1)[1] for k in sums if meta["checksums"].get(k) != sums[k]]
         if bad or set(sums) != set(meta["checksums"]):
@@ -373,7 +490,11 @@ class Checkpointer:
         if not bool(jax.device_get(jax.jit(all_finite)(state))):
             raise _Corrupt("it holds NaN or inf values")
         self.saved_config, self.saved_meta = saved_config, meta
-        return step, state, restored["data"]
+        if not digests:
+            self.warnings.append(f"checkpoint step {step} in {self.directory} predates checksums of "
+                                 f"its data-iterator state and config (format {meta.get('format')}): "
+                                 f"only its arrays were verified")
+        return step, state, data_state
 
     def _set_aside(self, step: int, why: str, good: int) -> None:
         """Moves a corrupt step directory out of orbax's sight and records a warning."""

@@ -36,7 +36,7 @@ from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
-from jaxmp.precision.policy import PolicyRules, canonical_dtype, get_policy_rules
+from jaxmp.precision.policy import PRESETS, PolicyRules, canonical_dtype, get_policy_rules
 from jaxmp.train.optimizer import SCHEDULES
 
 __all__ = ["default_config", "complete_config", "load_config", "apply_overrides",
@@ -44,6 +44,7 @@ __all__ = ["default_config", "complete_config", "load_config", "apply_overrides"
            "flat_keys", "closest_key"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_I32_MAX = 2**31 - 1  # the train state's step counters and the model's positions are int32
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -157,6 +158,17 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _non_finite(value: Any) -> bool:
+    """``nan``, ``inf``, ``-inf`` (as text: Python has no literal for them) or a float
+    literal that overflows to infinity (``1e999``)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str],
                     where: str = "in the overrides") -> ml_collections.ConfigDict:
     """Applies ``KEY=VALUE`` strings (``train.steps=100``, optionally ``--config.`` first).
@@ -183,6 +195,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str],
         for p in parents:
             node = node[p]
         old, new = node[leaf], _parse_value(value)
+        if isinstance(old, (int, float)) and not isinstance(old, bool) and _non_finite(new):
+            raise ValueError(f"config override {key}={value!r}: the value must be a finite number "
+                             f"(the key holds {old!r})")
         if isinstance(old, str) and not isinstance(new, str):
             new = value  # a string key keeps the text as given: policy "fp32" or "1"
         if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
@@ -213,18 +228,35 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
       The completed config (:func:`complete_config`).
 
     Raises:
-      ValueError: the file does not exist or defines no ``get_config``; an unknown key
-        in it or in ``overrides``; a value of the wrong type.
+      ValueError: the file does not exist, does not run (a syntax error, an exception),
+        defines no ``get_config``, or its ``get_config()`` raises or returns something
+        other than a ConfigDict or dict (each one line naming the file and the cause); an
+        unknown key in it or in ``overrides``; a value of the wrong type.
     """
     file = pathlib.Path(path)
+    name = repr(str(path))
     if not file.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
+        raise ValueError(f"config file {name} does not exist")
     spec = importlib.util.spec_from_file_location(file.stem, file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ValueError(f"config file {name} has a syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # the file is the user's code: any error is reported as its own
+        raise ValueError(f"config file {name} fails to run: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
     if not callable(getattr(module, "get_config", None)):
-        raise ValueError(f"config file {str(path)!r} defines no get_config()")
-    return apply_overrides(complete_config(module.get_config()), overrides, where)
+        raise ValueError(f"config file {name} defines no get_config()")
+    try:
+        config = module.get_config()
+    except Exception as e:
+        raise ValueError(f"config file {name}: get_config() raised {type(e).__name__}: "
+                         f"{' '.join(str(e).split())}") from None
+    if not isinstance(config, (ml_collections.ConfigDict, dict)):
+        raise ValueError(f"config file {name}: get_config() returned {config!r} (a "
+                         f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
+    return apply_overrides(complete_config(config), overrides, where)
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict:
@@ -306,16 +338,19 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     config = complete_config(config)
     t, d, o, p = config.train, config.data, config.optim, config.precision
     positive_int = (lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+    # A count of steps: the train state counts them in int32.
+    step_count = (lambda v: _is_int(v) and 1 <= v <= _I32_MAX, "an integer in [1, 2**31 - 1] "
+                  "(the train state counts steps in int32)")
     _check("train", t, [
-        ("steps", *positive_int), ("batch_size", *positive_int), ("log_every", *positive_int),
+        ("steps", *step_count), ("batch_size", *positive_int), ("log_every", *step_count),
         ("grad_accum_steps", *positive_int), ("keep_checkpoints", *positive_int),
-        ("checkpoint_every", *positive_int),
-        ("eval_every", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = never)"),
+        ("checkpoint_every", *step_count),
+        ("eval_every", lambda v: _is_int(v) and 0 <= v <= _I32_MAX, "an integer in [0, 2**31 - 1] (0 = never)"),
         ("num_devices", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = all devices)"),
-        ("max_consecutive_skips", *positive_int),
+        ("max_consecutive_skips", *step_count),
         ("loss_spike_factor", lambda v: _is_real(v) and (v == 0 or 1 < v < math.inf), "0 (off) or a finite number > 1"),
         ("grad_norm_spike_factor", lambda v: _is_real(v) and (v == 0 or 1 < v < math.inf), "0 (off) or a finite number > 1"),
-        ("max_divergent_steps", *positive_int),
+        ("max_divergent_steps", *step_count),
         ("sample_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
         ("sample_temperature", lambda v: _is_real(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
         ("sample_prompt", lambda v: isinstance(v, str), "a string"),
@@ -331,8 +366,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
             f"{num_devices} devices of the mesh; use a multiple of {num_devices}")
     _check("optim", o, [
         ("learning_rate", lambda v: _is_real(v) and 0 < v <= _F32_MAX, "a number > 0 that float32 can hold"),
-        ("warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-        ("decay_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = train.steps)"),
+        ("warmup_steps", lambda v: _is_int(v) and 0 <= v <= _I32_MAX, "an integer in [0, 2**31 - 1]"),
+        ("decay_steps", lambda v: _is_int(v) and 0 <= v <= _I32_MAX,
+         "an integer in [0, 2**31 - 1] (0 = train.steps)"),
         ("final_lr_fraction", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
         ("weight_decay", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
         ("grad_clip", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = off)"),
@@ -366,9 +402,15 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     for key in ("rope_theta", "norm_eps", "aux_loss_weight", "bias_update_rate"):
         if not _is_real(m[key]) or not math.isfinite(m[key]):
             raise ValueError(f"model.{key}={m[key]!r} is not allowed; it must be a finite number")
+    if _is_int(m.max_len) and m.max_len > _I32_MAX:
+        raise ValueError(f"model.max_len={m.max_len} is not allowed; it must be at most 2**31 - 1 "
+                         f"(positions are int32)")
     model = ModelConfig.from_config(m)
     if d.seq_len > model.max_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}")
+    if not isinstance(p.policy, str) or not p.policy.strip():
+        raise ValueError(f"precision.policy={p.policy!r} is not allowed; it must name a preset "
+                         f"({', '.join(PRESETS)}) or a dtype, with optional 'MODULE: POLICY' rules")
     rules = get_policy_rules(p.policy)
     loss_scale = get_loss_scale(p.loss_scale)
     comm_kwargs = dict(grad_reduce_dtype=p.grad_reduce_dtype, grad_compression=p.grad_compression,

@@ -177,7 +177,59 @@ def _directory_files(root: str) -> list[str]:
     return sorted(found)
 
 
-def load_documents(path: str | None, text_field: str = "text") -> list[tuple[str, bytes]]:
+def _looping_links(files: Sequence[str]) -> dict:
+    """``{link: target}`` for each symlinked directory on the paths of ``files`` that
+    points to one of its own ancestors (a glob's ``**`` follows it again and again)."""
+    loops, seen = {}, set()
+    for file in files:
+        d = os.path.dirname(file)
+        while d and d not in seen:
+            seen.add(d)
+            if os.path.islink(d):
+                target = os.path.realpath(d)
+                parent = os.path.realpath(os.path.dirname(d) or ".")
+                if parent == target or parent.startswith(target.rstrip(os.sep) + os.sep):
+                    loops[d] = target
+            d = os.path.dirname(d)
+    return loops
+
+
+def _unique_text_files(path: str, files: Sequence[str], warnings: list) -> list[str]:
+    """``files`` with each real file once (symlinks resolved: the first path in sorted
+    order is kept) and binary files left out, with a warning for each kind of skip.
+
+    Raises:
+      ValueError: none of ``files`` is a text file.
+    """
+    first, duplicates = {}, []
+    for file in files:
+        real = os.path.realpath(file)
+        if real in first:
+            duplicates.append((file, first[real]))
+        else:
+            first[real] = file
+    if duplicates:
+        loops = _looping_links([f for f, _ in duplicates])
+        why = "".join(f"; the link {link!r} points to its own ancestor {target!r}, a loop"
+                      for link, target in sorted(loops.items())[:3])
+        warnings.append(f"data.path {path!r}: {len(duplicates)} path(s) lead to files already read "
+                        f"(e.g. {duplicates[0][0]!r} is {duplicates[0][1]!r}){why}; each file is "
+                        f"read once")
+    kept = list(first.values())
+    text = [f for f in kept if _is_text_file(f)]
+    binary = [f for f in kept if f not in set(text)]
+    if not text:
+        raise ValueError(f"data.path {path!r} matches no text file ({len(binary)} binary file(s), "
+                         f"e.g. {binary[0]!r}: a NUL byte in its first 8 KiB); give text files, a "
+                         f"directory of them, or .jsonl files")
+    if binary:
+        warnings.append(f"data.path {path!r}: skipped {len(binary)} binary file(s) (a NUL byte in "
+                        f"the first 8 KiB), e.g. {binary[0]!r}")
+    return text
+
+
+def load_documents(path: str | None, text_field: str = "text",
+                   warnings: list | None = None) -> list[tuple[str, bytes]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
 
     Args:
@@ -188,15 +240,18 @@ def load_documents(path: str | None, text_field: str = "text") -> list[tuple[str
         directories) of files. Each text file is one document read as raw bytes; a
         ``.jsonl`` file holds one JSON object per non-blank line, whose ``text_field``
         string (UTF-8 encoded) is one document named ``"file:line"``. Files are taken in
-        sorted path order; directories a glob matches are not expanded.
+        sorted path order; directories a glob matches are not expanded. Each real file
+        is read once, however many paths (symbolic links) lead to it, and binary files
+        (a NUL byte in the first 8 KiB) are skipped, both with a warning.
       text_field: the ``.jsonl`` field holding the text.
+      warnings: a list that gets a sentence for each thing skipped (repeated files,
+        links that loop, binary files).
 
     Returns:
       Documents in a deterministic order.
 
     Raises:
-      ValueError: no file matches ``path`` (or a directory holds no text file); a
-        ``.jsonl`` line is not valid JSON or lacks a string ``text_field`` (names the
+      ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid JSON or lacks a string ``text_field`` (names the
         file and line number).
     """
     if not path:
@@ -212,6 +267,7 @@ def load_documents(path: str | None, text_field: str = "text") -> list[tuple[str
     if not files:
         raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
                          f"'corpus/**/*.txt', or '' for the standard library's sources)")
+    files = _unique_text_files(path, files, warnings if warnings is not None else [])
     docs = []
     for file in files:
         if file.lower().endswith(".jsonl"):
@@ -389,6 +445,8 @@ class DataPipeline:
       num_documents: non-empty documents in the corpus (both splits).
       notes: what :func:`create_pipeline` changed in the split to give eval enough text,
         as sentences for the user (empty when the hash split sufficed).
+      warnings: what :func:`load_documents` skipped (files reached twice through
+        symbolic links, links that loop, binary files), as sentences.
     """
 
     train_iter: grain.DatasetIterator
@@ -398,6 +456,7 @@ class DataPipeline:
     eval_tokens: int
     num_documents: int
     notes: tuple = ()
+    warnings: tuple = ()
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -410,19 +469,33 @@ class DataPipeline:
         return {"version": _STATE_VERSION, "fingerprint": dict(self._fingerprint),
                 "iterator": self.train_iter.get_state()}
 
-    def set_state(self, state: dict) -> None:
-        """Moves the train iterator to a position saved by :meth:`get_state`.
+    def check_state(self, state: Any) -> None:
+        """Checks that :meth:`set_state` can take ``state``, without moving the iterator.
 
         Raises:
-          ValueError: ``state`` was saved by a pipeline with a different corpus
-            size, seq_len, global batch size or seed (its batches would differ).
+          ValueError: ``state`` is not a state of this version, was saved by a pipeline
+            with a different corpus size, seq_len, global batch size or seed (its
+            batches would differ), or its position (``next_index``, global batches
+            taken) is not an integer >= 0.
         """
-        if state.get("version") != _STATE_VERSION or "iterator" not in state:
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION \
+                or not isinstance(state.get("iterator"), dict):
             raise ValueError(f"not a DataPipeline state (version {_STATE_VERSION}): {state!r}")
         if state.get("fingerprint") != self._fingerprint:
             raise ValueError(
                 f"data state was saved for {state.get('fingerprint')}, but this "
                 f"pipeline is {self._fingerprint}")
+        position = state["iterator"].get("next_index")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"the iterator position next_index={position!r} must be an integer >= 0")
+
+    def set_state(self, state: dict) -> None:
+        """Moves the train iterator to a position saved by :meth:`get_state`.
+
+        Raises:
+          ValueError: as :meth:`check_state`.
+        """
+        self.check_state(state)
         self.train_iter.set_state(state["iterator"])
 
 
@@ -550,7 +623,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         raise ValueError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
 
     path = getattr(data_config, "path", None)
-    docs = load_documents(path, getattr(data_config, "text_field", None) or "text")
+    warnings: list = []
+    docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
     train, evals, notes = _split_streams(docs, eval_fraction, seq_len, max_tokens, need_eval=num_eval > 0)
     lo, hi = index * batch // count, (index + 1) * batch // count
 
@@ -569,6 +643,6 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     return DataPipeline(
         train_iter=train_iter, eval_batches=eval_batches, tokenizer=ByteTokenizer(),
         train_tokens=train.num_tokens, eval_tokens=eval_tokens,
-        num_documents=len(docs), notes=tuple(notes),
+        num_documents=len(docs), notes=tuple(notes), warnings=tuple(warnings),
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed})

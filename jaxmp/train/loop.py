@@ -10,9 +10,15 @@ exit, an exception included.
 SIGINT (Ctrl-C) and SIGTERM (a preempted job) stop the loop after the current step: a
 checkpoint is saved at that step and :class:`Interrupted` is raised, which ``train.py``
 turns into a message and exit status 128 + the signal number (130 for SIGINT, 143 for
-SIGTERM); rerunning the same command resumes. A signal during compilation exits
-without saving (nothing was trained). A second signal exits at once, leaving the
-checkpoints that are complete.
+SIGTERM); rerunning the same command resumes. A signal during start-up (reading the
+data, compiling, restoring) stops at once without saving (nothing was trained), with
+one message. A second signal exits at once, leaving the checkpoints that are complete.
+
+The step compiles in a background thread while the data is read. Every way out of
+:func:`train_and_evaluate` but a signal waits for that thread (a process that exits
+while XLA compiles in another thread can abort: ``terminate called ...``, exit 134);
+after a signal it is left to finish on its own, and :func:`compile_in_progress` tells
+``train.py`` to leave without running the interpreter's shutdown (``os._exit``).
 """
 from __future__ import annotations
 
@@ -41,7 +47,16 @@ from jaxmp.train.metrics import MetricsWriter
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
 __all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "TrainingDiverged", "WorkdirInUse",
-           "describe_loss_scale", "banner", "check_memory"]
+           "describe_loss_scale", "banner", "check_memory", "check_sample_memory",
+           "compile_in_progress"]
+
+_COMPILE_THREAD = "jaxmp-compile"
+
+
+def compile_in_progress() -> bool:
+    """True while a train step of :func:`train_and_evaluate` still compiles in its
+    background thread (left behind by a signal during start-up)."""
+    return any(t.name == _COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -54,12 +69,18 @@ class Interrupted(Exception):
       step: the step reached.
       saved: True when a checkpoint at ``step`` was written.
       directory: the checkpoint directory.
+      startup: the signal came before training began (reading the data, compiling).
     """
 
-    def __init__(self, signum: int, step: int, saved: bool, directory: pathlib.Path):
+    def __init__(self, signum: int, step: int, saved: bool, directory: pathlib.Path,
+                 startup: bool = False):
         self.signum, self.step, self.saved, self.directory = signum, step, saved, directory
         name = signal.Signals(signum).name
-        if saved:
+        if startup:
+            resumable = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
+            what = (f"{name} during start-up: stopped before training; nothing was trained or saved "
+                    f"in this run; rerun the same command to {'resume' if resumable else 'start'}")
+        elif saved:
             what = f"{name} at step {step}: checkpoint saved in {directory}; rerun the same command to resume"
         else:
             what = (f"{name} before the first step finished: nothing was trained or saved in this run; "
@@ -68,10 +89,15 @@ class Interrupted(Exception):
 
 
 class _SignalCatcher:
-    """Turns SIGINT/SIGTERM into a flag the loop polls; a second signal exits at once."""
+    """Turns SIGINT/SIGTERM into a flag the loop polls; a second signal exits at once.
+
+    Once ``training`` is set (the loop runs), the first signal says that a checkpoint
+    will be saved; before, it says nothing here: :class:`Interrupted` says what happened.
+    """
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self.training = False
         self._previous = {}
 
     def _handle(self, signum, frame):
@@ -80,9 +106,10 @@ class _SignalCatcher:
             sys.stderr.flush()
             os._exit(128 + signum)
         self.signum = signum
-        sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
-                         f"a checkpoint (send it again to exit at once)\n")
-        sys.stderr.flush()
+        if self.training:
+            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
+                             f"a checkpoint (send it again to exit at once)\n")
+            sys.stderr.flush()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -108,8 +135,14 @@ class _Compilation:
             except BaseException as e:  # re-raised in the main thread
                 self.result["error"] = e
 
-        self.worker = threading.Thread(target=work, name="jaxmp-compile", daemon=True)
+        self.worker = threading.Thread(target=work, name=_COMPILE_THREAD, daemon=True)
         self.worker.start()
+
+    def finish(self, catcher: "_SignalCatcher") -> None:
+        """Waits for the worker (its result is dropped), unless a signal came: then it
+        is left to finish on its own (see :func:`compile_in_progress`)."""
+        while self.worker.is_alive() and catcher.signum is None:
+            self.worker.join(0.1)
 
     def join(self, catcher: "_SignalCatcher"):
         """The compiled step, or None when a signal came first (the compilation is then
@@ -170,6 +203,35 @@ def check_memory(compiled, exp: Experiment) -> None:
             f"temporaries {analysis.temp_size_in_bytes / 2**30:.2f} GiB) but a device has "
             f"{have / 2**30:.2f} GiB ({source}); lower train.batch_size (now {t.batch_size}), "
             f"raise train.grad_accum_steps (now {t.grad_accum_steps}) or use more devices")
+
+
+def check_sample_memory(exp: Experiment) -> None:
+    """Refuses a ``model.max_len`` whose closing sample cannot fit, before any work.
+
+    :func:`jaxmp.models.generate` runs the model over a context of ``model.max_len``
+    tokens (dropless MoE pads it to that length; capacity dispatch runs
+    ``len(prompt) + train.sample_tokens`` tokens at most). That needs at least the int32
+    context (4 bytes a token) and its logits (``vocab_size`` values a token, 2 bytes
+    each at the narrowest, bfloat16): ``tokens * (4 + 2 * vocab_size)`` bytes, a lower
+    bound, held on one device.
+
+    Raises:
+      ValueError: the lower bound exceeds the memory of the device sampling runs on
+        (:func:`_device_memory`); the message gives both and what to change.
+    """
+    t, m = exp.config.train, exp.model_config
+    if not t.sample_tokens:
+        return
+    pad = m.num_moe_layers == 0 or not m.capacity_factor
+    tokens = m.max_len if pad else min(m.max_len, len(t.sample_prompt.encode("utf-8")) + t.sample_tokens)
+    need = tokens * (4 + 2 * m.vocab_size)
+    have, source = _device_memory(jax.local_devices()[0])
+    if have is not None and need > have:
+        raise ValueError(
+            f"model.max_len={m.max_len}: the closing sample runs the model over {tokens} tokens, "
+            f"which needs at least {need / 2**30:.2f} GiB (the int32 context and its "
+            f"{m.vocab_size} logits a token) but a device has {have / 2**30:.2f} GiB ({source}); "
+            f"lower model.max_len or set train.sample_tokens=0")
 
 
 def describe_loss_scale(loss_scale) -> str:
@@ -246,14 +308,29 @@ def _resume_warnings(saved: Optional[dict], config, start: int) -> list:
     return lines
 
 
-def _last_checkpoint_text(saver: "SaveCheckpoint", directory: pathlib.Path) -> str:
-    if saver.last_saved:
-        return (f"The last checkpoint, step {saver.last_saved} in {directory}, is from before it: "
-                f"a rerun resumes from there")
-    return f"No checkpoint was written in this run (checkpoints: {directory})"
+def _healthy(state) -> bool:
+    """The state's latest step was applied and did not look divergent."""
+    skips, divergent = jax.device_get((state.consecutive_skips, state.divergent_steps))
+    return int(skips) == 0 and int(divergent) == 0
 
 
-def _stall_message(exp: Experiment, saver: "SaveCheckpoint", directory: pathlib.Path):
+def _last_checkpoint_text(ckpt: Checkpointer) -> str:
+    """Where a rerun resumes and where the last healthy state is (they differ when a
+    checkpoint was saved unhealthy, by a signal during a stall or a divergence)."""
+    directory, healthy, unhealthy = ckpt.directory, ckpt.healthy_step(), ckpt.unhealthy_steps()
+    if healthy is None:
+        return f"No healthy checkpoint was written (checkpoints: {directory})"
+    text = f"The last healthy checkpoint, step {healthy} in {directory}, is from before it"
+    if not unhealthy:
+        return text + ": a rerun resumes from there"
+    listed = ", ".join(map(str, unhealthy))
+    return (text + f"; the newer checkpoint{'s' if len(unhealthy) > 1 else ''} {listed} "
+            f"{'were' if len(unhealthy) > 1 else 'was'} saved while the run was unhealthy, and a "
+            f"rerun resumes from step {unhealthy[-1]}: move {'them' if len(unhealthy) > 1 else 'it'} "
+            f"out of {directory} to resume from step {healthy}")
+
+
+def _stall_message(exp: Experiment, ckpt: Checkpointer):
     def describe(state, run: int) -> str:
         ls = state.loss_scale
         scale = float(jax.device_get(ls.loss_scale))
@@ -267,11 +344,11 @@ def _stall_message(exp: Experiment, saver: "SaveCheckpoint", directory: pathlib.
         return (f"the last {steps_text(run)} (to step {step}) were all skipped: gradients or "
                 f"updates were not finite, so the parameters have not changed since step "
                 f"{step - run}; loss scale {scale:g} ({type(ls).__name__}). "
-                f"{'; '.join(advice)}. {_last_checkpoint_text(saver, directory)}")
+                f"{'; '.join(advice)}. {_last_checkpoint_text(ckpt)}")
     return describe
 
 
-def _divergence_message(exp: Experiment, saver: "SaveCheckpoint", directory: pathlib.Path):
+def _divergence_message(exp: Experiment, ckpt: Checkpointer):
     def describe(state, run: int) -> str:
         step = int(jax.device_get(state.step))
         t = exp.config.train
@@ -280,7 +357,7 @@ def _divergence_message(exp: Experiment, saver: "SaveCheckpoint", directory: pat
                 f"({float(jax.device_get(state.loss_ema)):.4g}), a gradient norm above "
                 f"{t.grad_norm_spike_factor:g}x its running mean, a non-finite loss, or a zero "
                 f"gradient norm. Lower optim.learning_rate or raise optim.warmup_steps. "
-                f"{_last_checkpoint_text(saver, directory)}")
+                f"{_last_checkpoint_text(ckpt)}")
     return describe
 
 
@@ -324,7 +401,8 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dic
     moved to it, or step 0 and a freshly initialised state."""
     if ckpt.latest_step() is None:
         return 0, exp.init_state(), []
-    start, state, data_state = ckpt.restore(exp.checkpoint_template, config_dict, adapt=_adapt_residual(exp))
+    start, state, data_state = ckpt.restore(exp.checkpoint_template, config_dict, adapt=_adapt_residual(exp),
+                                            check_data=data.check_state)
     state = exp.restored_state(state)
     state, note = _reshard_residual(exp, state, ckpt.saved_meta.get("num_devices"))
     notes = [note] if note else []
@@ -335,17 +413,20 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dic
         notes.append(f"the checkpoint was saved with parallel.strategy={saved[0]}, parallel.expert={saved[1]} "
                      f"on {saved[2]} devices and is resharded onto parallel.strategy={now[0]}, "
                      f"parallel.expert={now[1]} on {now[2]} devices (the same global arrays)")
-    try:
-        data.set_state(data_state)
-    except ValueError as e:
-        raise CheckpointError(f"the data-iterator state in {ckpt.directory} does not fit "
-                              f"this run's data: {e}") from None
+    data.set_state(data_state)  # checked by restore (check_data)
+    if ckpt.saved_meta.get("healthy") is False:
+        healthy = ckpt.healthy_step()
+        notes.append(f"checkpoint step {start} was saved while the run was unhealthy (its latest "
+                     f"step skipped or divergent); the last healthy checkpoint is "
+                     f"{'step ' + str(healthy) if healthy else 'none'}")
     return start, state, notes
 
 
 def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int, notes, lock) -> None:
     print(banner(exp, data))
     for line in _precision_warnings(exp):
+        print(f"warning: {line}")
+    for line in data.warnings:
         print(f"warning: {line}")
     for line in data.notes + tuple(notes):
         print(f"note: {line}")
@@ -395,20 +476,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     config_dict = config_to_dict(cfg)
     meta = {"num_devices": exp.num_devices, "strategy": exp.layout.strategy, "expert": exp.layout.expert}
 
+    check_sample_memory(exp)
     with contextlib.ExitStack() as stack:
         catcher = stack.enter_context(_SignalCatcher())
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
         compilation = _Compilation(exp)  # in the background, while the data is read
+        stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
         data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
+        stack.callback(data.train_iter.close)  # grain's prefetch threads
         step_fn = compilation.join(catcher)
-        if step_fn is not None:
-            check_memory(step_fn, exp)  # before the state takes device memory
+        if step_fn is None:  # a signal during start-up: nothing to save
+            raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(), startup=True)
+        check_memory(step_fn, exp)  # before the state takes device memory
         ckpt = stack.enter_context(Checkpointer(workdir, keep=t.keep_checkpoints))
         start, state, notes = _restore_or_init(exp, ckpt, data, config_dict)
         if main_process:
             _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)
-        stack.callback(writer.close)
+        stack.push(lambda *exc: writer.close(raise_errors=exc[0] is None))  # the first error wins
         bar = stack.enter_context(tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True,
                                        disable=not main_process))
         stopwatch = Stopwatch()
@@ -422,15 +507,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
                                last_saved=start or None,
                                save=lambda step, s: ckpt.save(step, exp.checkpoint_state(s), data.get_state(),
-                                                              config_dict, meta))
+                                                              config_dict, meta, healthy=_healthy(s)))
         hooks = [report,
                  RunGuard(t.log_every, t.steps, metric="consecutive_skips", limit=t.max_consecutive_skips,
-                          error=TrainingStalled, describe=_stall_message(exp, saver, ckpt.directory)),
+                          error=TrainingStalled, describe=_stall_message(exp, ckpt)),
                  RunGuard(t.log_every, t.steps, metric="divergent_steps", limit=t.max_divergent_steps,
-                          error=TrainingDiverged, describe=_divergence_message(exp, saver, ckpt.directory)),
+                          error=TrainingDiverged, describe=_divergence_message(exp, ckpt)),
                  evaluate, saver]
 
         step = start
+        catcher.training = catcher.signum is None
         while step < t.steps and catcher.signum is None:
             batch = exp.batch_to_device(next(data.train_iter))
             state, metrics = step_fn(state, batch)
@@ -444,7 +530,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if catcher.signum is not None:
             saved = step > start
             if saved and saver.last_saved != step:
-                ckpt.save(step, exp.checkpoint_state(state), data.get_state(), config_dict, meta)
+                ckpt.save(step, exp.checkpoint_state(state), data.get_state(), config_dict, meta,
+                          healthy=_healthy(state))
             ckpt.close()
             raise Interrupted(catcher.signum, step, saved, ckpt.directory)
         bar.close()

@@ -148,8 +148,22 @@ class MetricsWriter:
         kept = [r for r in read_metrics(self.path) if r["step"] <= step]
         self.path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
 
-    def close(self) -> None:
-        """Flushes and closes the TensorBoard writer."""
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+    def close(self, raise_errors: bool = True) -> None:
+        """Flushes and closes the TensorBoard writer (idempotent).
+
+        Args:
+          raise_errors: False when an error is already on its way out (a failed write):
+            a failure to close (the same full disk, say) must not replace it.
+
+        Raises:
+          OSError: closing failed (a final flush to a full disk), when ``raise_errors``.
+        """
+        tb, self._tb = self._tb, None
+        if tb is None:
+            return
+        try:
+            tb.close()
+        except OSError as e:
+            if raise_errors:
+                raise OSError(e.errno, f"closing the TensorBoard files in {self.path.parent} failed: "
+                                       f"{e.strerror or e}") from None
