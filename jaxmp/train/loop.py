@@ -455,7 +455,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     prompt = data.tokenizer.encode(t.sample_prompt, add_eos=False)
     ids = generate(exp.host_model(state), prompt, max_new_tokens=t.sample_tokens,
                    temperature=t.sample_temperature,
-                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)))
+                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)), progress=main_process)
     sample = data.tokenizer.decode(ids)
     final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if main_process:
