@@ -45,6 +45,7 @@ __all__ = ["default_config", "complete_config", "load_config", "apply_overrides"
            "flat_keys", "closest_key"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_REPO = pathlib.Path(__file__).resolve().parents[2]  # where configs/ and train.py live
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -190,7 +191,9 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     before it existed) can still be overridden.
 
     Args:
-      path: e.g. ``configs/tiny_moe.py``.
+      path: e.g. ``configs/tiny_moe.py``; a relative path that does not exist from the
+        current directory is looked up in the repository root (next to ``train.py``),
+        so the shipped configs load from any directory.
       overrides: ``KEY=VALUE`` strings (see :func:`apply_overrides`).
       where: where the overrides come from, for the error naming an unknown key.
 
@@ -201,7 +204,9 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
       ValueError: the file does not exist or defines no ``get_config``; an unknown key
         in it or in ``overrides``; a value of the wrong type.
     """
-    file = pathlib.Path(path)
+    file = pathlib.Path(path).expanduser()
+    if not file.is_file() and not file.is_absolute() and (_REPO / file).is_file():
+        file = _REPO / file  # configs/NAME.py from any directory: the shipped configs
     if not file.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     spec = importlib.util.spec_from_file_location(file.stem, file)
