@@ -233,8 +233,8 @@ def banner(exp: Experiment, data) -> str:
         f"  loss scale  : {describe_loss_scale(exp.settings.loss_scale)}",
         f"  grad comm   : {c['grad_reduce_dtype']} reduce" + (
             f", top-k {c['topk_ratio']:g} with error feedback" if c["grad_compression"] == "topk" else ""),
-        f"  memory/dev  : train state {state_bytes / 2**20:.1f} MiB + gradients "
-        f"{_device_bytes(state.params) / 2**20:.1f} MiB under {exp.layout.strategy} "
+        f"  memory/dev  : train state {state_bytes / 2**20:.2f} MiB + gradients "
+        f"{_device_bytes(state.params) / 2**20:.2f} MiB under {exp.layout.strategy} "
         f"(activations not included; see python -m jaxmp.report)",
         f"  data        : {docs} document{'' if docs == 1 else 's'}, {data.train_tokens:,} train / "
         f"{data.eval_tokens:,} eval tokens (tokenizer {data.tokenizer.name}), seq_len {cfg.data.seq_len}, "
