@@ -8,6 +8,7 @@ Several processes: --coordinator_address=HOST:PORT --num_processes=N --process_i
 each (jaxmp.train.distributed), or a cluster's environment (Slurm, Open MPI, ...).
 """
 import os
+import pathlib
 import sys
 
 from absl import app, flags, logging
@@ -18,7 +19,9 @@ from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import load_config
 
-_DEFAULT_CONFIG = "configs/tiny_moe.py"
+# Relative config paths that do not exist from the current directory are looked up next
+# to this file (load_config), so the shipped configs work from any directory.
+_DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "tiny_moe.py")
 # --config PATH names the file; --config.KEY=VALUE items override its keys. Both are read
 # by jaxmp.train.config.load_config (not ml_collections.config_flags), which completes the
 # file's config with every default first, so a key the file leaves out can be overridden.
@@ -36,6 +39,14 @@ _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a he
 def _parse_flags(argv):
     """absl's flag parsing; the config file and its ``--config.KEY=VALUE`` overrides are
     loaded here, so a typo, a bad value or a bad file is one line, not a traceback."""
+    if any(a in ("-h", "--help", "--helpshort", "--helpfull", "-?") for a in argv[1:]):
+        from jaxmp.train.keys import help_text
+        print(__doc__.strip())
+        print("\nflags:\n" + flags.FLAGS.main_module_help().split("\n", 1)[-1])
+        print("\nconfig keys (--config.KEY=VALUE; the value shown is the default of "
+              "jaxmp.train.config.default_config, which a config file may change):")
+        print(help_text())
+        sys.exit(0)
     rest, overrides, path = [argv[0]], [], _DEFAULT_CONFIG
     args = iter(argv[1:])
     for a in args:

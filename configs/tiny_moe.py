@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0
 
     config.model = ml_collections.ConfigDict(dict(
-        vocab_size=257,            # bytes + end-of-document (jaxmp.train.data.ByteTokenizer)
+        vocab_size=257,            # bytes + end-of-document (jaxmp.train.tokenizer.ByteTokenizer)
         num_layers=2,
         d_model=64,
         num_heads=4,
@@ -64,6 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.data = ml_collections.ConfigDict(dict(
         path="",                   # "" = the Python standard library's .py files
         text_field="text",         # for .jsonl files
+        tokenizer="bytes",         # bytes | PATH/tokenizer.json | PATH.model | bpe:VOCAB
         seq_len=64,
         eval_fraction=0.02,
         num_eval_batches=4,        # 0 = no evaluation
@@ -86,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
         loss_spike_factor=3.0,
         grad_norm_spike_factor=100.0,
         max_divergent_steps=10,
-        sample_prompt="def ",
+        sample_prompt="",          # "" = the start of the first eval document
         sample_tokens=80,
         sample_temperature=0.8,
     ))

@@ -447,6 +447,27 @@ def test_generate_greedy_matches_step_by_step_argmax(fp32_model):
     assert sampled.shape == (17,) and ((0 <= sampled) & (sampled < 64)).all()
 
 
+def test_generate_with_capacity_compiles_once_and_matches_unpadded(fp32_model):
+    # Capacity dispatch (expert parallelism needs it): the padded, fixed-shape buffer gives
+    # each step the logits of the unpadded context (padding takes no slot, the capacity is
+    # the real context's), and one compiled step serves every token (before: one per length).
+    from jaxmp.models import sampling
+    graphdef = nnx.graphdef(abstract_model("fp32", capacity_factor=0.5))  # drops at 0.5
+    model = nnx.merge(graphdef, nnx.state(fp32_model))  # fp32_model's weights, capacity dispatch
+    prompt = np.asarray(tokens(b=2, t=3, seed=5))
+    before = sampling._next_token._cache_size()
+    out = generate(model, prompt, 5, temperature=0.0)
+    generate(model, prompt, 2, temperature=0.7, rng=3)  # a temperature is an argument, not a constant
+    assert sampling._next_token._cache_size() - before == 1
+    ctx, dropped = prompt, []
+    for _ in range(5):  # unpadded recompute, one compilation per length
+        logits, aux = forward(model, jnp.asarray(ctx))
+        dropped.append(float(aux["dropped_fraction"]))
+        ctx = np.concatenate([ctx, np.argmax(np.asarray(logits[:, -1]), -1)[:, None]], 1)
+    assert max(dropped) > 0  # the capacity did drop assignments: the mask is exercised
+    np.testing.assert_array_equal(out, ctx)
+
+
 # ----------------------------------------------------------------------------- validation
 
 @pytest.mark.parametrize("overrides, message", [

@@ -341,6 +341,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def runnable_modes(config, modes) -> tuple:
+    """``(runnable, skipped)`` mode names: a mode with top-k gradient compression needs
+    ``parallel.strategy='dp'`` and ``parallel.expert=1`` (as validate_config requires)."""
+    layout_ok = config.parallel.strategy == "dp" and config.parallel.expert == 1
+    run, skipped = [], []
+    for name, overrides in modes.items():
+        topk = overrides.get("precision.grad_compression") == "topk"
+        (skipped if topk and not layout_ok else run).append(name)
+    return run, skipped
+
+
 def _main_config(parser: argparse.ArgumentParser, args) -> int:
     if args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
@@ -358,6 +369,20 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
                      f"{', '.join(accounting.MODES)}")
     try:
         config = load_config(args.config, args.overrides)
+        notes = []
+        if modes is None:  # the default modes: those that run under the config's layout
+            modes, skipped = runnable_modes(config, accounting.MODES)
+            if skipped:
+                notes.append(f"note: skipped {', '.join(skipped)}: top-k compression runs only with "
+                             f"parallel.strategy='dp' and parallel.expert=1 (this config: "
+                             f"{config.parallel.strategy!r}, {config.parallel.expert})")
+        notes.append(f"note: {args.devices} devices (--devices, default 8; train.py uses every local "
+                     f"device unless train.num_devices is set)")
+        if "mixed_fp16" in modes:
+            notes.append("note: mode mixed_fp16 starts its dynamic loss scale at 2**15; the "
+                         "trainer's precision.loss_scale=dynamic starts at 256 (the seed "
+                         "article's value), dynamic:init=2**15 there gives the mode's")
+        print("\n".join(notes))
         out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown)
         if args.settings:
             out["settings"] = remat.activation_settings(

@@ -33,7 +33,9 @@ expert index), ``expert_mlp`` (routed-expert hidden width).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import NamedTuple
 
 import jax
@@ -55,8 +57,33 @@ __all__ = [
     "balance_loss",
     "MoE",
     "expert_capacity",
+    "valid_tokens",
     "SCORE_FNS",
 ]
+
+_VALID = threading.local()
+
+
+@contextlib.contextmanager
+def valid_tokens(n: jax.Array):
+    """Within this context only the first ``n`` tokens of every sequence are real.
+
+    For a fixed-shape sampling buffer (:func:`jaxmp.models.sampling.generate`): under
+    capacity dispatch the tokens past ``n`` take no expert slot and the capacity is the
+    one of an ``n``-token sequence, :func:`expert_capacity` ``(capacity_factor, n, ...)``,
+    so with causal attention the first ``n`` positions compute what the unpadded
+    ``n``-token context computes (the slot buffers keep the padded shape; their extra
+    slots stay empty). Dropless dispatch routes per token and needs no mask.
+
+    Args:
+      n: int32 scalar (may be traced), ``1 <= n <= T``.
+    """
+    previous = getattr(_VALID, "value", None)
+    _VALID.value = n
+    try:
+        yield
+    finally:
+        _VALID.value = previous
 
 SCORE_FNS = ("softmax", "sigmoid")
 
@@ -205,7 +232,7 @@ def _dropless(experts, x, expert_ids, gates):
 
 
 def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_axis=None,
-                   dispatch_dtype="compute"):
+                   dispatch_dtype="compute", valid_length=None, capacities=None):
     """GShard dispatch with ``capacity`` slots per expert and sequence.
 
     x [B, T, D] (compute dtype), expert_ids/gates [B, T, k]. Within a sequence, all first
@@ -222,13 +249,22 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
     ``dispatch_dtype="e4m3"`` the slots travel out as E4M3 with one float32 scale per
     1x128 tile (:func:`jaxmp.fp8.all_to_all`; the experts then see the quantized tokens)
     and the outputs come back in the compute dtype.
+
+    With ``valid_length`` n (:func:`valid_tokens`) only the first n tokens take slots,
+    at most ``capacities[n]`` per expert (int32 [T + 1], :func:`expert_capacity` of each
+    length); ``capacity`` stays the shape of the slot buffers.
     """
     b, t, k = expert_ids.shape
     onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32)  # [B, T, k, E]
+    if valid_length is not None:  # padding takes no slot; the capacity of n tokens
+        real = jnp.arange(t) < valid_length
+        onehot = onehot * real[None, :, None, None].astype(jnp.int32)
     by_choice = onehot.transpose(0, 2, 1, 3).reshape(b, k * t, num_experts)
     slot = (jnp.cumsum(by_choice, axis=1) - 1).reshape(b, k, t, num_experts).transpose(0, 2, 1, 3)
     slot = jnp.sum(slot * onehot, axis=-1)  # [B, T, k]: the slot of each assignment
     keep = slot < capacity
+    if valid_length is not None:
+        keep = keep & (slot < capacities[valid_length]) & real[None, :, None]
     slots = jax.nn.one_hot(jnp.where(keep, slot, capacity), capacity, dtype=jnp.float32)  # dropped -> 0 row
     expert = onehot.astype(jnp.float32)
     dispatch = jnp.einsum("btke,btkc->btec", expert, slots)
@@ -252,7 +288,10 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
         ys = matmul(experts, h, "w_down", "bsecf,efd->bsecd")
         ye = jax.lax.all_to_all(ys, expert_axis, 1, 1).reshape(b, num_experts, capacity, -1)
     y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
-    dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    if valid_length is None:
+        dropped = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    else:  # of the real tokens' assignments
+        dropped = 1.0 - jnp.sum(keep.astype(jnp.float32)) / (b * k * valid_length)
     return y, dropped
 
 
@@ -319,9 +358,14 @@ class RoutedExperts(nnx.Module):
         b, t, d = x.shape
         axis = expert_axis()
         if self.capacity_factor > 0:
-            capacity = expert_capacity(self.capacity_factor, t, expert_ids.shape[-1], self.num_experts)
+            k = expert_ids.shape[-1]
+            capacity = expert_capacity(self.capacity_factor, t, k, self.num_experts)
+            n = getattr(_VALID, "value", None)
+            capacities = None if n is None else jnp.asarray(
+                [expert_capacity(self.capacity_factor, max(m, 1), k, self.num_experts)
+                 for m in range(t + 1)], jnp.int32)
             y, dropped = _with_capacity(self, x, expert_ids, gates, capacity, self.num_experts, axis,
-                                        dispatch_dtype())
+                                        dispatch_dtype(), n, capacities)
         elif axis is not None:
             raise ValueError("expert parallelism exchanges fixed-size slots: set model.capacity_factor > 0 "
                              "(dropless dispatch runs with parallel.expert=1)")

@@ -1,39 +1,54 @@
 """Sampling from a trained :class:`~jaxmp.models.transformer.MoETransformer`."""
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
+from jaxmp.models.moe import valid_tokens
 from jaxmp.models.transformer import MoETransformer
 
 __all__ = ["generate"]
 
 
-@nnx.jit
-def _last_logits(model, tokens, last):
-    logits, _ = model(tokens)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0].astype(jnp.float32)
+@functools.partial(jax.jit, static_argnums=0)
+def _next_token(graphdef, state, buffer, n, key, temperature):
+    """One sampling step on a fixed ``[B, max_len]`` buffer whose first ``n`` tokens are
+    the context: the next token of each row (int32 [B]) and the next key."""
+    model = nnx.merge(graphdef, state)
+    with valid_tokens(n):
+        logits, _ = model(buffer)
+    last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False).astype(jnp.float32)
+    key, sub = jax.random.split(key)
+    greedy = jnp.argmax(last, axis=-1)
+    sampled = jax.random.categorical(sub, last / jnp.where(temperature > 0, temperature, 1.0), axis=-1)
+    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), key
 
 
 def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
-             temperature: float = 1.0, rng: Any = 0) -> np.ndarray:
+             temperature: float = 1.0, rng: Any = 0, *, progress: bool = False) -> np.ndarray:
     """Samples continuations, recomputing the whole (truncated) context each step.
 
-    The context is its last ``max_len`` tokens. With dropless MoE it is right-padded to
-    ``max_len`` so one compiled forward serves every step (causal attention and
-    per-token routing keep the padding invisible). With capacity dispatch later tokens
-    can take earlier tokens' expert slots, so the context is run unpadded instead (one
-    compilation per length).
+    The context is its last ``max_len`` tokens, right-padded into a fixed ``[B, max_len]``
+    buffer, so one compiled step serves every token of every call with the same batch
+    size (the temperature is an argument of the step, not a constant of it). Causal
+    attention keeps the padding invisible; under capacity dispatch
+    (``capacity_factor > 0``) the padding takes no expert slot and the capacity is that of
+    the real context (:func:`jaxmp.models.moe.valid_tokens`), so each step's logits are
+    those of the unpadded context.
 
     Args:
       prompt_ids: int [T0] or [B, T0] prompt tokens, T0 >= 1, ids in [0, vocab_size).
       max_new_tokens: tokens to add (>= 0).
       temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
       rng: a ``jax.random`` key or an int seed.
+      progress: show a progress bar (tqdm, on stderr) over the new tokens.
 
     Returns:
       int32 array shaped like ``prompt_ids`` with ``max_new_tokens`` more tokens on the
@@ -58,18 +73,16 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
+    graphdef, state = nnx.split(model)
+    temp = jnp.float32(temperature)
     ids = ids.astype(np.int32)
-    pad = cfg.num_moe_layers == 0 or not cfg.capacity_factor
-    for _ in range(max_new_tokens):
+    buffer = np.zeros((ids.shape[0], cfg.max_len), np.int32)
+    for _ in tqdm(range(max_new_tokens), desc="sample", unit="tok", disable=not progress,
+                  file=sys.stderr, leave=False):
         ctx = ids[:, -cfg.max_len:]
         n = ctx.shape[1]
-        padded = np.zeros((ids.shape[0], cfg.max_len if pad else n), np.int32)
-        padded[:, :n] = ctx
-        logits = _last_logits(model, jnp.asarray(padded), jnp.full((ids.shape[0],), n - 1, jnp.int32))
-        if temperature == 0:
-            nxt = jnp.argmax(logits, axis=-1)
-        else:
-            key, sub = jax.random.split(key)
-            nxt = jax.random.categorical(sub, logits / temperature, axis=-1)
-        ids = np.concatenate([ids, np.asarray(nxt, np.int32)[:, None]], axis=1)
+        buffer[:, :n] = ctx
+        buffer[:, n:] = 0
+        nxt, key = _next_token(graphdef, state, jnp.asarray(buffer), jnp.int32(n), key, temp)
+        ids = np.concatenate([ids, np.asarray(nxt)[:, None]], axis=1)
     return ids[0] if squeeze else ids

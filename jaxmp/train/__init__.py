@@ -10,8 +10,12 @@
 * :mod:`~jaxmp.train.loop` and :mod:`~jaxmp.train.hooks`: :func:`train_and_evaluate` and
   its periodic actions;
 * :mod:`~jaxmp.train.checkpoint`, :mod:`~jaxmp.train.metrics`, :mod:`~jaxmp.train.data`,
-  :mod:`~jaxmp.train.workdir` (the run directory's lock).
+  :mod:`~jaxmp.train.workdir` (the run directory's lock), :mod:`~jaxmp.train.tokenizer`
+  (``data.tokenizer``), :mod:`~jaxmp.train.keys` (every config key, default and meaning);
+* :mod:`~jaxmp.train.artifacts`: :func:`load` a trained run ``(model, tokenizer, config)``
+  and :func:`export` it (safetensors, ``config.json``, the tokenizer).
 """
+from jaxmp.train.artifacts import export, load
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import default_config, load_config, validate_config
 from jaxmp.train.experiment import Experiment
@@ -22,4 +26,4 @@ from jaxmp.train.workdir import WorkdirInUse
 
 __all__ = ["Experiment", "TrainState", "train_and_evaluate", "load_config", "default_config",
            "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled", "TrainingDiverged",
-           "Interrupted", "WorkdirInUse"]
+           "Interrupted", "WorkdirInUse", "load", "export"]

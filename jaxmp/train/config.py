@@ -37,6 +37,7 @@ from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PRESETS, PolicyRules, canonical_dtype, get_policy_rules
+from jaxmp.train.keys import KEYS
 from jaxmp.train.optimizer import SCHEDULES
 
 __all__ = ["default_config", "complete_config", "load_config", "apply_overrides",
@@ -45,40 +46,25 @@ __all__ = ["default_config", "complete_config", "load_config", "apply_overrides"
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1  # the train state's step counters and the model's positions are int32
+_REPO = pathlib.Path(__file__).resolve().parents[2]  # where configs/ and train.py live
 
 
 def default_config() -> ml_collections.ConfigDict:
     """Every key the trainer reads, with its default (configs/tiny_moe.py sets the model).
 
-    The model section here has the required shape keys of
-    :class:`~jaxmp.models.ModelConfig` at tiny_moe's values; see that class for each
-    (``attention``, ``scan_layers`` and ``remat`` are explained in
-    :mod:`jaxmp.models.attention` and :mod:`jaxmp.models.transformer`).
+    Built from :data:`jaxmp.train.keys.KEYS`, the one table of keys, defaults and
+    meanings that ``python train.py --help`` and ``docs/CONFIG.md`` print. The model
+    section has the required shape keys of :class:`~jaxmp.models.ModelConfig` at
+    tiny_moe's values; see that class for each (``attention``, ``scan_layers`` and
+    ``remat`` are explained in :mod:`jaxmp.models.attention` and
+    :mod:`jaxmp.models.transformer`).
     """
     c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.model = ml_collections.ConfigDict(dict(
-        vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=256, max_len=128,
-        rope_theta=10000.0, norm_eps=1e-6, num_experts=4, num_shared_experts=1, top_k=2,
-        d_expert=64, first_dense_layers=1, score_fn="softmax", aux_loss_weight=0.01,
-        bias_update_rate=0.001, capacity_factor=0.0, attention="auto", scan_layers=False,
-        remat="none"))
-    c.precision = ml_collections.ConfigDict(dict(
-        policy="mixed_bf16; router: fp32; norm: fp32", loss_scale="none",
-        grad_reduce_dtype="float32", grad_compression="none", topk_ratio=0.3))
-    c.optim = ml_collections.ConfigDict(dict(
-        learning_rate=3e-3, warmup_steps=5, schedule="cosine", final_lr_fraction=0.1,
-        decay_steps=0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, grad_clip=1.0,
-        mu_dtype="", nu_dtype=""))
-    c.data = ml_collections.ConfigDict(dict(
-        path="", text_field="text", seq_len=64, eval_fraction=0.02, num_eval_batches=4,
-        max_tokens=0))
-    c.train = ml_collections.ConfigDict(dict(
-        steps=200, batch_size=16, grad_accum_steps=1, num_devices=0, log_every=5,
-        eval_every=50, checkpoint_every=100, keep_checkpoints=2, max_consecutive_skips=100,
-        loss_spike_factor=3.0, grad_norm_spike_factor=100.0, max_divergent_steps=10,
-        sample_prompt="def ", sample_tokens=80, sample_temperature=0.8))
-    c.parallel = ml_collections.ConfigDict(dict(strategy="dp", expert=1, dispatch_dtype="compute"))
+    for key in KEYS:
+        section, _, leaf = key.name.rpartition(".")
+        if section and section not in c:
+            c[section] = ml_collections.ConfigDict()
+        (c[section] if section else c)[leaf] = key.default
     return c
 
 
@@ -220,7 +206,9 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     before it existed) can still be overridden.
 
     Args:
-      path: e.g. ``configs/tiny_moe.py``.
+      path: e.g. ``configs/tiny_moe.py``; a relative path that does not exist from the
+        current directory is looked up in the repository root (next to ``train.py``),
+        so the shipped configs load from any directory.
       overrides: ``KEY=VALUE`` strings (see :func:`apply_overrides`).
       where: where the overrides come from, for the error naming an unknown key.
 
@@ -233,7 +221,9 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
         other than a ConfigDict or dict (each one line naming the file and the cause); an
         unknown key in it or in ``overrides``; a value of the wrong type.
     """
-    file = pathlib.Path(path)
+    file = pathlib.Path(path).expanduser()
+    if not file.is_file() and not file.is_absolute() and (_REPO / file).is_file():
+        file = _REPO / file  # configs/NAME.py from any directory: the shipped configs
     name = repr(str(path))
     if not file.is_file():
         raise ValueError(f"config file {name} does not exist")
@@ -390,6 +380,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         ("eval_fraction", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
         ("num_eval_batches", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = no evaluation)"),
         ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 (0 = all)"),
+        ("tokenizer", lambda v: isinstance(v, str),
+         "'bytes', a tokenizer.json or SentencePiece .model path, or 'bpe:VOCAB'"),
+        ("token_dtype", lambda v: v in ("uint16", "uint32"), "uint16 or uint32"),
+        ("eod_id", lambda v: _is_int(v) and v >= -1, "an integer >= 0, or -1 (the tokenizer's own)"),
     ])
     if not _is_int(config.seed) or not 0 <= config.seed < 2**31 - 1:
         raise ValueError(f"seed={config.seed!r} is not allowed; it must be an integer in [0, 2**31 - 1)")

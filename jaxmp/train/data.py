@@ -26,81 +26,16 @@ import os
 import pathlib
 import sysconfig
 import zlib
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import grain
 import numpy as np
 
+from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer
+
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Bumped when the meaning of a saved iterator state changes.
 _STATE_VERSION = 1
-
-
-class ByteTokenizer:
-    """Tokenizer whose tokens are raw bytes plus one end-of-document token.
-
-    Ids ``0..255`` are the bytes themselves, so any file, valid UTF-8 or not, is
-    tokenized losslessly without decoding; id ``256`` (``eos_id``) marks the end
-    of a document. Nothing is downloaded (the ByT5 / nanoGPT "byte-level" idea,
-    without ByT5's special-token offset).
-
-    Attributes:
-      vocab_size: 257 (256 byte values + EOS).
-      eos_id: 256.
-    """
-
-    vocab_size: int = 257
-    eos_id: int = 256
-
-    def encode(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
-        """Returns the token ids of ``text`` as one document.
-
-        Args:
-          text: a ``str`` (encoded as UTF-8) or raw ``bytes`` (used as they are,
-            so invalid UTF-8 survives unchanged).
-          add_eos: append ``eos_id`` after the bytes, as the packed corpus does
-            after every document; pass ``False`` for a prompt to be continued.
-
-        Returns:
-          int32 array ``[num_bytes (+1)]`` with values in ``[0, 257)``.
-
-        Raises:
-          TypeError: ``text`` is neither ``str`` nor bytes-like.
-        """
-        if isinstance(text, str):
-            text = text.encode("utf-8")
-        elif not isinstance(text, (bytes, bytearray, memoryview)):
-            raise TypeError(f"encode expects str or bytes, got {type(text).__name__}")
-        ids = np.frombuffer(bytes(text), dtype=np.uint8).astype(np.int32)
-        if add_eos:
-            ids = np.append(ids, np.int32(self.eos_id))
-        return ids
-
-    def decode(self, ids: Any) -> str:
-        """Returns the text of token ids, dropping every EOS token.
-
-        The remaining bytes are decoded as UTF-8 with ``errors="replace"``: each
-        undecodable byte sequence becomes U+FFFD (the replacement character), so
-        decoding never fails but is lossless only for valid UTF-8.
-
-        Args:
-          ids: integer array-like of any shape (flattened), values in ``[0, 257)``.
-
-        Returns:
-          The decoded string.
-
-        Raises:
-          ValueError: ``ids`` is not integer or holds a value outside ``[0, 257)``.
-        """
-        ids = np.asarray(ids).reshape(-1)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= self.vocab_size)
-        if bad.any():
-            raise ValueError(
-                f"token id {ids[bad][0]} is outside [0, {self.vocab_size})")
-        data = ids[ids != self.eos_id].astype(np.uint8).tobytes()
-        return data.decode("utf-8", errors="replace")
 
 
 def default_corpus_files() -> list[pathlib.Path]:
@@ -265,6 +200,9 @@ def load_documents(path: str | None, text_field: str = "text",
     else:
         files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
     if not files:
+        if not glob.has_magic(expanded):
+            raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
+                             f"such as 'corpus/**/*.txt', or '' for the standard library's sources)")
         raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
                          f"'corpus/**/*.txt', or '' for the standard library's sources)")
     files = _unique_text_files(path, files, warnings if warnings is not None else [])
@@ -317,11 +255,13 @@ class TokenStream:
     Window ``i`` is ``tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its
     first ``seq_len`` tokens are model inputs and its last ``seq_len`` the
     next-token targets. The tail shorter than a window is dropped. Tokens are
-    stored once as uint16 (2 bytes/token; the stdlib is ~30 M tokens, ~60 MB) and
-    windows are sliced on demand, so the stream is a grain random-access source.
+    stored once, as uint16 (2 bytes/token; the stdlib is ~30 M byte tokens, ~60 MB) or
+    uint32 where an id needs it; a uint16/uint32 array (a ``np.memmap`` of a
+    pre-tokenized file included) is used as it is, not copied. Windows are sliced on
+    demand, so the stream is a grain random-access source.
 
     Args:
-      tokens: 1-D integer array with values in ``[0, 257)``.
+      tokens: 1-D array of non-negative integer ids.
       seq_len: model sequence length (> 0).
 
     Raises:
@@ -340,7 +280,10 @@ class TokenStream:
                 f"corpus has {tokens.size} tokens, fewer than the seq_len + 1 = "
                 f"{seq_len + 1} needed for one sequence")
         self.seq_len = int(seq_len)
-        self.tokens = tokens.astype(np.uint16, copy=False)
+        if tokens.dtype not in (np.uint16, np.uint32):
+            wide = tokens.size and int(tokens.max()) >= 2**16
+            tokens = tokens.astype(np.uint32 if wide else np.uint16)
+        self.tokens = tokens
         n = tokens.size // (seq_len + 1)
         self._windows = self.tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
 
@@ -379,6 +322,30 @@ class TokenStream:
         tokens[eos_at] = ByteTokenizer.eos_id
         return cls(tokens[:max_tokens], seq_len)
 
+    @classmethod
+    def from_token_documents(cls, docs: Sequence[tuple[str, np.ndarray]], seq_len: int, *,
+                             max_tokens: int | None = None) -> "TokenStream":
+        """Packs tokenized documents (each already ending in its EOS) into one stream.
+
+        Args:
+          docs: ``(name, ids)`` documents in order, ``ids`` a 1-D integer array.
+          seq_len: model sequence length.
+          max_tokens: keep only the first ``max_tokens`` tokens (``None`` or 0: all).
+
+        Raises:
+          ValueError: as for the constructor.
+        """
+        kept, total = [], 0
+        for _, ids in docs:
+            if max_tokens and total >= max_tokens:
+                break
+            kept.append(ids)
+            total += len(ids)
+        dtype = np.uint32 if any(a.dtype.itemsize > 2 and a.size and a.max() >= 2**16
+                                 for a in kept) else np.uint16
+        tokens = np.concatenate(kept).astype(dtype) if kept else np.zeros(0, dtype)
+        return cls(tokens[:max_tokens or None], seq_len)
+
     @property
     def num_tokens(self) -> int:
         """Tokens in the stream, including the dropped tail."""
@@ -404,6 +371,45 @@ class TokenStream:
           windows ``w``, both contiguous int32 ``[B, seq_len]``.
         """
         w = self._windows[np.asarray(window_ids)].astype(np.int32)
+        return {"inputs": np.ascontiguousarray(w[:, :-1]),
+                "targets": np.ascontiguousarray(w[:, 1:])}
+
+
+class ShardStream:
+    """Windows of several token arrays (pre-tokenized shards, memory-mapped), as one
+    random-access source: each shard is a :class:`TokenStream` (windows never cross a
+    shard boundary; each shard's tail shorter than a window is dropped) and window ids
+    run through the shards in order.
+
+    Raises:
+      ValueError: no shard holds one window.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray], seq_len: int):
+        window = seq_len + 1
+        self.seq_len = seq_len
+        self.parts = [TokenStream(a, seq_len) for a in arrays if a.size >= window]
+        if not self.parts:
+            total = sum(int(a.size) for a in arrays)
+            raise ValueError(f"the token shards hold {total} tokens and none holds the "
+                             f"seq_len + 1 = {window} needed for one sequence")
+        self._starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self._sizes = [int(a.size) for a in arrays]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the shards, including the dropped tails."""
+        return int(sum(self._sizes))
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def batch(self, window_ids: Any) -> dict[str, np.ndarray]:
+        """As :meth:`TokenStream.batch`."""
+        ids = np.asarray(window_ids).reshape(-1) % len(self)
+        part = np.searchsorted(self._starts, ids, side="right") - 1
+        w = np.stack([self.parts[p]._windows[i - self._starts[p]] for p, i in zip(part, ids)])
+        w = w.astype(np.int32).reshape(len(ids), self.seq_len + 1)
         return {"inputs": np.ascontiguousarray(w[:, :-1]),
                 "targets": np.ascontiguousarray(w[:, 1:])}
 
@@ -439,24 +445,33 @@ class DataPipeline:
         process_count``.
       eval_batches: ``num_eval_batches`` batches of the same form, fixed order (a
         sequence: each batch is gathered when read).
-      tokenizer: the :class:`ByteTokenizer`.
+      tokenizer: the tokenizer (:mod:`jaxmp.train.tokenizer`; ``data.tokenizer``).
       train_tokens: tokens in the (capped) packed train stream.
       eval_tokens: tokens in the (capped) packed eval stream.
-      num_documents: non-empty documents in the corpus (both splits).
+      num_documents: non-empty documents in the corpus (both splits); for pre-tokenized
+        shards, the end-of-document tokens in them.
       notes: what :func:`create_pipeline` changed in the split to give eval enough text,
         as sentences for the user (empty when the hash split sufficed).
       warnings: what :func:`load_documents` skipped (files reached twice through
         symbolic links, links that loop, binary files), as sentences.
+      eval_bytes: per eval batch, the UTF-8 bytes its (global) targets stand for
+        (``tokenizer.token_bytes``), for bits per byte; None when the tokenizer does not
+        know them.
+      sample_prompt: the start of the first eval document (of the train stream when
+        there is no eval), up to 16 tokens and before its first line break: the default
+        prompt of the trainer's sample.
     """
 
     train_iter: grain.DatasetIterator
     eval_batches: Sequence[dict]
-    tokenizer: ByteTokenizer
+    tokenizer: Any
     train_tokens: int
     eval_tokens: int
     num_documents: int
     notes: tuple = ()
     warnings: tuple = ()
+    eval_bytes: Optional[tuple] = None
+    sample_prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -499,11 +514,14 @@ class DataPipeline:
         self.train_iter.set_state(state["iterator"])
 
 
-def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need_eval: bool):
+def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need_eval: bool,
+                   split=None):
     """``(train, eval or None, notes)``: the hash split, made to work for small corpora.
 
-    When eval is wanted and the hash split (:func:`split_documents`) leaves either split
-    shorter than one window (``seq_len + 1`` tokens), the split is repaired:
+    ``docs`` are tokenized, ``(name, ids)`` with each ``ids`` ending in its EOS token;
+    ``split`` is the hash split of their names (:func:`split_documents`) when already made.
+    When eval is wanted and the hash split leaves either split shorter than one window
+    (``seq_len + 1`` tokens), the split is repaired:
 
     1. by document: eval gets the documents with the lowest hash scores (those closest to
        being eval documents), as few as make one window, and train the rest, if that
@@ -518,11 +536,11 @@ def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need
         both splits one window (the message says it is the eval split that is short).
     """
     window = seq_len + 1
-    train_docs, eval_docs = split_documents(docs, eval_fraction)
+    train_docs, eval_docs = split or split_documents(docs, eval_fraction)
     notes = []
 
     def tokens(ds):
-        return sum(len(d) + 1 for _, d in ds)
+        return sum(len(d) for _, d in ds)
 
     if need_eval and (tokens(eval_docs) < window or tokens(train_docs) < window):
         by_score = sorted(docs, key=lambda d: _eval_score(d[0]))
@@ -531,31 +549,42 @@ def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need
             if count >= window:
                 break
             taken.add(name)
-            count += len(d) + 1
+            count += len(d)
         left = [d for d in docs if d[0] not in taken]
+        short = "eval" if tokens(eval_docs) < window else "train"
+        moved = ("the document whose name hashes closest to eval" if len(taken) == 1 else
+                 f"the {len(taken)} documents whose names hash closest to eval")
         if count >= window and tokens(left) >= window:
-            notes.append(f"the hash split (data.eval_fraction={eval_fraction}) gave eval "
-                         f"{len(eval_docs)} and train {len(train_docs)} document(s), one of them "
-                         f"shorter than a sequence of {window} tokens; eval now holds the "
-                         f"{len(taken)} document(s) closest to it by hash, train the other {len(left)}")
+            notes.append(f"data.eval_fraction={eval_fraction} put {_count(len(eval_docs), 'document')} "
+                         f"in eval and {_count(len(train_docs), 'document')} in train, leaving {short} "
+                         f"shorter than one sequence of {window} tokens; so eval now holds "
+                         f"{moved} and train the other {len(left)}")
             train_docs, eval_docs = left, [d for d in docs if d[0] in taken]
         else:
-            stream = TokenStream.from_documents(docs, seq_len, max_tokens=None)
+            stream = TokenStream.from_token_documents(docs, seq_len)
             total = stream.num_tokens
             held = max(window, math.ceil(eval_fraction * total))
             if total - held < window:
                 raise ValueError(
                     f"the eval split needs at least one sequence of seq_len + 1 = {window} tokens, "
-                    f"and train as many, but the corpus has {total} tokens in {len(docs)} "
-                    f"document(s); add text, lower data.seq_len, or set data.num_eval_batches=0")
-            notes.append(f"the corpus ({len(docs)} document(s)) cannot be split by document; its "
-                         f"last {held} of {total} tokens are held out for eval")
+                    f"and train as many, but the corpus has {total} tokens in "
+                    f"{_count(len(docs), 'document')}; add text, lower data.seq_len, or set "
+                    f"data.num_eval_batches=0")
+            notes.append(f"the corpus ({_count(len(docs), 'document')}) is too small to split by "
+                         f"document, so its last {held} of {total} tokens are held out for eval "
+                         f"and train gets the rest")
             cap = max_tokens or None
             return (TokenStream(stream.tokens[:total - held][:cap], seq_len),
                     TokenStream(stream.tokens[total - held:][:cap], seq_len), notes)
-    train = TokenStream.from_documents(train_docs, seq_len, max_tokens=max_tokens)
-    evals = TokenStream.from_documents(eval_docs, seq_len, max_tokens=max_tokens) if need_eval else None
+    train = TokenStream.from_token_documents(train_docs, seq_len, max_tokens=max_tokens)
+    evals = (TokenStream.from_token_documents(eval_docs, seq_len, max_tokens=max_tokens)
+             if need_eval else None)
     return train, evals, notes
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 document"``, ``"2 documents"``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -564,8 +593,127 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+TOKEN_SUFFIXES = (".bin", ".npy")
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def token_files(path: Optional[str]) -> list:
+    """The pre-tokenized shard files ``data.path`` names (a ``.bin`` / ``.npy`` file or a
+    glob matching only such files), sorted; ``[]`` when it names text.
+
+    Raises:
+      ValueError: a glob matches both token files and other files.
+    """
+    if not path:
+        return []
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        return []
+    files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+    tokens = [f for f in files if f.lower().endswith(TOKEN_SUFFIXES)]
+    if tokens and len(tokens) != len(files):
+        other = next(f for f in files if not f.lower().endswith(TOKEN_SUFFIXES))
+        raise ValueError(f"data.path {path!r} matches pre-tokenized shards ({tokens[0]}) and "
+                         f"other files ({other}); give one kind")
+    return tokens
+
+
+def _open_shard(file: str, dtype: str) -> np.ndarray:
+    """A shard memory-mapped: a ``.npy`` in its own dtype, a ``.bin`` as flat ``dtype``."""
+    if file.lower().endswith(".npy"):
+        array = np.load(file, mmap_mode="r")
+        if array.ndim != 1 or array.dtype.name not in TOKEN_DTYPES:
+            raise ValueError(f"{file} holds a {array.dtype.name} array of shape {array.shape}; a "
+                             f"token shard is 1-D {' or '.join(TOKEN_DTYPES)}")
+        return array
+    size = os.path.getsize(file)
+    itemsize = np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise ValueError(f"{file} has {size} bytes, not a whole number of {dtype} tokens; check "
+                         f"data.token_dtype (allowed: {', '.join(TOKEN_DTYPES)})")
+    if size == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(file, dtype=dtype, mode="r")
+
+
+def _scan_shard(array: np.ndarray, eod: int, chunk: int = 1 << 24) -> tuple:
+    """``(max id, end-of-document count)`` of a shard, read in 16 M-token chunks."""
+    top, docs = -1, 0
+    for start in range(0, array.size, chunk):
+        part = np.asarray(array[start:start + chunk])
+        top = max(top, int(part.max()))
+        docs += int(np.count_nonzero(part == eod))
+    return top, docs
+
+
+def _shard_streams(files, data_config, tokenizer, eod: int, seq_len: int, eval_fraction: float,
+                   max_tokens, need_eval: bool):
+    """``(train, eval or None, notes, documents)`` of pre-tokenized shards: eval is the
+    last ``max(seq_len + 1, eval_fraction * tokens)`` tokens of the last shard."""
+    dtype = getattr(data_config, "token_dtype", "uint16") or "uint16"
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"data.token_dtype={dtype!r} is not allowed; it must be one of "
+                         f"{', '.join(TOKEN_DTYPES)}")
+    arrays = [_open_shard(f, dtype) for f in files]
+    documents = 0
+    for file, array in zip(files, arrays):
+        top, docs = _scan_shard(array, eod)
+        documents += docs
+        if top >= tokenizer.vocab_size:
+            raise ValueError(f"{file} holds token id {top}, outside the vocabulary of "
+                             f"data.tokenizer={tokenizer.name!r} ([0, {tokenizer.vocab_size})); "
+                             f"set data.tokenizer to the tokenizer that wrote the shards")
+    total = sum(int(a.size) for a in arrays)
+    window = seq_len + 1
+    notes, evals = [], None
+    if need_eval:
+        held = max(window, math.ceil(eval_fraction * total))
+        last = arrays[-1]
+        if last.size - held < 0 or total - held < window:
+            raise ValueError(f"eval is the last {held} tokens of the last shard {files[-1]}, which "
+                             f"holds {last.size} of the {total} tokens; train needs {window} more. Add "
+                             f"tokens, lower data.seq_len or data.eval_fraction, or set "
+                             f"data.num_eval_batches=0")
+        arrays = arrays[:-1] + [last[:last.size - held]]
+        eval_array = last[last.size - held:]
+        if max_tokens:
+            eval_array = eval_array[:max_tokens]
+        evals = TokenStream(eval_array, seq_len)
+        notes.append(f"data.path holds pre-tokenized shards: eval is the last {held} of their "
+                     f"{total} tokens (the end of {files[-1]}), train the rest")
+    if max_tokens:
+        capped, left = [], max_tokens
+        for a in arrays:
+            if left <= 0:
+                break
+            capped.append(a[:left])
+            left -= min(left, a.size)
+        arrays = capped
+    train = ShardStream(arrays, seq_len)
+    return train, evals, notes, documents
+
+
+def _prompt_from(stream, tokenizer, max_tokens: int = 16) -> np.ndarray:
+    """The start of the stream's first document (after the first EOS when the stream may
+    begin mid-document), at most ``max_tokens`` tokens, cut before its first line break."""
+    first = stream.batch(np.zeros(1, np.int64))["inputs"][0]
+    eos = np.flatnonzero(first == tokenizer.eos_id)
+    if getattr(stream, "starts_mid_document", False) and eos.size and eos[0] + 1 < first.size:
+        first = first[eos[0] + 1:]
+        eos = np.flatnonzero(first == tokenizer.eos_id)
+    ids = first[: eos[0]] if eos.size else first
+    ids = ids[:max_tokens]
+    if ids.size == 0:
+        return first[:1].astype(np.int32)
+    text = tokenizer.decode(ids)
+    line = text.lstrip("\n").split("\n")[0]
+    encoded = tokenizer.encode(line, add_eos=False) if line else np.zeros(0, np.int32)
+    return encoded if encoded.size else ids.astype(np.int32)
+
+
 def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
-                    process_index: int = 0, process_count: int = 1) -> DataPipeline:
+                    process_index: int = 0, process_count: int = 1,
+                    workdir: Optional[str | os.PathLike] = None) -> DataPipeline:
     """Builds this process's train iterator and eval batches.
 
     Train: window ids ``0..n-1`` are globally shuffled with ``seed`` by grain,
@@ -581,16 +729,27 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     repaired (see ``DataPipeline.notes``): documents move to eval, or the stream's last
     tokens are held out.
 
+    Text is tokenized by ``data.tokenizer`` (:func:`jaxmp.train.tokenizer.load_tokenizer`;
+    ``bpe:VOCAB`` is trained on the hash split's train documents and kept in
+    ``workdir``). Pre-tokenized shards (``data.path`` naming ``.bin`` files of
+    ``data.token_dtype`` or ``.npy`` files, as nanoGPT's ``prepare.py`` and Megatron-style
+    pipelines write flat token files) are memory-mapped, never copied: their ids are
+    checked against the tokenizer's vocabulary, ``data.eod_id`` (-1: the tokenizer's
+    end-of-document id) counts their documents, and eval is the end of the last shard.
+
     Args:
-      data_config: object with attributes ``path`` (a directory, a glob,
-        ``None``/``""``: the stdlib; see :func:`load_documents`), ``text_field`` (default ``"text"``), ``seq_len``,
-        ``eval_fraction`` (see :func:`split_documents`), ``num_eval_batches``
-        (0 disables eval) and ``max_tokens`` (``None`` or 0: all; otherwise caps
-        each split's packed stream, for tests and tiny runs).
+      data_config: object with attributes ``path`` (a directory, a glob, token shards,
+        ``None``/``""``: the stdlib; see :func:`load_documents`), ``text_field``
+        (default ``"text"``), ``seq_len``, ``eval_fraction`` (see
+        :func:`split_documents`), ``num_eval_batches`` (0 disables eval), ``max_tokens``
+        (``None`` or 0: all; otherwise caps each split's packed stream, for tests and
+        tiny runs), and optionally ``tokenizer`` (default ``"bytes"``), ``token_dtype``
+        and ``eod_id``.
       global_batch_size: sequences per step over all processes.
       seed: shuffle seed in ``[0, 2**32)`` (grain's range).
       process_index: this process, in ``[0, process_count)``.
       process_count: number of processes sharing each global batch.
+      workdir: the run directory, where ``bpe:VOCAB`` keeps its ``tokenizer.json``.
 
     Returns:
       The pipeline.
@@ -600,7 +759,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         not divisible by ``process_count``; a bad ``process_index``, ``seed``,
         ``eval_fraction``, ``num_eval_batches`` or ``max_tokens``; no file
         matches ``path``; a bad ``.jsonl`` line; a train split shorter than one
-        window; a corpus too short to give eval one window too while eval is enabled.
+        window; a corpus too short to give eval one window too while eval is enabled;
+        a bad tokenizer, token dtype, end-of-document id or shard.
     """
     seq_len = _check_int("data.seq_len", data_config.seq_len, 1)
     batch = _check_int("global_batch_size", global_batch_size, 1)
@@ -621,17 +781,48 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     eval_fraction = float(getattr(data_config, "eval_fraction", 0.0))
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+    spec = getattr(data_config, "tokenizer", "bytes") or "bytes"
+    eod_id = getattr(data_config, "eod_id", -1)
+    eod_id = -1 if eod_id is None else _check_int("data.eod_id", eod_id, -1)
 
     path = getattr(data_config, "path", None)
     warnings: list = []
-    docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
-    train, evals, notes = _split_streams(docs, eval_fraction, seq_len, max_tokens, need_eval=num_eval > 0)
+    shards = token_files(path)
+    if shards:
+        tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
+                                   train_texts=None if not spec.startswith("bpe:") else _no_text(path))
+        eod = tokenizer.eos_id
+        train, evals, notes, num_documents = _shard_streams(
+            shards, data_config, tokenizer, eod, seq_len, eval_fraction, max_tokens, num_eval > 0)
+        starts_mid = True
+    else:
+        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
+        split = split_documents(docs, eval_fraction)
+        tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
+                                   train_texts=lambda: (d for _, d in split[0] or docs))
+        tokenized = _tokenize(docs, tokenizer)
+        names = {name for name, _ in split[1]}
+        tok_split = ([d for d in tokenized if d[0] not in names], [d for d in tokenized if d[0] in names])
+        train, evals, notes = _split_streams(tokenized, eval_fraction, seq_len, max_tokens,
+                                             need_eval=num_eval > 0, split=tok_split)
+        num_documents = len(docs)
+        starts_mid = any("held out" in n for n in notes)
     lo, hi = index * batch // count, (index + 1) * batch // count
 
-    eval_batches, eval_tokens = _EvalBatches(None, 0, 0, 0, 0), 0
+    eval_batches, eval_tokens, eval_bytes = _EvalBatches(None, 0, 0, 0, 0), 0, None
     if num_eval:
         eval_tokens = evals.num_tokens
         eval_batches = _EvalBatches(evals, num_eval, batch, lo, hi)
+        table = getattr(tokenizer, "token_bytes", None)
+        if table is not None:
+            eval_bytes = tuple(
+                int(table[evals.batch(np.arange(k * batch, (k + 1) * batch) % len(evals))["targets"]].sum())
+                for k in range(num_eval))
+    prompt_source = evals if num_eval else train
+    if hasattr(prompt_source, "parts"):
+        prompt_source = prompt_source.parts[0]
+    prompt_source.starts_mid_document = starts_mid
+    sample_prompt = _prompt_from(prompt_source, tokenizer)
 
     ds = (grain.MapDataset.range(len(train)).shuffle(seed=seed).repeat()
           .batch(batch, drop_remainder=True)
@@ -641,8 +832,25 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     train_iter = iter(ds.to_iter_dataset(
         grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
     return DataPipeline(
-        train_iter=train_iter, eval_batches=eval_batches, tokenizer=ByteTokenizer(),
+        train_iter=train_iter, eval_batches=eval_batches, tokenizer=tokenizer,
         train_tokens=train.num_tokens, eval_tokens=eval_tokens,
-        num_documents=len(docs), notes=tuple(notes), warnings=tuple(warnings),
+        num_documents=num_documents, notes=tuple(notes), warnings=tuple(warnings),
+        eval_bytes=eval_bytes, sample_prompt=sample_prompt,
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed})
+
+
+def _no_text(path):
+    def fail():
+        raise ValueError(f"data.tokenizer='bpe:...' trains on text, but data.path {path!r} holds "
+                         f"pre-tokenized shards; set data.tokenizer to the tokenizer that wrote them")
+    return fail
+
+
+def _tokenize(docs, tokenizer, chunk: int = 1024) -> list:
+    """``(name, ids)`` of each document, each ending in the tokenizer's EOS."""
+    out = []
+    for start in range(0, len(docs), chunk):
+        part = docs[start:start + chunk]
+        out.extend(zip((n for n, _ in part), tokenizer.encode_batch([d for _, d in part])))
+    return out

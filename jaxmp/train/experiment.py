@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
@@ -32,7 +33,8 @@ from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
 from jaxmp.train.config import Settings, complete_config, validate_config
-from jaxmp.train.data import ByteTokenizer, DataPipeline, create_pipeline
+from jaxmp.train.data import DataPipeline, create_pipeline
+from jaxmp.train.tokenizer import round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
 from jaxmp.train.step import make_eval_step, make_train_step
@@ -93,6 +95,8 @@ class Experiment:
         shardings, the state donated: ``(state, batch) -> (state, metrics)``.
       eval_step: ``jax.jit`` of :func:`~jaxmp.train.step.make_eval_step`:
         ``(state, batch) -> {"loss", "tokens"}`` summed over the batch.
+      workdir: the run directory (set by the trainer before :attr:`data` is read), where
+        a ``bpe:VOCAB`` tokenizer is kept; None trains one in memory.
     """
 
     settings: Settings
@@ -111,6 +115,7 @@ class Experiment:
     eval_step: Callable
     _init: Callable = dataclasses.field(repr=False, default=None)
     _copy: Optional[Callable] = dataclasses.field(repr=False, default=None)
+    workdir: Optional[Any] = None
 
     @classmethod
     def create(cls, config: ml_collections.ConfigDict, *, num_devices: Optional[int] = None,
@@ -229,18 +234,30 @@ class Experiment:
 
     @functools.cached_property
     def data(self) -> DataPipeline:
-        """This process's data pipeline (built on first use; reads the corpus).
+        """This process's data pipeline (built on first use; reads and tokenizes the corpus).
 
         Raises:
-          ValueError: ``model.vocab_size`` below the byte tokenizer's 257, or a bad
-            data setting or corpus (:func:`~jaxmp.train.data.create_pipeline`).
+          ValueError: ``model.vocab_size`` below the tokenizer's vocabulary (the message
+            gives the size to set, rounded up to a multiple of 128), or a bad data setting
+            or corpus (:func:`~jaxmp.train.data.create_pipeline`).
         """
         cfg = self.config
-        if self.model_config.vocab_size < ByteTokenizer.vocab_size:
-            raise ValueError(f"model.vocab_size={self.model_config.vocab_size} is smaller than the byte "
-                             f"tokenizer's {ByteTokenizer.vocab_size} (256 bytes + end-of-document)")
-        return create_pipeline(cfg.data, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count())
+        spec, have = cfg.data.tokenizer, self.model_config.vocab_size
+        if spec.startswith("bpe:") and spec[4:].isdigit() and int(spec[4:]) > have:
+            need = int(spec[4:])  # refused before the BPE is trained
+            raise ValueError(f"model.vocab_size={have} is smaller than data.tokenizer={spec!r} "
+                             f"({need} tokens); set model.vocab_size={round_vocab(need)} (the next "
+                             f"multiple of 128) or at least {need}")
+        data = create_pipeline(cfg.data, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count(),
+                               workdir=self.workdir)
+        need = data.tokenizer.vocab_size
+        if have < need:
+            raise ValueError(f"model.vocab_size={have} is smaller than the vocabulary of "
+                             f"data.tokenizer={cfg.data.tokenizer!r} ({need} tokens); set "
+                             f"model.vocab_size={round_vocab(need)} (the next multiple of 128) or "
+                             f"at least {need}")
+        return data
 
     def batch_to_device(self, batch: Mapping[str, np.ndarray]) -> dict:
         """A process-local ``{"inputs", "targets"}`` batch as global arrays on the mesh."""
@@ -253,13 +270,33 @@ class Experiment:
         spec = jax.ShapeDtypeStruct((b, self.config.data.seq_len), np.int32, sharding=self.batch_sharding)
         return {"inputs": spec, "targets": spec}
 
-    def evaluate(self, state: TrainState) -> Optional[float]:
-        """Mean token cross-entropy over the eval batches; None when there are none."""
+    def evaluate_metrics(self, state: TrainState) -> Optional[dict]:
+        """Eval loss in the units people quote; None when there are no eval batches.
+
+        Returns:
+          ``{"loss": nats/token, "perplexity": exp(loss), "bits_per_byte": ...}``: the
+          mean token cross-entropy (natural log), its exponential, and where the tokenizer
+          knows each token's UTF-8 bytes (:attr:`DataPipeline.eval_bytes`) the summed
+          cross-entropy over ``ln 2`` times the bytes the eval targets stand for (the
+          end-of-document tokens' loss counts, their bytes are 0); floats.
+        """
         loss = tokens = 0.0
         for batch in self.data.eval_batches:
             out = jax.device_get(self.eval_step(state, self.batch_to_device(batch)))
             loss, tokens = loss + float(out["loss"]), tokens + float(out["tokens"])
-        return loss / tokens if tokens else None
+        if not tokens:
+            return None
+        mean = loss / tokens
+        out = {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else math.inf}
+        if self.data.eval_bytes is not None and sum(self.data.eval_bytes):
+            out["bits_per_byte"] = loss / math.log(2) / sum(self.data.eval_bytes)
+        return out
+
+    def evaluate(self, state: TrainState) -> Optional[float]:
+        """Mean token cross-entropy (nats/token) over the eval batches; None when there
+        are none (:meth:`evaluate_metrics` adds perplexity and bits per byte)."""
+        out = self.evaluate_metrics(state)
+        return None if out is None else out["loss"]
 
     def host_model(self, state: TrainState) -> MoETransformer:
         """The model with ``state``'s weights, on the host (for sampling)."""

@@ -21,7 +21,7 @@ import numpy as np
 from jaxmp.train.metrics import MetricsWriter, expert_load_stats
 
 __all__ = ["TrainingStalled", "TrainingDiverged", "Stopwatch", "PeriodicAction", "ReportMetrics",
-           "RunGuard", "Evaluate", "SaveCheckpoint", "steps_text"]
+           "RunGuard", "Evaluate", "SaveCheckpoint", "steps_text", "eval_text"]
 
 
 class TrainingStalled(RuntimeError):
@@ -167,9 +167,13 @@ class RunGuard(PeriodicAction):
 
 @dataclasses.dataclass
 class Evaluate(PeriodicAction):
-    """Evaluates the state on the eval batches and writes the eval loss.
+    """Evaluates the state on the eval batches and writes the eval metrics.
 
-    ``evaluate(state) -> float or None``; None (no eval batches) writes nothing.
+    ``evaluate(state) -> dict, float or None``: a dict such as
+    :meth:`~jaxmp.train.experiment.Experiment.evaluate_metrics` gives (``loss`` in
+    nats/token, ``perplexity``, ``bits_per_byte``) is written as it is, a float as
+    ``{"loss": value}``; None (no eval batches) writes nothing. :attr:`last_loss` is the
+    last loss, :attr:`last_metrics` the last dict.
     """
 
     evaluate: Callable[[Any], Optional[float]] = None
@@ -177,15 +181,26 @@ class Evaluate(PeriodicAction):
     stopwatch: Stopwatch = None
     bar: Any = None
     last_loss: Optional[float] = None
+    last_metrics: Optional[dict] = None
 
     def apply(self, step, state, metrics):
         with self.stopwatch.paused():
-            loss = self.evaluate(state)
-        if loss is None:
+            out = self.evaluate(state)
+        if out is None:
             return
-        self.last_loss = loss
-        self.writer.write(step, "eval", {"loss": loss})
-        _say(self.bar, f"step {step}: eval loss {loss:.4f}")
+        out = dict(out) if isinstance(out, dict) else {"loss": float(out)}
+        self.last_loss, self.last_metrics = out["loss"], out
+        self.writer.write(step, "eval", {**out, "loss_unit": "nats/token"})
+        _say(self.bar, f"step {step}: {eval_text(out)}")
+
+
+def eval_text(metrics: dict) -> str:
+    """``eval loss 2.3456 nats/token, perplexity 10.45, 1.234 bits/byte``."""
+    text = f"eval loss {metrics['loss']:.4f} nats/token, perplexity {metrics['perplexity']:.4g}" \
+        if "perplexity" in metrics else f"eval loss {metrics['loss']:.4f} nats/token"
+    if "bits_per_byte" in metrics:
+        text += f", {metrics['bits_per_byte']:.4f} bits/byte"
+    return text
 
 
 @dataclasses.dataclass

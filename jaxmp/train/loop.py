@@ -42,7 +42,7 @@ from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.experiment import Experiment, unmatched_rules
 from jaxmp.train.hooks import (Evaluate, ReportMetrics, RunGuard, SaveCheckpoint, Stopwatch,
-                               TrainingDiverged, TrainingStalled, steps_text)
+                               TrainingDiverged, TrainingStalled, eval_text, steps_text)
 from jaxmp.train.metrics import MetricsWriter
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
@@ -251,22 +251,43 @@ def describe_loss_scale(loss_scale) -> str:
     return repr(loss_scale)
 
 
-def _tree_bytes(tree) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of ``tree``'s arrays: each leaf's shard shape under its
+    sharding (the whole leaf where it has none), as ``python -m jaxmp.report`` counts."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if not hasattr(x, "dtype"):
+            continue
+        s = getattr(x, "sharding", None)
+        shape = s.shard_shape(tuple(x.shape)) if s is not None else x.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
 
 
 def banner(exp: Experiment, data) -> str:
-    """What the run is: devices, model, precision, communication, memory, data."""
+    """What the run is: devices, layout, model, precision, communication, memory, data.
+
+    The memory line is per device under the run's ``parallel.strategy``: each array of
+    the train state counted by its shard shape (:func:`_device_bytes`), gradients laid out
+    like the master weights (split under zero1 and fsdp after the reduce-scatter).
+    """
     cfg, m, state = exp.config, exp.model_config, exp.abstract_state
     total, active = exp.param_counts
     n = exp.mesh.devices.size
-    # The top-k residual is split over the devices: each holds one row of it.
-    state_bytes = _tree_bytes(state.replace(comm_state=None)) + _tree_bytes(state.comm_state) // n
+    state_bytes = _device_bytes(state)
     c = exp.settings.comm
+    strategy = {"dp": "dp (every device holds the whole state)",
+                "zero1": "zero1 (master weights and optimizer state split over 'data')",
+                "fsdp": "fsdp (parameters, gradients and optimizer state split over 'data')"}
+    layout = strategy.get(exp.layout.strategy, exp.layout.strategy)
+    if exp.layout.expert > 1:
+        layout += f"; routed experts split over {exp.layout.expert} devices along 'expert'"
+    docs = data.num_documents
     lines = [
         "jaxmp trainer",
         f"  devices     : {n} x {exp.mesh.devices.flat[0].platform} "
         f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}); mesh {dict(exp.mesh.shape)}",
+        f"  parallel    : {layout}",
         f"  model       : {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
         f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}",
         f"  parameters  : {total:,} total, {active:,} active per token",
@@ -274,10 +295,12 @@ def banner(exp: Experiment, data) -> str:
         f"  loss scale  : {describe_loss_scale(exp.settings.loss_scale)}",
         f"  grad comm   : {c['grad_reduce_dtype']} reduce" + (
             f", top-k {c['topk_ratio']:g} with error feedback" if c["grad_compression"] == "topk" else ""),
-        f"  memory/dev  : train state {state_bytes / 2**20:.1f} MiB + gradients "
-        f"{_tree_bytes(state.params) / 2**20:.1f} MiB (activations not included; see python -m jaxmp.report)",
-        f"  data        : {data.num_documents} documents, {data.train_tokens:,} train / "
-        f"{data.eval_tokens:,} eval tokens, seq_len {cfg.data.seq_len}, global batch {cfg.train.batch_size}",
+        f"  memory/dev  : train state {state_bytes / 2**20:.2f} MiB + gradients "
+        f"{_device_bytes(state.params) / 2**20:.2f} MiB under {exp.layout.strategy} "
+        f"(activations not included; see python -m jaxmp.report)",
+        f"  data        : {docs} document{'' if docs == 1 else 's'}, {data.train_tokens:,} train / "
+        f"{data.eval_tokens:,} eval tokens (tokenizer {data.tokenizer.name}), seq_len {cfg.data.seq_len}, "
+        f"global batch {cfg.train.batch_size}",
     ]
     return "\n".join(lines)
 
@@ -454,7 +477,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     Returns:
       A summary: ``step``, ``train_losses`` (one per logged step of this call, float),
-      ``eval_loss`` (the last, float or None without eval batches), ``skipped_steps``,
+      ``eval_loss`` (the last, nats/token, float or None without eval batches), ``eval``
+      (the last eval metrics: loss, perplexity, bits_per_byte where known; or None),
+      ``skipped_steps``,
       ``sample`` (str).
 
     Raises:
@@ -471,6 +496,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     workdir = prepare_workdir(workdir)
     exp = Experiment.create(config, num_devices=num_devices)
+    exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
     cfg, t = exp.config, exp.config.train
     main_process = jax.process_index() == 0
     config_dict = config_to_dict(cfg)
@@ -502,7 +528,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                last_step_reported=start, last_skipped=int(jax.device_get(state.skipped_steps)),
                                timed_from=start + 1)
         # eval_every=0: never evaluate (last_step=-1 never comes).
-        evaluate = Evaluate(t.eval_every, t.steps if t.eval_every else -1, evaluate=exp.evaluate,
+        evaluate = Evaluate(t.eval_every, t.steps if t.eval_every else -1, evaluate=exp.evaluate_metrics,
                             writer=writer, stopwatch=stopwatch, bar=bar)
         saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
                                last_saved=start or None,
@@ -536,19 +562,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             raise Interrupted(catcher.signum, step, saved, ckpt.directory)
         bar.close()
 
-    eval_loss = evaluate.last_loss
-    if eval_loss is None and start >= t.steps and t.eval_every:  # nothing left to train: the restored state
-        eval_loss = exp.evaluate(state)
-    prompt = data.tokenizer.encode(t.sample_prompt, add_eos=False)
+    eval_metrics = evaluate.last_metrics
+    if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train: the restored state
+        eval_metrics = exp.evaluate_metrics(state)
+    eval_loss = None if eval_metrics is None else eval_metrics["loss"]
+    prompt = (data.tokenizer.encode(t.sample_prompt, add_eos=False) if t.sample_prompt
+              else data.sample_prompt)
     ids = generate(exp.host_model(state), prompt, max_new_tokens=t.sample_tokens,
                    temperature=t.sample_temperature,
-                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)))
+                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)), progress=main_process)
     sample = data.tokenizer.decode(ids)
     final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if main_process:
         (workdir / "sample.txt").write_text(sample)
-        loss_text = "not evaluated" if eval_loss is None else f"eval loss {eval_loss:.4f}"
+        loss_text = "not evaluated" if eval_metrics is None else eval_text(eval_metrics)
         print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} skipped")
         print(f"sample after {steps_text(final_step)}:\n{sample}")
     return {"step": final_step, "train_losses": report.losses, "eval_loss": eval_loss,
-            "skipped_steps": skipped, "sample": sample}
+            "eval": eval_metrics, "skipped_steps": skipped, "sample": sample}

@@ -1,0 +1,37 @@
+"""``python -m jaxmp.export --workdir DIR --out DIR [--step N]``.
+
+Writes a training run's checkpoint as ``model.safetensors`` (every array of the model by
+its dotted path), ``config.json`` (model config, precision policy, tokenizer, step) and
+the tokenizer file, with :func:`jaxmp.train.artifacts.export`;
+:func:`jaxmp.train.artifacts.load_export` reads it back into a fresh model.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the command; returns the exit status (argparse exits 2 on bad input)."""
+    p = argparse.ArgumentParser(prog="python -m jaxmp.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", required=True, help="the --workdir of a training run")
+    p.add_argument("--out", required=True, help="the export directory (created)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    args = p.parse_args(argv)
+    from jaxmp.train import CheckpointError
+    from jaxmp.train.artifacts import export
+    try:
+        meta = export(args.workdir, args.out, args.step)
+    except (ValueError, CheckpointError, OSError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    tok = meta["tokenizer"]
+    print(f"exported step {meta['step']} of {args.workdir} to {args.out}: model.safetensors, "
+          f"config.json{', ' + tok['file'] if tok['file'] else ''} (tokenizer {tok['kind']}, "
+          f"vocabulary {tok['vocab_size']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""A trained run as something to use: load it, sample from it, export it.
+
+* :func:`load` ``(workdir, step=None) -> (model, tokenizer, config)``: the NNX model with
+  the checkpoint's weights, on the host (default) or on a mesh of ``num_devices``;
+* :func:`export` writes ``model.safetensors`` (every array of the model's state, named by
+  its dotted path, in its stored dtype), ``config.json`` (the model config, the
+  precision policy, the tokenizer's kind, file and end-of-document id, the step) and the
+  tokenizer file (``tokenizer.json`` / ``tokenizer.model``; none for bytes);
+* :func:`load_export` builds a fresh model from an export directory, without jaxmp's
+  checkpoints.
+
+``python -m jaxmp.sample`` and ``python -m jaxmp.export`` are their command lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Optional, Tuple
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from jaxmp.models import MoETransformer, ModelConfig
+from jaxmp.train.checkpoint import CheckpointError, Checkpointer
+from jaxmp.train.config import complete_config, config_to_dict
+from jaxmp.train.experiment import Experiment
+from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
+                                   load_tokenizer)
+
+__all__ = ["load", "export", "load_export", "EXPORT_WEIGHTS", "EXPORT_CONFIG"]
+
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_CONFIG = "config.json"
+
+
+def _saved_config(ckpt: Checkpointer, step: int) -> dict:
+    import orbax.checkpoint as ocp
+    try:
+        return ckpt.manager.restore(step, args=ocp.args.Composite(
+            config=ocp.args.JsonRestore()))["config"]
+    except Exception as e:  # orbax raises many types for a damaged directory
+        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: its config does not "
+                              f"read ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+
+
+def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
+         num_devices: Optional[int] = None) -> Tuple[MoETransformer, Any, ml_collections.ConfigDict]:
+    """The trained model of a run directory, its tokenizer and its config.
+
+    The config is the one saved in the checkpoint. With ``num_devices=None`` the model is
+    restored onto one device and brought to the host (NumPy-backed, plain data
+    parallelism); with ``num_devices=N`` it stays on a mesh of N devices under the run's
+    own ``parallel`` settings. The checkpoint is verified (checksums, finite values) as on
+    resume; nothing in ``workdir`` is changed.
+
+    Args:
+      workdir: the ``--workdir`` of a training run.
+      step: the checkpoint step; the newest when None.
+      num_devices: see above.
+
+    Returns:
+      ``(model, tokenizer, config)``: an :class:`~jaxmp.models.MoETransformer`, the
+      run's tokenizer (:mod:`jaxmp.train.tokenizer`), the completed config.
+
+    Raises:
+      ValueError: ``workdir`` holds no checkpoint, or ``step`` is not one of its steps
+        (the steps are listed); the tokenizer cannot be found.
+      CheckpointError: the checkpoint does not read or verify.
+    """
+    workdir = pathlib.Path(workdir).expanduser()
+    if not (workdir / "checkpoints").is_dir():
+        raise ValueError(f"{str(workdir)!r} holds no checkpoints directory; give the --workdir "
+                         f"of a training run")
+    with Checkpointer(workdir) as ckpt:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise ValueError(f"{ckpt.directory} holds no checkpoint")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise ValueError(f"step {step} has no checkpoint in {ckpt.directory}; steps: "
+                             f"{', '.join(map(str, steps))}")
+        config = complete_config(ml_collections.ConfigDict(_saved_config(ckpt, step)))
+        if num_devices is None:  # one device, every array whole; checkpoints restore onto any layout
+            config.parallel.strategy, config.parallel.expert = "dp", 1
+            config.parallel.dispatch_dtype = "compute"
+            config.train.num_devices, config.train.batch_size, config.train.grad_accum_steps = 1, 1, 1
+        exp = Experiment.create(config, num_devices=num_devices or 1)
+        saved = config_to_dict(exp.config)
+        for key in ("train", "parallel"):  # what was changed above may differ from the saved run
+            saved[key] = _saved_config(ckpt, step)[key]
+        from jaxmp.train.loop import _adapt_residual
+        _, state, _ = ckpt.restore(exp.checkpoint_template, saved, step=step,
+                                   adapt=_adapt_residual(exp))
+    if num_devices is None:
+        model = exp.host_model(state)
+    else:
+        model = nnx.merge(exp.graphdef, state.params, state.biases, state.rest)
+    d = exp.config.data
+    if d.tokenizer.startswith("bpe:") and not (workdir / "tokenizer.json").is_file():
+        raise ValueError(f"data.tokenizer={d.tokenizer!r} but {workdir} holds no tokenizer.json")
+    tokenizer = load_tokenizer(d.tokenizer, workdir=workdir, eod_id=d.eod_id, save=False)
+    return model, tokenizer, exp.config
+
+
+def _flat_arrays(model: nnx.Module) -> dict:
+    """Every array of ``model``'s state by dotted path (``blocks.0.attn.wq.kernel``)."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value() if hasattr(var, "get_value") else var.value
+        if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+            continue  # an RNG key is not a weight
+        out[".".join(str(p) for p in path)] = np.asarray(jax.device_get(value))
+    return out
+
+
+def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[int] = None) -> dict:
+    """Writes a checkpoint as safetensors weights, a ``config.json`` and the tokenizer.
+
+    Args:
+      workdir: the training run.
+      out: the export directory (created; files in it are overwritten).
+      step: the checkpoint step; the newest when None.
+
+    Returns:
+      The ``config.json`` contents: ``model`` (the model config keys), ``policy``,
+      ``tokenizer`` (``kind``: bytes | huggingface | sentencepiece, ``file`` or None,
+      ``vocab_size``, ``eos_id``), ``step``, ``format``.
+
+    Raises:
+      ValueError, CheckpointError: as :func:`load`.
+    """
+    import safetensors.numpy
+    model, tokenizer, config = load(workdir, step)
+    out = pathlib.Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _flat_arrays(model)
+    safetensors.numpy.save_file(tensors, str(out / EXPORT_WEIGHTS), metadata={"format": "jaxmp"})
+    kind = ("bytes" if isinstance(tokenizer, ByteTokenizer) else
+            "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
+    file = tokenizer.save(out)
+    with Checkpointer(workdir) as ckpt:
+        saved_step = ckpt.all_steps()[-1] if step is None else step
+    meta = {"format": "jaxmp-export-1", "step": int(saved_step),
+            "model": config.model.to_dict(), "policy": config.precision.policy,
+            "tokenizer": {"kind": kind, "file": None if file is None else file.name,
+                          "vocab_size": int(tokenizer.vocab_size), "eos_id": int(tokenizer.eos_id)}}
+    (out / EXPORT_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return meta
+
+
+def load_export(directory: str | os.PathLike) -> Tuple[MoETransformer, Any, dict]:
+    """A fresh model built from an :func:`export` directory, and its tokenizer.
+
+    Returns:
+      ``(model, tokenizer, config.json contents)``.
+
+    Raises:
+      ValueError: a file is missing, or the tensors do not match the model config (a
+        missing, extra or differently shaped array is named).
+    """
+    import safetensors.numpy
+    directory = pathlib.Path(directory)
+    for name in (EXPORT_CONFIG, EXPORT_WEIGHTS):
+        if not (directory / name).is_file():
+            raise ValueError(f"{directory} holds no {name}; give a directory written by "
+                             f"python -m jaxmp.export")
+    meta = json.loads((directory / EXPORT_CONFIG).read_text())
+    model = nnx.eval_shape(lambda: MoETransformer(ModelConfig.from_config(meta["model"]),
+                                                  meta["policy"], rngs=nnx.Rngs(0)))
+    tensors = safetensors.numpy.load_file(str(directory / EXPORT_WEIGHTS))
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(str(p) for p in path)
+        if name not in tensors:
+            raise ValueError(f"{directory / EXPORT_WEIGHTS} has no tensor {name!r}")
+        value = tensors.pop(name)
+        if value.shape != tuple(var.shape):
+            raise ValueError(f"tensor {name!r} is {value.shape}, the model config needs {var.shape}")
+        flat.append((path, var.replace(jax.numpy.asarray(value))))
+    if tensors:
+        raise ValueError(f"{directory / EXPORT_WEIGHTS} has tensors the model lacks: "
+                         f"{', '.join(sorted(tensors)[:5])}")
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    tok = meta["tokenizer"]
+    if tok["kind"] == "bytes":
+        tokenizer = ByteTokenizer()
+    elif tok["kind"] == "sentencepiece":
+        tokenizer = SentencePieceTokenizer(directory / tok["file"], tok["eos_id"])
+    else:
+        tokenizer = HFTokenizer.from_file(directory / tok["file"], tok["eos_id"])
+    return model, tokenizer, meta

@@ -1,0 +1,398 @@
+"""Tokenizers of the trainer: bytes, a Hugging Face ``tokenizer.json``, a SentencePiece
+``.model``, or a byte-level BPE trained on the training split (``data.tokenizer``).
+
+Every tokenizer has ``name``, ``vocab_size``, ``eos_id`` (the end-of-document token the
+packed stream puts after every document), ``encode(text, add_eos=True)``,
+``encode_batch(texts)``, ``decode(ids)`` and ``token_bytes``: an int64 ``[vocab_size]``
+array of the UTF-8 bytes each token stands for (0 for special tokens), or None when the
+tokenizer cannot say exactly (then bits per byte is not reported).
+
+:func:`load_tokenizer` reads ``data.tokenizer``:
+
+* ``"bytes"`` (default): :class:`ByteTokenizer`, 256 bytes + end-of-document;
+* a path ending in ``.json``: a Hugging Face ``tokenizers`` file (:class:`HFTokenizer`);
+* a path ending in ``.model``: a SentencePiece model (:class:`SentencePieceTokenizer`);
+* ``"bpe:VOCAB"``: a byte-level BPE of ``VOCAB`` tokens (``<|endoftext|>`` included)
+  trained with ``tokenizers`` on the training documents (GPT-2's byte-level scheme,
+  Radford et al. 2019), saved as ``WORKDIR/tokenizer.json`` and read back from there on
+  resume, so a resumed run tokenizes as the first one did.
+
+Text tokenizers (all but bytes) see each document decoded as UTF-8 with
+``errors="replace"``: invalid UTF-8 becomes U+FFFD before tokenization.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer",
+           "train_bpe", "TOKENIZER_FILE", "EOS_CANDIDATES", "round_vocab"]
+
+TOKENIZER_FILE = "tokenizer.json"
+# End-of-document tokens looked for in a tokenizer.json, in this order.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+
+
+def round_vocab(n: int, multiple: int = 128) -> int:
+    """``n`` rounded up to a multiple of 128 (tensor-core friendly embedding rows)."""
+    return -(-int(n) // multiple) * multiple
+
+
+def _as_text(text: str | bytes) -> str:
+    if isinstance(text, str):
+        return text
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return bytes(text).decode("utf-8", errors="replace")
+    raise TypeError(f"encode expects str or bytes, got {type(text).__name__}")
+
+
+def _check_ids(ids: Any, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"token id {ids[bad][0]} is outside [0, {vocab_size})")
+    return ids
+
+
+class ByteTokenizer:
+    """Tokenizer whose tokens are raw bytes plus one end-of-document token.
+
+    Ids ``0..255`` are the bytes themselves, so any file, valid UTF-8 or not, is
+    tokenized losslessly without decoding; id ``256`` (``eos_id``) marks the end
+    of a document. Nothing is downloaded (the ByT5 / nanoGPT "byte-level" idea,
+    without ByT5's special-token offset).
+
+    Attributes:
+      vocab_size: 257 (256 byte values + EOS).
+      eos_id: 256.
+    """
+
+    vocab_size: int = 257
+    eos_id: int = 256
+    name: str = "bytes"
+
+    def encode(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
+        """Returns the token ids of ``text`` as one document.
+
+        Args:
+          text: a ``str`` (encoded as UTF-8) or raw ``bytes`` (used as they are,
+            so invalid UTF-8 survives unchanged).
+          add_eos: append ``eos_id`` after the bytes, as the packed corpus does
+            after every document; pass ``False`` for a prompt to be continued.
+
+        Returns:
+          int32 array ``[num_bytes (+1)]`` with values in ``[0, 257)``.
+
+        Raises:
+          TypeError: ``text`` is neither ``str`` nor bytes-like.
+        """
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        elif not isinstance(text, (bytes, bytearray, memoryview)):
+            raise TypeError(f"encode expects str or bytes, got {type(text).__name__}")
+        ids = np.frombuffer(bytes(text), dtype=np.uint8).astype(np.int32)
+        if add_eos:
+            ids = np.append(ids, np.int32(self.eos_id))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list:
+        """:meth:`encode` (with EOS) of each text, as uint16 arrays."""
+        return [np.append(np.frombuffer(bytes(t) if not isinstance(t, str) else t.encode("utf-8"),
+                                        np.uint8).astype(np.uint16), np.uint16(self.eos_id))
+                for t in texts]
+
+    def decode(self, ids: Any) -> str:
+        """Returns the text of token ids, dropping every EOS token.
+
+        The remaining bytes are decoded as UTF-8 with ``errors="replace"``: each
+        undecodable byte sequence becomes U+FFFD (the replacement character), so
+        decoding never fails but is lossless only for valid UTF-8.
+
+        Args:
+          ids: integer array-like of any shape (flattened), values in ``[0, 257)``.
+
+        Returns:
+          The decoded string.
+
+        Raises:
+          ValueError: ``ids`` is not integer or holds a value outside ``[0, 257)``.
+        """
+        ids = _check_ids(ids, self.vocab_size)
+        data = ids[ids != self.eos_id].astype(np.uint8).tobytes()
+        return data.decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def token_bytes(self) -> np.ndarray:
+        """1 byte per byte token, 0 for EOS."""
+        out = np.ones(self.vocab_size, np.int64)
+        out[self.eos_id] = 0
+        return out
+
+    def save(self, directory: str | os.PathLike) -> Optional[pathlib.Path]:
+        """Nothing to save (the scheme is fixed); returns None."""
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict:
+    """GPT-2's ``bytes_to_unicode`` inverted: the character each byte is written as in a
+    byte-level BPE vocabulary -> the byte (Radford et al. 2019, openai/gpt-2 encoder.py)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers.Tokenizer`` (a ``tokenizer.json``).
+
+    Args:
+      tokenizer: a ``tokenizers.Tokenizer``.
+      name: how it is shown (its path, or ``bpe:VOCAB``).
+      eos_id: the end-of-document token; None finds the first of :data:`EOS_CANDIDATES`.
+
+    Raises:
+      ValueError: no end-of-document token (the message says to set ``data.eod_id``),
+        or ``eos_id`` outside the vocabulary.
+    """
+
+    def __init__(self, tokenizer, name: str, eos_id: Optional[int] = None):
+        self.tokenizer, self.name = tokenizer, name
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        if eos_id is None:
+            found = [tokenizer.token_to_id(t) for t in EOS_CANDIDATES]
+            found = [i for i in found if i is not None]
+            if not found:
+                raise ValueError(f"tokenizer {name!r} has none of the end-of-document tokens "
+                                 f"{', '.join(EOS_CANDIDATES)}; set data.eod_id to its id")
+            eos_id = found[0]
+        if not 0 <= eos_id < self.vocab_size:
+            raise ValueError(f"data.eod_id={eos_id} is outside tokenizer {name!r}'s vocabulary "
+                             f"[0, {self.vocab_size})")
+        self.eos_id = int(eos_id)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, eos_id: Optional[int] = None) -> "HFTokenizer":
+        """Reads a ``tokenizer.json``.
+
+        Raises:
+          ValueError: the file does not exist or is not a tokenizer file.
+        """
+        import tokenizers
+        if not os.path.isfile(path):
+            raise ValueError(f"data.tokenizer file {str(path)!r} does not exist")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type
+            raise ValueError(f"data.tokenizer {str(path)!r} is not a Hugging Face tokenizer.json "
+                             f"({' '.join(str(e).split())[:160]})") from None
+        return cls(tok, str(path), eos_id)
+
+    def encode(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
+        """Token ids (int32 ``[n (+1)]``) of one document, no special tokens added but EOS."""
+        ids = self.tokenizer.encode(_as_text(text), add_special_tokens=False).ids
+        return np.asarray(ids + ([self.eos_id] if add_eos else []), np.int32)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list:
+        """:meth:`encode` (with EOS) of each text, in parallel (the library's threads), as
+        uint32 arrays."""
+        encs = self.tokenizer.encode_batch([_as_text(t) for t in texts], add_special_tokens=False)
+        return [np.asarray(e.ids + [self.eos_id], np.uint32) for e in encs]
+
+    def decode(self, ids: Any) -> str:
+        """The text of ``ids``, EOS and other special tokens dropped.
+
+        Raises:
+          ValueError: an id outside ``[0, vocab_size)``.
+        """
+        ids = _check_ids(ids, self.vocab_size)
+        return self.tokenizer.decode([int(i) for i in ids if i != self.eos_id],
+                                     skip_special_tokens=True)
+
+    @functools.cached_property
+    def token_bytes(self) -> Optional[np.ndarray]:
+        """Exact for a byte-level tokenizer (its ``decoder`` is ``ByteLevel``): each
+        token's characters are bytes in GPT-2's alphabet; special tokens count 0. None
+        for any other kind (its pieces do not map one to one onto bytes)."""
+        spec = json.loads(self.tokenizer.to_str())
+        if (spec.get("decoder") or {}).get("type") != "ByteLevel":
+            return None
+        alphabet = _byte_level_alphabet()
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        out = np.zeros(self.vocab_size, np.int64)
+        for token, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            if i in special:
+                continue
+            if not all(ch in alphabet for ch in token):
+                return None
+            out[i] = len(token)
+        return out
+
+    def save(self, directory: str | os.PathLike) -> pathlib.Path:
+        """Writes ``directory/tokenizer.json``; returns its path."""
+        path = pathlib.Path(directory) / TOKENIZER_FILE
+        self.tokenizer.save(str(path))
+        return path
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model (a ``.model`` file; Kudo and Richardson 2018).
+
+    Args:
+      path: the ``.model`` file.
+      eos_id: the end-of-document token; None takes the model's ``eos_id()``.
+
+    Raises:
+      ValueError: the file does not exist or does not load, or there is no
+        end-of-document token.
+    """
+
+    def __init__(self, path: str | os.PathLike, eos_id: Optional[int] = None):
+        import sentencepiece as spm
+        if not os.path.isfile(path):
+            raise ValueError(f"data.tokenizer file {str(path)!r} does not exist")
+        self.path = pathlib.Path(path)
+        self.name = str(path)
+        self.model_proto = self.path.read_bytes()
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(self.model_proto)
+        except Exception as e:
+            raise ValueError(f"data.tokenizer {str(path)!r} is not a SentencePiece model "
+                             f"({' '.join(str(e).split())[:160]})") from None
+        self.vocab_size = int(self.sp.get_piece_size())
+        eos_id = self.sp.eos_id() if eos_id is None else eos_id
+        if eos_id is None or eos_id < 0:
+            raise ValueError(f"SentencePiece model {str(path)!r} has no end-of-document (eos) "
+                             f"piece; set data.eod_id to the id to use")
+        if eos_id >= self.vocab_size:
+            raise ValueError(f"data.eod_id={eos_id} is outside {str(path)!r}'s vocabulary "
+                             f"[0, {self.vocab_size})")
+        self.eos_id = int(eos_id)
+
+    def encode(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
+        """Token ids (int32 ``[n (+1)]``) of one document."""
+        ids = self.sp.encode(_as_text(text))
+        return np.asarray(ids + ([self.eos_id] if add_eos else []), np.int32)
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list:
+        """:meth:`encode` (with EOS) of each text, as uint32 arrays."""
+        return [np.asarray(ids + [self.eos_id], np.uint32)
+                for ids in self.sp.encode([_as_text(t) for t in texts])]
+
+    def decode(self, ids: Any) -> str:
+        """The text of ``ids``, EOS dropped.
+
+        Raises:
+          ValueError: an id outside ``[0, vocab_size)``.
+        """
+        ids = _check_ids(ids, self.vocab_size)
+        return self.sp.decode([int(i) for i in ids if i != self.eos_id])
+
+    token_bytes = None  # the dummy-prefix space makes piece lengths inexact
+
+    def save(self, directory: str | os.PathLike) -> pathlib.Path:
+        """Writes ``directory/tokenizer.model``; returns its path."""
+        path = pathlib.Path(directory) / "tokenizer.model"
+        path.write_bytes(self.model_proto)
+        return path
+
+
+def train_bpe(texts: Iterable[str | bytes], vocab_size: int) -> HFTokenizer:
+    """Trains a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` is id 0).
+
+    GPT-2's scheme with the ``tokenizers`` library: the 256 byte symbols are the initial
+    alphabet, so any text encodes, and decoding is lossless for valid UTF-8.
+
+    Raises:
+      ValueError: ``vocab_size`` below 257 (the bytes and the end-of-document token).
+    """
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    if vocab_size < 257:
+        raise ValueError(f"data.tokenizer='bpe:{vocab_size}': a byte-level BPE needs at least "
+                         f"257 tokens (256 bytes + <|endoftext|>)")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator((_as_text(t) for t in texts), trainer=trainer)
+    return HFTokenizer(tok, f"bpe:{vocab_size}", eos_id=tok.token_to_id("<|endoftext|>"))
+
+
+def _bpe_vocab(spec: str) -> int:
+    text = spec.split(":", 1)[1]
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"data.tokenizer={spec!r}: bpe:VOCAB takes an integer vocabulary "
+                         f"size, e.g. 'bpe:4096'") from None
+
+
+def load_tokenizer(spec: str, *, workdir: Optional[str | os.PathLike] = None,
+                   train_texts: Optional[Callable[[], Iterable[str | bytes]]] = None,
+                   eod_id: int = -1, save: bool = True):
+    """The tokenizer ``data.tokenizer`` names (see the module docstring).
+
+    Args:
+      spec: ``"bytes"``, a ``.json`` or ``.model`` path, or ``"bpe:VOCAB"``.
+      workdir: where ``bpe:VOCAB`` keeps ``tokenizer.json`` (read back when it is there);
+        None trains it afresh in memory.
+      train_texts: for ``bpe:VOCAB``, a callable giving the training documents.
+      eod_id: ``data.eod_id``: the end-of-document id, or -1 for the tokenizer's own.
+      save: write a newly trained BPE into ``workdir`` (process 0 only, in a
+        multi-process run).
+
+    Raises:
+      ValueError: an unknown spec (what is allowed is listed), a missing or unreadable
+        file, a saved ``tokenizer.json`` of another vocabulary size, or no
+        end-of-document token.
+    """
+    eos = None if eod_id is None or eod_id < 0 else int(eod_id)
+    if spec in ("", "bytes"):
+        if eos not in (None, ByteTokenizer.eos_id):
+            raise ValueError(f"data.eod_id={eod_id}: the bytes tokenizer's end-of-document id "
+                             f"is {ByteTokenizer.eos_id} (or -1)")
+        return ByteTokenizer()
+    if spec.startswith("bpe:"):
+        vocab = _bpe_vocab(spec)
+        saved = pathlib.Path(workdir) / TOKENIZER_FILE if workdir is not None else None
+        if saved is not None and saved.is_file():
+            tok = HFTokenizer.from_file(saved, eos)
+            if tok.vocab_size > vocab:  # a small corpus may give fewer merges than asked
+                raise ValueError(f"{saved} holds a BPE of {tok.vocab_size} tokens, but "
+                                 f"data.tokenizer={spec!r}; use a new --workdir or delete it")
+            tok.name = spec
+            return tok
+        if train_texts is None:
+            raise ValueError(f"data.tokenizer={spec!r} needs the training documents to train on")
+        tok = train_bpe(train_texts(), vocab)
+        if eos is not None:  # data.eod_id names another token than <|endoftext|>
+            tok = HFTokenizer(tok.tokenizer, spec, eos)
+        if saved is not None and save:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            tok.save(saved.parent)
+        return tok
+    lowered = spec.lower()
+    path = os.path.expanduser(spec)
+    if lowered.endswith(".json"):
+        return HFTokenizer.from_file(path, eos)
+    if lowered.endswith(".model"):
+        return SentencePieceTokenizer(path, eos)
+    raise ValueError(f"data.tokenizer={spec!r} is not allowed; it must be 'bytes', a path to a "
+                     f"Hugging Face tokenizer.json, a SentencePiece .model, or 'bpe:VOCAB'")
