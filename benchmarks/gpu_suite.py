@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/gpu_suite.py --out gpu_suite            # one H200: gpu_suite.json + gpu_suite.md
+                                                              # (+ gpu_suite_autotune.textproto)
     python benchmarks/gpu_suite.py --toy --out /tmp/suite     # any machine (CPU): toy sizes, end to end
 
 It runs, in this order, and writes one JSON (everything measured) and one markdown
@@ -633,6 +634,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for path in (f"{args.out}.json", f"{args.out}.md"):
         if problem := output_problem(path):
             parser.error(f"--out: {problem}")
+    if not args.toy:
+        # XLA's autotuning results on the real GPU (children inherit the flag): what a
+        # deviceless compile lacks; python -m jaxmp.report --target ... --autotune_results
+        # loads them.
+        dump = os.path.abspath(f"{args.out}_autotune.textproto")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_gpu_dump_autotune_results_to={dump}").strip()
     if (not args.toy) if args.isolate is None else args.isolate:
         # Before JAX starts its backend: this process only orchestrates; the children
         # (which get the original settings back) must find the device's memory free.
