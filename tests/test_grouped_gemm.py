@@ -90,3 +90,43 @@ def test_kernel_matches_float64(tmp_path, dtype, rel):
         assert np.max(np.abs(got - want)) <= rel * np.max(np.abs(want)), name
     assert not out["dw"][1].any()  # the empty group's weight gradient is exactly 0
     assert any(t.startswith("('dw', 64, 200, 128, 3") for t in out["tiles"])
+
+
+H200 = __import__("jaxmp.target", fromlist=["Target"]).Target("gpu", "NVIDIA H200", (9, 0), 132)
+A100 = __import__("jaxmp.target", fromlist=["Target"]).Target("gpu", "NVIDIA A100", (8, 0), 108)
+
+
+@pytest.mark.parametrize("name,dtype,d,recipe,tgt,want", [
+    ("auto", jnp.bfloat16, 1024, None, H200, "pallas"),
+    ("auto", jnp.float16, 64, None, H200, "pallas"),
+    ("auto", jnp.float32, 1024, None, H200, "ragged_dot"),
+    ("auto", jnp.bfloat16, 96, None, H200, "ragged_dot"),
+    ("auto", jnp.bfloat16, 1024, "fp8_blockwise", H200, "ragged_dot"),
+    ("auto", jnp.bfloat16, 1024, None, A100, "ragged_dot"),
+    ("auto", jnp.bfloat16, 1024, None, None, "ragged_dot"),  # this CPU host
+    ("ragged_dot", jnp.bfloat16, 1024, None, H200, "ragged_dot"),
+])
+def test_resolve_moe_kernel(name, dtype, d, recipe, tgt, want):
+    from jaxmp.models.moe import resolve_moe_kernel
+
+    assert resolve_moe_kernel(name, dtype, d, d, recipe, tgt) == want
+
+
+@pytest.mark.parametrize("dtype,d,tgt,match", [
+    (jnp.bfloat16, 1024, None, "compile target cpu is not an NVIDIA GPU of sm >= 9.0"),
+    (jnp.float32, 1024, H200, "float32"),
+    (jnp.bfloat16, 96, H200, "d_in=96"),
+])
+def test_forced_pallas_where_it_cannot_run_is_one_line(dtype, d, tgt, match):
+    from jaxmp.models.moe import resolve_moe_kernel
+
+    with pytest.raises(ValueError, match=match) as err:
+        resolve_moe_kernel("pallas", dtype, d, d, None, tgt)
+    assert "\n" not in str(err.value) and "'auto' or 'ragged_dot'" in str(err.value)
+
+
+def test_unknown_moe_kernel_is_rejected_by_the_config():
+    from jaxmp.train.config import load_config, validate_config
+
+    with pytest.raises(ValueError, match="moe_kernel"):
+        validate_config(load_config("configs/tiny_moe.py", ["--config.model.moe_kernel=triton"]), 1)

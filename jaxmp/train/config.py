@@ -33,6 +33,7 @@ import numpy as np
 from jaxmp import sharding
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
+from jaxmp.models.moe import MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
@@ -60,7 +61,8 @@ def default_config() -> ml_collections.ConfigDict:
         vocab_size=257, num_layers=2, d_model=64, num_heads=4, d_ff=256, max_len=128,
         rope_theta=10000.0, norm_eps=1e-6, num_experts=4, num_shared_experts=1, top_k=2,
         d_expert=64, first_dense_layers=1, score_fn="softmax", aux_loss_weight=0.01,
-        bias_update_rate=0.001, capacity_factor=0.0, attention="auto", scan_layers=False,
+        bias_update_rate=0.001, capacity_factor=0.0, moe_kernel="auto", attention="auto",
+        scan_layers=False,
         remat="none"))
     c.precision = ml_collections.ConfigDict(dict(
         policy="mixed_bf16; router: fp32; norm: fp32", loss_scale="none",
@@ -360,6 +362,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     m = config.model
     _check("model", m, [
         ("attention", lambda v: v in ATTENTION_IMPLEMENTATIONS, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
+        ("moe_kernel", lambda v: v in MOE_KERNELS, f"one of {', '.join(MOE_KERNELS)}"),
         ("scan_layers", lambda v: isinstance(v, bool), "True or False"),
         ("remat", lambda v: v in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
     ])

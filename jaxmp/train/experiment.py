@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmp import sharding
+from jaxmp import target as compile_target
 from jaxmp.models import MoETransformer, count_params
 from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
@@ -140,16 +141,20 @@ class Experiment:
         lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
         optimizer = make_optimizer(cfg.optim, lr_schedule)
 
+        # Kernel choices ("auto") follow the devices the step is compiled for, which for a
+        # deviceless compile are topology devices, not this host's (jaxmp.target).
         def init() -> TrainState:
-            model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
+            with compile_target.compile_for(mesh):
+                model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
             comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
                                               settings.comm["grad_compression"])
             # ZeRO-1's compute copy is cast afterwards, from the stored params (restored_state).
             return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
                                       comm_state=comm_state)[1]
 
-        model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
-                                                      rngs=nnx.Rngs(cfg.seed)))
+        with compile_target.compile_for(mesh):
+            model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
+                                                          rngs=nnx.Rngs(cfg.seed)))
         graphdef = split_model(model)[0]
         abstract = jax.eval_shape(init)
         copy_fn = functools.partial(_cast_copy, dtypes=param_compute_dtypes(model))
