@@ -298,7 +298,7 @@ def _blockwise_mm(recipe, qa, sa, qb, sb_cols, out_dtype):
     xla = lambda: _scaled_mm(qa, sa, qb, sb_cols).astype(out_dtype)
     pallas = lambda interpret: _kernel.scaled_mm(qa, sa.T, qb.T, sb_cols, out_dtype,
                                                  interpret=interpret)
-    return _kernel.select(recipe.kernel, pallas, xla)
+    return _kernel.select(recipe.kernel, pallas, xla, qa, qb)
 
 
 class _Blockwise:
@@ -381,7 +381,8 @@ def _dense_bwd(recipe, layout, res, g):
     dx, dw, new_state = _SCHEMES[recipe.name].dense_bwd(
         recipe, _unstash(bits, recipe.fwd_dtype), sx, sw, _as_matrix(w_arg, layout), g, state,
         amaxes)
-    return dx.astype(g.dtype), _as_weight(dw, w_arg, layout), new_state
+    return (_kernel.varying_as(dx.astype(g.dtype), g, bits),
+            _kernel.varying_as(_as_weight(dw, w_arg, layout), w_arg), new_state)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

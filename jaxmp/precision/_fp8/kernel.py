@@ -144,7 +144,18 @@ def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_d
         kernel, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((t, t), out_dtype, transforms=out_tiled)],
         grid=(mp // t, np_ // t), grid_names=("m", "n"), **extra)(a, bt, sa_t, sb)
-    return out[:m, :n]
+    return varying_as(out[:m, :n], a, bt, sa_t, sb)
+
+
+def varying_as(out, *like):
+    """``out`` marked varying over every manual mesh axis that an array of ``like`` varies
+    over (inside ``jax.shard_map``, where the trainer's step runs): a kernel's output type
+    does not carry them, and a custom VJP's cotangent must match its primal's type."""
+    axes = set()
+    for x in like:
+        axes |= set(getattr(jax.typeof(x), "vma", ()))
+    missing = tuple(sorted(axes - set(getattr(jax.typeof(out), "vma", ()))))
+    return lax.pcast(out, missing, to="varying") if missing else out
 
 
 def target() -> tuple:
@@ -174,16 +185,22 @@ def target() -> tuple:
     return platform, bool(_HOPPER.search(device.device_kind))
 
 
-def select(kernel: str, pallas: Callable[[Any], jax.Array], xla: Callable[[], jax.Array]):
+def select(kernel: str, pallas: Callable[[Any], jax.Array], xla: Callable[[], jax.Array],
+           *operands: jax.Array):
     """Runs the blockwise GEMM ``kernel`` names (:data:`jaxmp.precision._fp8.recipe.KERNELS`).
 
     ``xla``: ``xla()``. ``pallas``: ``pallas(None)`` (compiled) on a GPU target,
     ``pallas(InterpretGPUParams())`` elsewhere (Mosaic GPU's interpreter: slow, for tests).
-    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`), else ``xla()``.
+    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`) when no operand varies
+    over a manual mesh axis, else ``xla()``. Inside ``jax.shard_map`` (the trainer's step)
+    the kernel's cotangents do not yet get the primal's manual-axis type (a known gap:
+    ``Custom VJP bwd rule must produce an output with the same type``), so ``auto`` keeps
+    the XLA form there and ``pallas`` fails.
     """
     if kernel == "xla":
         return xla()
     platform, hopper = target()
     if kernel == "pallas":
         return pallas(None if platform == "gpu" else _interpret_params())
-    return pallas(None) if hopper else xla()
+    manual = any(getattr(jax.typeof(x), "vma", ()) for x in operands)
+    return pallas(None) if hopper and not manual else xla()
