@@ -47,6 +47,8 @@ from typing import Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from jaxmp.precision._vma import match_varying
+
 __all__ = ["Tiles", "choose_tiles", "tile_choices", "grouped_matmul", "support",
            "interpret_mode", "INTERPRET_PINNED_JAX", "INTERPRET_XLA_FLAGS", "DEFAULT_NUM_SMS"]
 
@@ -175,25 +177,6 @@ def _forward(x, w, group_sizes, transpose_rhs, op):
                                  **tiles.kwargs())
 
 
-def _varying(x) -> frozenset:
-    """The manual mesh axes ``x`` varies over (jax 0.10.2: ``aval.manual_axis_type``)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
-
-
-def _match_vma(out, *like):
-    """``out`` varying over the manual mesh axes any of ``like`` varies over (shard_map).
-
-    A Pallas kernel's result carries no varying-manual-axes type (the kernels run with
-    the check off), so under ``jax.shard_map`` a gradient would not match its primal's
-    type; ``lax.pcast(..., to="varying")`` restores it (the values are unchanged).
-    """
-    want = frozenset().union(*(_varying(a) for a in like))
-    missing = tuple(sorted(want - _varying(out)))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-
 def _zero_past_end(y, group_sizes):
     rows = jax.lax.broadcasted_iota(jnp.int32, (y.shape[0], 1), 0)
     return jnp.where(rows < jnp.sum(group_sizes), y, jnp.zeros((), y.dtype))
@@ -201,7 +184,7 @@ def _zero_past_end(y, group_sizes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(x, w, group_sizes, num_sms):
-    return _zero_past_end(_match_vma(_forward(x, w, group_sizes, False, "fwd"), x, w, group_sizes),
+    return _zero_past_end(match_varying(_forward(x, w, group_sizes, False, "fwd"), x, w, group_sizes),
                           group_sizes)
 
 
@@ -212,12 +195,12 @@ def _grouped_fwd(x, w, group_sizes, num_sms):
 def _grouped_bwd(num_sms, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)
-    dx = _zero_past_end(_match_vma(_forward(dy, w, group_sizes, True, "dx"), x), group_sizes)
+    dx = _zero_past_end(match_varying(_forward(dy, w, group_sizes, True, "dx"), x), group_sizes)
     m, k = x.shape
     n = dy.shape[1]
     tiles = _record("dw", k, m, n, w.shape[0], x.dtype)
     dw = _transposed_ragged_dot(x, dy, group_sizes=group_sizes, num_sms=num_sms, **tiles.kwargs())
-    dw = _match_vma(dw.astype(w.dtype), w)
+    dw = match_varying(dw.astype(w.dtype), w)
     return dx, dw, None
 
 

@@ -23,6 +23,7 @@ from jaxmp.precision._fp8.quant import (
     scale_from_amax)
 from jaxmp.precision._fp8.recipe import Recipe, _check_recipe, _check_state, roll_history
 from jaxmp.precision.ops import _check_float
+from jaxmp.precision._vma import match_varying
 
 def _mm(a, b, group_sizes):
     """FP8 ``a [M, K] @ b`` with float32 output: ``b [K, N]``, or ``b [G, K, N]`` grouped."""
@@ -381,8 +382,8 @@ def _dense_bwd(recipe, layout, res, g):
     dx, dw, new_state = _SCHEMES[recipe.name].dense_bwd(
         recipe, _unstash(bits, recipe.fwd_dtype), sx, sw, _as_matrix(w_arg, layout), g, state,
         amaxes)
-    return (_kernel.varying_as(dx.astype(g.dtype), g, bits),
-            _kernel.varying_as(_as_weight(dw, w_arg, layout), w_arg), new_state)
+    return (match_varying(dx.astype(g.dtype), g, bits),
+            match_varying(_as_weight(dw, w_arg, layout), w_arg), new_state)
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)

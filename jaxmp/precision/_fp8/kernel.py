@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmp.precision._vma import match_varying
+
 _TILE = 128          # M, N and K tile: K must be the 128 of the block scales
 _STEPS = 4           # pipeline depth: 4 x (16 KiB A + 16 KiB B + 1 KiB scales) of SMEM
 _HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")  # NVIDIA device kinds of compute capability 9.0
@@ -144,18 +146,7 @@ def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_d
         kernel, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         scratch_types=[plgpu.SMEM((t, t), out_dtype, transforms=out_tiled)],
         grid=(mp // t, np_ // t), grid_names=("m", "n"), **extra)(a, bt, sa_t, sb)
-    return varying_as(out[:m, :n], a, bt, sa_t, sb)
-
-
-def varying_as(out, *like):
-    """``out`` marked varying over every manual mesh axis that an array of ``like`` varies
-    over (inside ``jax.shard_map``, where the trainer's step runs): a kernel's output type
-    does not carry them, and a custom VJP's cotangent must match its primal's type."""
-    axes = set()
-    for x in like:
-        axes |= set(getattr(jax.typeof(x), "vma", ()))
-    missing = tuple(sorted(axes - set(getattr(jax.typeof(out), "vma", ()))))
-    return lax.pcast(out, missing, to="varying") if missing else out
+    return match_varying(out[:m, :n], a, bt, sa_t, sb)
 
 
 def target() -> tuple:
@@ -191,16 +182,14 @@ def select(kernel: str, pallas: Callable[[Any], jax.Array], xla: Callable[[], ja
 
     ``xla``: ``xla()``. ``pallas``: ``pallas(None)`` (compiled) on a GPU target,
     ``pallas(InterpretGPUParams())`` elsewhere (Mosaic GPU's interpreter: slow, for tests).
-    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`) when no operand varies
-    over a manual mesh axis, else ``xla()``. Inside ``jax.shard_map`` (the trainer's step)
-    the kernel's cotangents do not yet get the primal's manual-axis type (a known gap:
-    ``Custom VJP bwd rule must produce an output with the same type``), so ``auto`` keeps
-    the XLA form there and ``pallas`` fails.
+    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`), else ``xla()``. Inside
+    ``jax.shard_map`` (the trainer's step) the kernel's results are made varying over the
+    operands' manual mesh axes (:func:`jaxmp.precision._vma.match_varying`), as a custom
+    VJP's cotangents must match their primals' types.
     """
     if kernel == "xla":
         return xla()
     platform, hopper = target()
     if kernel == "pallas":
         return pallas(None if platform == "gpu" else _interpret_params())
-    manual = any(getattr(jax.typeof(x), "vma", ()) for x in operands)
-    return pallas(None) if hopper and not manual else xla()
+    return pallas(None) if hopper else xla()
