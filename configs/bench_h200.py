@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
         num_experts=8, num_shared_experts=1, top_k=2, d_expert=1024, first_dense_layers=1,
         score_fn="softmax", aux_loss_weight=0.01, bias_update_rate=0.001,
         capacity_factor=0.0,       # dropless (exact); the GPU default awaits the suite's dispatch timing
+        moe_kernel="auto",         # the Mosaic GPU grouped GEMM on Hopper, ragged_dot elsewhere
         attention="auto",          # cuDNN's fused kernel on the GPU, the reference path elsewhere
         scan_layers=True,          # a dense and a MoE stack, each compiled once
         remat="none"))

@@ -28,6 +28,7 @@ GPU), cuDNN's workspace, and the allocator's and NCCL's own buffers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.resources
@@ -48,7 +49,7 @@ from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
 
 __all__ = ["GpuTarget", "TARGETS", "CAVEATS", "FIT_MARGIN", "get_target", "plugin_problem",
-           "target_mesh", "compile_step", "CompiledStep", "roofline", "gpu_report",
+           "target_mesh", "full_optimizations", "compile_step", "CompiledStep", "roofline", "gpu_report",
            "format_gpu_report"]
 
 CAVEATS = (
@@ -228,13 +229,28 @@ def _buffers(path: str) -> List[Tuple[int, str, str]]:
     return sorted(seen.values(), key=lambda b: -b[0])
 
 
+@contextlib.contextmanager
+def full_optimizations():
+    """XLA's full optimizations within the context, whatever ``jax_disable_most_optimizations``
+    says outside (the test suite turns most off): a deviceless compile must build the
+    program a GPU run gets (e.g. FP8 dots rewritten into FP8 GEMMs)."""
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", old)
+
+
 def compile_step(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: int = 8,
                  autotune_results: Optional[str] = None) -> CompiledStep:
     """Compiles ``Experiment.create(config).train_step`` for ``num_devices`` x ``gpu``.
 
     ``model.attention="auto"`` resolves for the target (:mod:`jaxmp.target`): cuDNN's
-    fused attention on an NVIDIA GPU for 16-bit compute. The compile writes no entry to
-    JAX's persistent compilation cache and reads none (its dump is part of the result).
+    fused attention on an NVIDIA GPU for 16-bit compute. The compile runs XLA's full
+    optimizations (whatever ``jax_disable_most_optimizations`` says elsewhere), and writes
+    no entry to JAX's persistent compilation cache and reads none (its dump is part of
+    the result).
 
     Args:
       config: a trainer config.
@@ -258,7 +274,8 @@ def compile_step(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices:
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     try:
-        with compile_target.compiling_for(mesh.devices.flat[0]), tempfile.TemporaryDirectory() as tmp:
+        with compile_target.compiling_for(mesh), full_optimizations(), \
+                tempfile.TemporaryDirectory() as tmp:
             exp = Experiment.create(config, mesh=mesh)
             lowered = exp.train_step.lower(exp.abstract_state, exp.abstract_batch())
             compiled = lowered.compile(compiler_options={"xla_dump_to": tmp, **options})

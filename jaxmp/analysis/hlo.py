@@ -503,7 +503,8 @@ class Kernel:
       kind: one of :data:`KERNEL_KINDS`.
       runs: launches per execution of the module (loop trip counts included).
       flops: matrix-multiply FLOPs of one launch (2 per multiply-add; attention's two
-        or five batched matmuls for cuDNN's forward / backward, halved when causal).
+        or five batched matmuls for cuDNN's forward / backward, halved when causal; a
+        Mosaic GPU GEMM by its shapes, :func:`_mosaic_gemm_flops`).
       gemm_dtype: the operands' element type of a GEMM or attention kernel, '' otherwise.
       highest: a float32 GEMM that asks for full float32 precision (no TF32).
       bytes: HBM bytes one launch reads and writes at least: its operands and results,
@@ -550,6 +551,44 @@ def _dot_flops(module: HloModule, ins: Instruction) -> Tuple[float, str, bool]:
     k = _prod([lhs[0].shape[d] for d in contracting])
     highest = "highest" in ins.attrs.lower()
     return 2.0 * out[0].size * k, lhs[0].dtype, highest
+
+
+def _mosaic_gemm_flops(module: HloModule, ins: Instruction) -> float:
+    """FLOPs of a Mosaic GPU GEMM kernel, read off its shapes (0 for any other kernel).
+
+    Grouped forward and ``dx``: a result ``[M, N]`` from tokens ``[M, K]`` and expert
+    weights ``[G, K, N]`` (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``); grouped
+    ``dw``: a result ``[G, K, N]`` from tokens ``[M, K]`` and gradients ``[M, N]`` (its
+    transposed twin); each token row meets one group: ``2 M K N``, not ``G`` times that.
+    Dense (the blockwise FP8 GEMM): a result ``[M, N]`` from ``A [M, K]`` and
+    ``B^T [N, K]`` (their float32 scales aside): ``2 M N K``.
+    """
+    out = ins.results[0] if ins.results else None
+    mats = [a for a in module.operand_arrays(ins) if len(a.shape) in (2, 3) and a.dtype != "s32"]
+    if out is None:
+        return 0.0
+    if len(out.shape) == 2:
+        m, n = out.shape
+        for a in mats:
+            for w in mats:
+                if len(a.shape) == 2 and len(w.shape) == 3 and a.shape[0] == m and \
+                        a.shape[1] in w.shape[1:] and n in w.shape[1:]:
+                    return 2.0 * m * a.shape[1] * n
+    if len(out.shape) == 3:
+        _, k, n = out.shape
+        two = [a for a in mats if len(a.shape) == 2]
+        for a in two:
+            for b in two:
+                if a is not b and a.shape[0] == b.shape[0] and a.shape[1] == k and b.shape[1] == n:
+                    return 2.0 * a.shape[0] * k * n
+    if len(out.shape) == 2:  # a dense (scaled) GEMM: A [M, K] and B^T [N, K] of 8/16-bit values
+        m, n = out.shape
+        narrow = [a for a in mats if len(a.shape) == 2 and a.dtype not in ("f32", "f64")]
+        for a in narrow:
+            for b in narrow:
+                if a is not b and a.shape[0] == m and b.shape[0] == n and a.shape[1] == b.shape[1]:
+                    return 2.0 * m * n * a.shape[1]
+    return 0.0
 
 
 def _attention_flops(module: HloModule, ins: Instruction) -> float:
@@ -651,6 +690,8 @@ def hlo_kernels(hlo_text) -> List[Kernel]:
                 kind = "fp8_gemm" if tgt == FP8_GEMM_TARGET or dtype.startswith("f8") else "gemm"
             elif "mosaic_gpu" in tgt:
                 kind = "mosaic_gpu"
+                flops = _mosaic_gemm_flops(module, ins)
+                dtype = next((a.dtype for a in operands if a.dtype != "s32"), "")
             elif "triton" in tgt:
                 kind = "triton"
         elif ins.op == "fusion":

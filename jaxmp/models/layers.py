@@ -76,7 +76,7 @@ def capture_matmul_operands():
 
 
 def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = None, *,
-           group_sizes: Optional[jax.Array] = None) -> jax.Array:
+           group_sizes: Optional[jax.Array] = None, grouped=None) -> jax.Array:
     """``x`` times the weight ``name`` of ``module``, by the module's policy.
 
     :func:`jaxmp.fp8.matmul` with ``module.policy.fp8`` (and the weight's
@@ -89,6 +89,8 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
       name: the weight's attribute name (``"w_gate"``, ``"wq"``, ...).
       spec: an ``einsum`` spec, as for :func:`jaxmp.ops.cast_matmul`.
       group_sizes: int ``[G]`` for a grouped (``ragged_dot``) matmul.
+      grouped: the grouped matmul that replaces ``ragged_dot`` without FP8 (see
+        :func:`jaxmp.ops.cast_matmul`); an FP8 policy never gets one.
 
     Returns:
       The product in ``x``'s dtype.
@@ -98,7 +100,7 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
     if _CAPTURED:
         _CAPTURED[-1][f"{module.path}/{name}"] = {"x": x, "w": w, "spec": spec, "fp8": recipe}
     if recipe is None:
-        return ops.cast_matmul(x, w, spec, group_sizes=group_sizes)
+        return ops.cast_matmul(x, w, spec, group_sizes=group_sizes, grouped=grouped)
     state = getattr(module, f"{name}_amax", None)
     return fp8.matmul(x, w, recipe, None if state is None else state[...], spec,
                       group_sizes=group_sizes)

@@ -10,6 +10,11 @@ the :class:`~jaxmp.precision.policy.Policy` its own path resolves to:
 * ``.../moe/experts`` (:class:`RoutedExperts`): ``num_experts`` SwiGLU experts of width
   ``d_expert``, run dropless (sort by expert + ``jax.lax.ragged_dot``, the MegaBlocks
   idea, Gale et al. 2022) or with a per-sequence capacity (GShard, Lepikhin et al. 2020).
+  Dropless, the grouped matmuls run on the kernel ``moe_kernel`` names
+  (:data:`MOE_KERNELS`, :func:`resolve_moe_kernel`): ``jax.lax.ragged_dot``, or the
+  Mosaic GPU grouped GEMM of :mod:`jaxmp.precision.grouped_gemm` (``"pallas"``), which
+  computes only the routed rows where XLA's GPU lowering of ``ragged_dot`` computes every
+  expert for every token.
 * ``.../moe/shared_experts`` (:class:`SwiGLU`): ``num_shared_experts`` always-on experts
   (DeepSeekMoE, Dai et al. 2024, section 3.2), merged into one SwiGLU of width
   ``num_shared_experts * d_expert`` (a sum of SwiGLUs is a SwiGLU with the hidden units
@@ -34,6 +39,7 @@ expert index), ``expert_mlp`` (routed-expert hidden width).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import NamedTuple
@@ -43,7 +49,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp.models.layers import SwiGLU, add_fp8_states, make_param, matmul
-from jaxmp.precision import fp8, ops
+from jaxmp import target as compile_target
+from jaxmp.precision import fp8, grouped_gemm, ops
 from jaxmp.precision.policy import Policy, PolicyRules
 from jaxmp.sharding import dispatch_dtype, expert_axis
 
@@ -59,6 +66,8 @@ __all__ = [
     "expert_capacity",
     "valid_tokens",
     "SCORE_FNS",
+    "MOE_KERNELS",
+    "resolve_moe_kernel",
 ]
 
 _VALID = threading.local()
@@ -86,6 +95,46 @@ def valid_tokens(n: jax.Array):
         _VALID.value = previous
 
 SCORE_FNS = ("softmax", "sigmoid")
+MOE_KERNELS = ("auto", "ragged_dot", "pallas")
+
+
+def resolve_moe_kernel(name: str, dtype, d_model: int, d_expert: int, fp8_recipe=None,
+                       target: "compile_target.Target | None" = None) -> str:
+    """The kernel dropless routed experts run on: ``"ragged_dot"`` or ``"pallas"``.
+
+    ``"auto"`` is ``"pallas"`` where it runs: the compile target
+    (:func:`jaxmp.target.current`, the mesh's devices under ``Experiment.create``) is an
+    NVIDIA GPU of compute capability >= 9.0 (the kernels use Hopper's WGMMA and TMA), the
+    experts compute in float16/bfloat16 without an FP8 recipe, and ``d_model`` and
+    ``d_expert`` are multiples of 64 (:func:`jaxmp.precision.grouped_gemm.support`);
+    else ``"ragged_dot"``.
+
+    Raises:
+      ValueError: an unknown name, or ``"pallas"`` where it cannot run (one line, the
+        first failing condition).
+    """
+    if name not in MOE_KERNELS:
+        raise ValueError(f"model.moe_kernel={name!r}; allowed: {', '.join(MOE_KERNELS)}")
+    if name == "ragged_dot":
+        return name
+    tgt = target or compile_target.current()
+    reason = None
+    if not tgt.is_hopper_or_newer():
+        reason = f"the compile target {tgt.describe()} is not an NVIDIA GPU of sm >= 9.0"
+    elif fp8_recipe is not None:
+        reason = "the experts run FP8 (fp8.grouped_dot), which the kernel does not cover yet"
+    else:
+        for d_in, d_out in ((d_model, d_expert), (d_expert, d_model)):
+            ok, why = grouped_gemm.support(dtype, d_in, d_out)
+            if not ok:
+                reason = why
+                break
+    if reason is None:
+        return "pallas"
+    if name == "pallas":
+        raise ValueError(f"model.moe_kernel='pallas' cannot run here: {reason}; use 'auto' or "
+                         f"'ragged_dot'")
+    return "ragged_dot"
 
 
 class RouterBias(nnx.Variable):
@@ -210,7 +259,7 @@ def expert_capacity(capacity_factor: float, group_size: int, top_k: int, num_exp
     return max(1, math.ceil(capacity_factor * group_size * top_k / num_experts))
 
 
-def _dropless(experts, x, expert_ids, gates):
+def _dropless(experts, x, expert_ids, gates, grouped=None):
     """Every assignment computed: sort by expert, grouped matmuls with ``lax.ragged_dot``.
 
     x [N, D] (compute dtype), expert_ids/gates [N, k]; the weights of ``experts`` (any
@@ -223,9 +272,9 @@ def _dropless(experts, x, expert_ids, gates):
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[order // k]  # token of each sorted assignment
-    h = (jax.nn.silu(matmul(experts, xs, "w_gate", group_sizes=group_sizes))
-         * matmul(experts, xs, "w_up", group_sizes=group_sizes))
-    ys = matmul(experts, h, "w_down", group_sizes=group_sizes)
+    h = (jax.nn.silu(matmul(experts, xs, "w_gate", group_sizes=group_sizes, grouped=grouped))
+         * matmul(experts, xs, "w_up", group_sizes=group_sizes, grouped=grouped))
+    ys = matmul(experts, h, "w_down", group_sizes=group_sizes, grouped=grouped)
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
     # Gate-weighted sum in float32; the float32 copy of ys is recomputed, not saved.
     return ops.cast_matmul(gates, ys, "nk,nkd->nd")
@@ -306,6 +355,9 @@ class RoutedExperts(nnx.Module):
         > 0 for GShard dispatch with :func:`expert_capacity` slots per expert and sequence.
         Capacity dispatch is not causal: a later token's first choice can take the slot
         of an earlier token's second choice.
+      moe_kernel: the dropless grouped matmuls' kernel, one of :data:`MOE_KERNELS`,
+        resolved once here by :func:`resolve_moe_kernel` for the current compile target
+        (attribute ``moe_kernel``: ``"ragged_dot"`` or ``"pallas"``).
       path: attribute path, e.g. ``blocks/2/moe/experts``.
       rules: per-module precision rules.
       rngs: NNX rngs.
@@ -319,12 +371,12 @@ class RoutedExperts(nnx.Module):
     all-to-all.
 
     Raises:
-      ValueError: negative ``capacity_factor``.
+      ValueError: negative ``capacity_factor``; a ``moe_kernel`` that cannot run.
     """
 
     def __init__(self, num_experts: int, d_model: int, d_expert: int, capacity_factor=None, *,
                  path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
-                 out_std: float = 0.02):
+                 out_std: float = 0.02, moe_kernel: str = "ragged_dot"):
         if capacity_factor is not None and capacity_factor < 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be None, 0 (dropless) or > 0")
         self.path = path
@@ -338,6 +390,10 @@ class RoutedExperts(nnx.Module):
         self.w_up = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
         self.w_down = make_param(rngs, nnx.initializers.normal(out_std), shape_out, dt, axes_out)
         add_fp8_states(self, ("w_gate", "w_up", "w_down"))
+        tgt = compile_target.current()
+        self.moe_kernel = resolve_moe_kernel(moe_kernel, self.policy.compute_dtype, d_model,
+                                             d_expert, self.policy.fp8, tgt)
+        self.num_sms = tgt.core_count or grouped_gemm.DEFAULT_NUM_SMS
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array):
         """Runs the experts.
@@ -371,7 +427,10 @@ class RoutedExperts(nnx.Module):
                              "(dropless dispatch runs with parallel.expert=1)")
         else:
             k = expert_ids.shape[-1]
-            y = _dropless(self, x.reshape(b * t, d), expert_ids.reshape(b * t, k), gates.reshape(b * t, k))
+            grouped = (functools.partial(grouped_gemm.grouped_matmul, num_sms=self.num_sms)
+                       if self.moe_kernel == "pallas" else None)
+            y = _dropless(self, x.reshape(b * t, d), expert_ids.reshape(b * t, k),
+                          gates.reshape(b * t, k), grouped)
             y, dropped = y.reshape(b, t, d), jnp.zeros((), jnp.float32)
         return p.cast_to_output(y), dropped
 
@@ -425,7 +484,8 @@ class MoE(nnx.Module):
     Args:
       d_model: width. num_experts: routed experts E. num_shared_experts: always-on experts.
       top_k: routed experts per token. d_expert: width of each expert.
-      score_fn: ``"softmax"`` or ``"sigmoid"``. capacity_factor: see :class:`RoutedExperts`.
+      score_fn: ``"softmax"`` or ``"sigmoid"``. capacity_factor, moe_kernel: see
+        :class:`RoutedExperts`.
       path: attribute path, e.g. ``blocks/2/moe``; children at ``path/router``,
         ``path/experts``, ``path/shared_experts``.
       rules: per-module precision rules. rngs: NNX rngs.
@@ -434,14 +494,15 @@ class MoE(nnx.Module):
 
     def __init__(self, d_model: int, num_experts: int, num_shared_experts: int, top_k: int,
                  d_expert: int, score_fn: str = "softmax", capacity_factor=None, *, path: str,
-                 rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
+                 rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
+                 moe_kernel: str = "ragged_dot"):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.router = Router(d_model, num_experts, top_k, score_fn, path=f"{path}/router",
                              rules=rules, rngs=rngs, init_std=init_std)
         self.experts = RoutedExperts(num_experts, d_model, d_expert, capacity_factor,
                                      path=f"{path}/experts", rules=rules, rngs=rngs,
-                                     init_std=init_std, out_std=out_std)
+                                     init_std=init_std, out_std=out_std, moe_kernel=moe_kernel)
         self.shared_experts = (
             SwiGLU(d_model, num_shared_experts * d_expert, path=f"{path}/shared_experts",
                    rules=rules, rngs=rngs, init_std=init_std, out_std=out_std)

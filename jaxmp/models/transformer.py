@@ -108,7 +108,7 @@ from flax import nnx
 
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
-from jaxmp.models.moe import SCORE_FNS, MoE, MoEStats, RoutedExperts
+from jaxmp.models.moe import MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
 
@@ -156,6 +156,10 @@ class ModelConfig:
       bias_update_rate: gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0
         disables it (read by the trainer).
       capacity_factor: None or 0 = dropless; > 0 = GShard capacity per sequence.
+      moe_kernel: the dropless routed experts' kernel, one of
+        :data:`~jaxmp.models.moe.MOE_KERNELS` (``"auto"``: the Mosaic GPU grouped GEMM on a
+        Hopper-or-newer compile target, else ``ragged_dot``; see
+        :func:`~jaxmp.models.moe.resolve_moe_kernel`).
       attention: the attention core's path, one of
         :data:`~jaxmp.models.attention.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
         fused kernel where it runs, else XLA; see :mod:`jaxmp.models.attention`).
@@ -184,6 +188,7 @@ class ModelConfig:
     aux_loss_weight: float = 0.01
     bias_update_rate: float = 0.0
     capacity_factor: Optional[float] = None
+    moe_kernel: str = "auto"
     attention: str = "auto"
     scan_layers: bool = False
     remat: str = "none"
@@ -224,6 +229,8 @@ class ModelConfig:
             need(self.score_fn in SCORE_FNS, f"score_fn={self.score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
             need(self.capacity_factor is None or self.capacity_factor >= 0,
                  f"capacity_factor={self.capacity_factor} must be None, 0 (dropless) or > 0")
+            need(self.moe_kernel in MOE_KERNELS,
+                 f"moe_kernel={self.moe_kernel!r}; allowed: {', '.join(MOE_KERNELS)}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
@@ -322,7 +329,8 @@ class Block(nnx.Module):
         if config.is_moe_layer(index):
             self.moe = MoE(config.d_model, config.num_experts, config.num_shared_experts, config.top_k,
                            config.d_expert, config.score_fn, config.capacity_factor, path=f"{path}/moe",
-                           rules=rules, rngs=rngs, init_std=std, out_std=out_std)
+                           rules=rules, rngs=rngs, init_std=std, out_std=out_std,
+                           moe_kernel=config.moe_kernel)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules, rngs=rngs,
                               init_std=std, out_std=out_std)

@@ -525,8 +525,10 @@ def router_logits(x: jax.Array, w: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _product(x, w, spec, group_sizes):
+def _product(x, w, spec, group_sizes, grouped=None):
     if group_sizes is not None:
+        if grouped is not None:
+            return grouped(x, w, group_sizes)
         return jax.lax.ragged_dot(x, w, group_sizes)
     if spec is not None:
         return jnp.einsum(spec, x, w)
@@ -534,7 +536,7 @@ def _product(x, w, spec, group_sizes):
 
 
 def cast_matmul(x: jax.Array, w: jax.Array, spec: Optional[str] = None, *,
-                group_sizes: Optional[jax.Array] = None) -> jax.Array:
+                group_sizes: Optional[jax.Array] = None, grouped: Any = None) -> jax.Array:
     """``x @ w.astype(x.dtype)`` whose backward pass recasts ``w`` instead of saving the cast.
 
     A mixed-precision layer multiplies its compute-dtype input by a low-precision copy
@@ -563,6 +565,9 @@ def cast_matmul(x: jax.Array, w: jax.Array, spec: Optional[str] = None, *,
       spec: an ``einsum`` subscript string ``"x_axes,w_axes->out"``; default a matmul.
       group_sizes: int ``[G]`` rows of ``x`` per group: a grouped matmul
         (``jax.lax.ragged_dot``, the sorted-token MoE layout); excludes ``spec``.
+      grouped: with ``group_sizes``, a function ``(x, w_cast, group_sizes) -> [M, N]``
+        that replaces ``ragged_dot`` (e.g.
+        :func:`jaxmp.precision.grouped_gemm.grouped_matmul`); ``w_cast`` is in ``x.dtype``.
 
     Returns:
       The product in ``x.dtype``.
@@ -576,10 +581,10 @@ def cast_matmul(x: jax.Array, w: jax.Array, spec: Optional[str] = None, *,
         raise ValueError(f"give spec ({spec!r}) or group_sizes, not both")
     x, w = jnp.asarray(x), jnp.asarray(w)
     if w.dtype == x.dtype:
-        return _product(x, w, spec, group_sizes)
+        return _product(x, w, spec, group_sizes, grouped)
 
     def cast_then_multiply(x, w, group_sizes):
-        return _product(x, w.astype(x.dtype), spec, group_sizes)
+        return _product(x, w.astype(x.dtype), spec, group_sizes, grouped)
 
     return jax.checkpoint(cast_then_multiply, policy=jax.checkpoint_policies.nothing_saveable)(
         x, w, group_sizes)

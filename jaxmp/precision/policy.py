@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.precision.fp8 import Recipe
+from jaxmp.precision._fp8.recipe import Recipe
 
 __all__ = [
     "Policy",

@@ -33,6 +33,7 @@ import numpy as np
 from jaxmp import sharding
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
+from jaxmp.models.moe import MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
@@ -390,6 +391,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     m = config.model
     _check("model", m, [
         ("attention", lambda v: v in ATTENTION_IMPLEMENTATIONS, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
+        ("moe_kernel", lambda v: v in MOE_KERNELS, f"one of {', '.join(MOE_KERNELS)}"),
         ("scan_layers", lambda v: isinstance(v, bool), "True or False"),
         ("remat", lambda v: v in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
     ])

@@ -133,15 +133,6 @@ class Experiment:
           ValueError: any bad config value (:func:`validate_config`), or more devices
             than exist.
         """
-        if mesh is not None:
-            # Hardware choices (model.attention="auto") follow the mesh's devices, which
-            # may be a GPU topology compiled for without a GPU (jaxmp.analysis.gpu).
-            with target.compiling_for(mesh.devices.flat[0]):
-                return cls._create(config, mesh, None)
-        return cls._create(config, None, num_devices)
-
-    @classmethod
-    def _create(cls, config, mesh: Optional[Mesh], num_devices: Optional[int]) -> "Experiment":
         if mesh is None:  # validated first, so a bad layout is named before the mesh is built
             num_devices = num_devices or complete_config(config).train.num_devices or None
             settings = validate_config(config, num_devices or len(jax.devices()))
@@ -154,16 +145,20 @@ class Experiment:
         lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
         optimizer = make_optimizer(cfg.optim, lr_schedule)
 
+        # Hardware choices (attention and moe_kernel "auto") follow the devices the step is
+        # compiled for, which for a deviceless compile are topology devices (jaxmp.target).
         def init() -> TrainState:
-            model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
+            with target.compiling_for(mesh):
+                model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
             comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
                                               settings.comm["grad_compression"])
             # ZeRO-1's compute copy is cast afterwards, from the stored params (restored_state).
             return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
                                       comm_state=comm_state)[1]
 
-        model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
-                                                      rngs=nnx.Rngs(cfg.seed)))
+        with target.compiling_for(mesh):
+            model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
+                                                          rngs=nnx.Rngs(cfg.seed)))
         graphdef = split_model(model)[0]
         abstract = jax.eval_shape(init)
         copy_fn = functools.partial(_cast_copy, dtypes=param_compute_dtypes(model))

@@ -41,7 +41,10 @@ KEYS: Tuple[Key, ...] = (
     Key("model.bias_update_rate", 0.001, "gamma of auxiliary-loss-free balancing (DeepSeek-V3)"),
     Key("model.capacity_factor", 0.0, "0 = dropless dispatch; > 0 = GShard slots per expert "
                                       "(expert parallelism needs it)"),
-    Key("model.attention", "auto", "reference | xla | cudnn | auto (cuDNN where it runs, else xla)"),
+    Key("model.moe_kernel", "auto", "auto | ragged_dot | pallas (the Mosaic GPU grouped GEMM; auto: "
+                                    "on Hopper and newer GPUs)"),
+    Key("model.attention", "auto", "reference | xla | cudnn | auto (cuDNN where it runs, else "
+                                   "reference)"),
     Key("model.scan_layers", False, "stack the blocks and run them with jax.lax.scan"),
     Key("model.remat", "none", "none | attention | dots_saveable | full (per block)"),
     # precision

@@ -44,6 +44,7 @@ from jaxmp import sharding
 from jaxmp.models import FP8State, update_router_bias
 from jaxmp.precision import comm, fp8, ops, optim
 from jaxmp.precision._paths import path_name
+from jaxmp.precision._vma import varying_axes
 from jaxmp.precision.loss_scale import all_finite, select_tree
 from jaxmp.sharding import DATA_AXIS, EXPERT_AXIS, Layout
 from jaxmp.train.state import TrainState
@@ -188,16 +189,9 @@ class _Plan:
         replicated input would otherwise be summed by ``shard_map``'s transpose, in the
         input's dtype, behind the explicit reduction's back."""
         def one(x):
-            missing = tuple(a for a in self.axes if a not in _varying_axes(x))
+            missing = tuple(a for a in self.axes if a not in varying_axes(x))
             return jax.lax.pcast(x, missing, to="varying") if missing else x
         return jax.tree.map(one, tree)
-
-
-def _varying_axes(x) -> frozenset:
-    """The mesh axes over which ``x`` may differ between devices, inside ``shard_map``."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def _entry_axes(entry) -> tuple:

@@ -1,0 +1,10 @@
+"""The concepts behind :mod:`jaxmp.precision.fp8`, one module each.
+
+* :mod:`.quant`: formats, scales, quantization by tensor, slice and block.
+* :mod:`.recipe`: :class:`~.recipe.Recipe` and the delayed recipe's amax-history state.
+* :mod:`.gemm`: the FP8 products and their custom VJPs, one scheme per recipe.
+* :mod:`.kernel`: the blockwise GEMM as a Pallas Mosaic GPU kernel (Hopper and newer).
+* :mod:`.einsum`: :func:`~.einsum.matmul`, einsum specs onto the products.
+
+The FP8 all-to-all is with the other collectives, :func:`jaxmp.precision.comm.fp8_all_to_all`.
+"""

@@ -1,0 +1,195 @@
+"""The blockwise FP8 GEMM as one Pallas Mosaic GPU kernel for Hopper (sm_90, WGMMA).
+
+``C [M, N] = sum_kb (A[:, kb] @ B[kb, :]) * sa[:, kb] * sb[kb, :]`` with ``kb`` the
+128-wide slices of K: DeepGEMM's design (and DeepSeek-V3's report, section 3.3.2). Each
+output tile of 128 x 128 runs one loop over K: the E4M3 tiles of A and B arrive in
+shared memory by TMA, pipelined ``max_concurrent_steps`` deep
+(``jax.experimental.pallas.mosaic_gpu.emit_pipeline``); one WGMMA multiplies a 128-deep
+slice into a fresh float32 register accumulator, which is then scaled by its row scales
+``sa[:, kb]`` and column scales ``sb[kb, :]`` and added to the float32 tile total (the
+"promotion to CUDA cores every 128 elements"). Nothing partial reaches memory; the tile
+total is cast to the output dtype (bfloat16 or float32) once.
+
+Layout: ``A [M, K]`` and ``Bt [N, K]`` (B transposed) are both K-major, as FP8 WGMMA
+requires (Mosaic GPU: "Only f16 WGMMA supports transposes"). Scales come transposed,
+``sa_t [Kb, M]`` and ``sb [Kb, N]`` (a 128x128 block scale repeated over its 128
+columns; a 128x1 tile scale per column as it is), so one K step reads one contiguous row
+of each. Shapes that are not multiples of 128 are zero-padded (scales of padding: 1).
+
+This is the plain software-pipelined form (one warpgroup per 128 x 128 tile, the WGMMA
+waited on before the promotion), not DeepGEMM's warp-specialized, persistent kernel; its
+speed on an H200 has not been measured here.
+
+Without a GPU the same kernel runs in Mosaic GPU's interpret mode
+(``InterpretGPUParams``): the pipeline, the SMEM tiles and the promotion are the
+kernel's, but the interpreter's WGMMA does not take a transposed operand, so there the
+128 x 128 x 128 tile product is ``lax.dot_general`` on the SMEM tiles (float32 output,
+as WGMMA's), and scales are read with ``ref[...]`` instead of ``plgpu.load``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmp.precision._vma import match_varying
+
+_TILE = 128          # M, N and K tile: K must be the 128 of the block scales
+_STEPS = 4           # pipeline depth: 4 x (16 KiB A + 16 KiB B + 1 KiB scales) of SMEM
+_HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")  # NVIDIA device kinds of compute capability 9.0
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def _pad_to(x, axis, multiple, value):
+    size = x.shape[axis]
+    pad = -size % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_dtype: Any,
+              *, interpret: Optional[Any] = None) -> jax.Array:
+    """``sum_kb (a[:, kb] @ bt[:, kb].T) * sa_t[kb][:, None] * sb[kb][None, :]``, one kernel.
+
+    Args:
+      a: E4M3 (or E5M2) ``[M, K]``.
+      sa_t: float32 ``[ceil(K / 128), M]``: the scale of each row of ``a`` in each 128-wide
+        slice of K (1x128 tiles, transposed).
+      bt: ``[N, K]`` in ``a``'s dtype: B transposed.
+      sb: float32 ``[ceil(K / 128), N]``: the scale of each column of B in each slice.
+      out_dtype: bfloat16 or float32.
+      interpret: None to compile for the GPU, or ``InterpretGPUParams()`` to interpret on
+        the host.
+
+    Returns:
+      ``[M, N]`` in ``out_dtype``; promotion to float32 every 128 of K, one rounding to
+      ``out_dtype`` at the end.
+
+    Raises:
+      ValueError: operands that are not 2-D of matching K, or dtypes other than the above.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = a.shape
+    n = bt.shape[0]
+    kb = -(-k // _TILE)
+    if bt.ndim != 2 or bt.shape[1] != k or bt.dtype != a.dtype:
+        raise ValueError(f"bt must be [N, K={k}] in {a.dtype}, got {bt.dtype} {bt.shape}")
+    if sa_t.shape != (kb, m) or sb.shape != (kb, n):
+        raise ValueError(f"scales must be [{kb}, {m}] and [{kb}, {n}], got {sa_t.shape} and "
+                         f"{sb.shape}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype={out_dtype} must be bfloat16 or float32")
+    a = _pad_to(_pad_to(a, 0, _TILE, 0), 1, _TILE, 0)
+    bt = _pad_to(_pad_to(bt, 0, _TILE, 0), 1, _TILE, 0)
+    sa_t = _pad_to(sa_t.astype(jnp.float32), 1, _TILE, 1)
+    sb = _pad_to(sb.astype(jnp.float32), 1, _TILE, 1)
+    mp, np_ = a.shape[0], bt.shape[0]
+    t = _TILE
+    swizzle = plgpu.find_swizzle(t * jnp.dtype(a.dtype).itemsize * 8)
+    tiled = (plgpu.TilingTransform((8, swizzle // jnp.dtype(a.dtype).itemsize)),
+             plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(t * out_dtype.itemsize * 8)
+    out_tiled = (plgpu.TilingTransform((8, out_swizzle // out_dtype.itemsize)),
+                 plgpu.SwizzleTransform(out_swizzle))
+    compiled = interpret is None
+
+    def body(_, a_smem, b_smem, sa_smem, sb_smem, total):
+        if compiled:
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+                return acc_ref[...]
+            part = pl.run_scoped(product, plgpu.ACC((t, t), jnp.float32))
+            s_a = plgpu.load(sa_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            s_b = plgpu.load(sb_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        else:
+            part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            s_a, s_b = sa_smem[...], sb_smem[...]
+        part = part * lax.broadcast_in_dim(s_a, (t, t), [0])
+        part = part * lax.broadcast_in_dim(s_b, (t, t), [1])
+        return total + part
+
+    def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, o_smem):
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+        zeros = jnp.zeros((t, t), jnp.float32)
+        if compiled:
+            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+        total = plgpu.emit_pipeline(
+            body, grid=(kb,),
+            in_specs=[plgpu.BlockSpec((t, t), lambda s: (0, s), transforms=tiled),
+                      plgpu.BlockSpec((t, t), lambda s: (0, s), transforms=tiled),
+                      plgpu.BlockSpec((pl.squeezed, t), lambda s: (s, 0)),
+                      plgpu.BlockSpec((pl.squeezed, t), lambda s: (s, 0))],
+            max_concurrent_steps=min(_STEPS, kb), init_carry=zeros,
+        )(a_gmem.at[pl.ds(mi * t, t), :], b_gmem.at[pl.ds(ni * t, t), :],
+          sa_gmem.at[:, pl.ds(mi * t, t)], sb_gmem.at[:, pl.ds(ni * t, t)])
+        o_smem[...] = total.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)])
+        plgpu.wait_smem_to_gmem(0)
+
+    extra = {} if compiled else {"interpret": interpret}
+    out = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        scratch_types=[plgpu.SMEM((t, t), out_dtype, transforms=out_tiled)],
+        grid=(mp // t, np_ // t), grid_names=("m", "n"), **extra)(a, bt, sa_t, sb)
+    return match_varying(out[:m, :n], a, bt, sa_t, sb)
+
+
+def target() -> tuple:
+    """``(platform, hopper)`` of the devices being compiled for, read at trace time.
+
+    The device is the abstract device of the mesh context (``jax.set_mesh``, which the
+    trainer enters; for a deviceless compile, the topology's devices), else the default
+    device. ``hopper`` (compute capability 9.x) comes from a local device of the same
+    kind where there is one, else from the device kind's name (H100, H200, H800, H20,
+    GH200): an abstract device carries no compute capability.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        device = jax.devices()[0]
+    platform = device.platform
+    if platform != "gpu":
+        return platform, False
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        try:
+            local = [d for d in jax.devices("gpu") if d.device_kind == device.device_kind]
+        except RuntimeError:
+            local = []
+        capability = getattr(local[0], "compute_capability", None) if local else None
+    if capability is not None:
+        return platform, str(capability).split(".")[0] == "9"
+    return platform, bool(_HOPPER.search(device.device_kind))
+
+
+def select(kernel: str, pallas: Callable[[Any], jax.Array], xla: Callable[[], jax.Array],
+           *operands: jax.Array):
+    """Runs the blockwise GEMM ``kernel`` names (:data:`jaxmp.precision._fp8.recipe.KERNELS`).
+
+    ``xla``: ``xla()``. ``pallas``: ``pallas(None)`` (compiled) on a GPU target,
+    ``pallas(InterpretGPUParams())`` elsewhere (Mosaic GPU's interpreter: slow, for tests).
+    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`), else ``xla()``. Inside
+    ``jax.shard_map`` (the trainer's step) the kernel's results are made varying over the
+    operands' manual mesh axes (:func:`jaxmp.precision._vma.match_varying`), as a custom
+    VJP's cotangents must match their primals' types.
+    """
+    if kernel == "xla":
+        return xla()
+    platform, hopper = target()
+    if kernel == "pallas":
+        return pallas(None if platform == "gpu" else _interpret_params())
+    return pallas(None) if hopper else xla()
