@@ -38,8 +38,9 @@ jax.config.update("jax_disable_most_optimizations", True)
 # to one worker, in this order; starting with the longest keeps one worker from running a
 # long module alone at the end (without --no-loadscope-reorder, xdist would order the
 # modules by their number of tests). A module missing here runs later; no result changes.
-SLOWEST_FIRST = ("test_train.py", "test_faults.py", "test_fp8_train.py", "test_parallel.py",
-                 "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
+SLOWEST_FIRST = ("test_faults.py", "test_train.py", "test_gpu_target.py", "test_fp8_train.py",
+                 "test_parallel.py", "test_artifacts.py", "test_grouped_gemm_deviceless.py",
+                 "test_fp8_kernel.py", "test_grouped_gemm.py", "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
                  "test_notebooks.py", "test_checkpoint.py", "test_fp8.py", "test_comm.py",
                  "test_model.py", "test_fidelity.py", "test_multiprocess.py",
                  "test_benchmarks.py", "test_benchmarks_matmul.py", "test_diagnostics.py")
