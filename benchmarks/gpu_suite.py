@@ -75,10 +75,11 @@ from flax import nnx
 from benchmarks import matmul, overhead, train_step
 from benchmarks._common import ROOT, device_info, write_json
 from benchmarks._timing import MIN_REPEATS, time_per_call
-from jaxmp.analysis import cost
+from jaxmp.analysis import cost, gpu as gpu_target
 from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.analysis.report import output_problem
 from jaxmp.models import RoutedExperts
+from jaxmp.models.moe import resolve_moe_kernel
 from jaxmp.models.attention import attention_core, resolve_attention, trace_cudnn_without_gpu
 from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train.config import load_config
@@ -279,8 +280,11 @@ def run_moe_dispatch(config, repeats: int, capacity_factors=(1.0, 1.25), dtype="
 
     Returns:
       ``{"tokens", "d_model", "num_experts", "top_k", "d_expert", "rows": [{"dispatch",
-      "capacity_factor", "ms", "tokens_per_s", "dropped_fraction"}], "faster",
-      "recommendation"}``.
+      "capacity_factor", "moe_kernel", "ms", "tokens_per_s", "dropped_fraction"}],
+      "kernel_checks": {kernel: verdict}, "faster", "recommendation"}``. Dropless runs on
+      ``ragged_dot`` and, where it runs (a Hopper GPU), on the Mosaic GPU grouped GEMM,
+      whose loss and gradients are first checked against ``ragged_dot``'s: a kernel that
+      fails is not timed.
     """
     s = _bench_shapes(config)
     b, t, d, e, k, de = s["batch"], s["seq_len"], s["d_model"], s["num_experts"], s["top_k"], s["d_expert"]
@@ -291,9 +295,17 @@ def run_moe_dispatch(config, repeats: int, capacity_factors=(1.0, 1.25), dtype="
     top, ids = jax.lax.top_k(scores, k)
     gates = jax.nn.softmax(top, axis=-1)
     g = jax.random.normal(keys[2], (b, t, d), jnp.float32)
-    rows = []
-    for factor in (0.0,) + tuple(capacity_factors):
-        experts = RoutedExperts(e, d, de, factor, path="blocks/1/moe/experts", rules=rules, rngs=nnx.Rngs(0))
+    rows, checks = [], {}
+    try:  # the Mosaic GPU grouped GEMM where it runs (model.moe_kernel="pallas")
+        resolve_moe_kernel("pallas", dtype, d, de)
+        kernels = ["ragged_dot", "pallas"]
+    except ValueError as why:  # (not `e`: the expert count)
+        kernels, checks["pallas"] = ["ragged_dot"], f"not timed: {why}"
+    cases = [(0.0, k) for k in kernels] + [(f, "ragged_dot") for f in capacity_factors]
+    reference = None
+    for factor, kernel in cases:
+        experts = RoutedExperts(e, d, de, factor, path="blocks/1/moe/experts", rules=rules,
+                                rngs=nnx.Rngs(0), moe_kernel=kernel)
         graphdef, params = nnx.split(experts, nnx.Param)
 
         def loss(params, x):
@@ -301,22 +313,47 @@ def run_moe_dispatch(config, repeats: int, capacity_factors=(1.0, 1.25), dtype="
             return jnp.sum(y.astype(jnp.float32) * g), dropped
 
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-        (_, dropped), _ = fn(params, x)
+        (value, dropped), grads = fn(params, x)
+        if factor == 0 and kernel == "ragged_dot":
+            reference = (value, grads)
+        elif factor == 0:  # correctness first: the kernel's loss and gradients vs ragged_dot
+            problem = _grouped_check(reference, (value, grads))
+            checks[kernel] = problem or "values and gradients match ragged_dot"
+            if problem:
+                continue
         median_s = float(np.median(time_per_call(fn, [(params, x)], repeats=repeats, warmup=1)))
-        rows.append({"dispatch": "dropless ragged_dot" if factor == 0 else "capacity einsum",
-                     "capacity_factor": factor, "ms": median_s * 1e3,
+        rows.append({"dispatch": ("capacity einsum" if factor else
+                                  "dropless ragged_dot" if kernel == "ragged_dot" else
+                                  "dropless grouped GEMM (Mosaic GPU)"),
+                     "capacity_factor": factor, "moe_kernel": kernel, "ms": median_s * 1e3,
                      "tokens_per_s": b * t / median_s, "dropped_fraction": float(dropped)})
     best = min(rows, key=lambda r: r["ms"])
-    dropless = rows[0]
+    dropless = min((r for r in rows if r["capacity_factor"] == 0), key=lambda r: r["ms"])
     if best is dropless or best["ms"] > 0.95 * dropless["ms"]:
-        rec = "keep model.capacity_factor=0 (dropless, exact): capacity dispatch is not 5% faster here"
+        rec = (f"keep model.capacity_factor=0 (dropless, exact; fastest with moe_kernel="
+               f"{dropless['moe_kernel']}): capacity dispatch is not 5% faster here")
     else:
         rec = (f"model.capacity_factor={best['capacity_factor']:g} is {dropless['ms'] / best['ms']:.2f}x "
                f"faster here, dropping {best['dropped_fraction']:.1%} of assignments")
     return {"tokens": b * t, "d_model": d, "num_experts": e, "top_k": k, "d_expert": de, "dtype": dtype,
-            "rows": rows, "faster": best["dispatch"] + ("" if best is dropless else
+            "rows": rows, "kernel_checks": checks, "faster": best["dispatch"] + ("" if best is dropless else
                                                         f" (capacity_factor {best['capacity_factor']:g})"),
             "recommendation": rec}
+
+
+def _grouped_check(reference, got, rtol: float = 2e-2) -> Optional[str]:
+    """None when the kernel's loss and gradients match ragged_dot's (16-bit compute: each
+    leaf within ``rtol`` of its largest magnitude), else what differs (not timed)."""
+    worst = []
+    for name, a, b in zip(("loss", "dparams", "dx"), (reference[0],) + tuple(reference[1]),
+                          (got[0],) + tuple(got[1])):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            scale = max(float(np.max(np.abs(x))), 1e-30)
+            err = float(np.max(np.abs(x - y))) / scale
+            if not np.isfinite(err) or err > rtol:
+                worst.append(f"{name} off by {err:.3g} of its scale")
+    return ("refused to time: " + "; ".join(worst)) if worst else None
 
 
 # ----------------------------------------------------------------------------- 4. train step
@@ -340,8 +377,25 @@ def run_case(spec: dict) -> dict:
     (result,) = report["results"]
     keep = ("total_params", "active_params", "num_layers", "seq_len", "batch_size",
             "tokens_per_step", "model_flops_per_step")
-    return {"config": spec["config"], "policy_name": name, **{k: report[k] for k in keep},
-            **{k: v for k, v in result.items() if k != "samples_ms"}, "samples_ms": result["samples_ms"]}
+    row = {"config": spec["config"], "policy_name": name, **{k: report[k] for k in keep},
+           **{k: v for k, v in result.items() if k != "samples_ms"}, "samples_ms": result["samples_ms"]}
+    if jax.devices()[0].platform == "gpu" and spec["hardware"] in gpu_target.TARGETS:
+        row.update(_bound(config, spec, result))
+    return row
+
+
+def _bound(config, spec: dict, result: dict) -> dict:
+    """The measured step beside its roofline bound (:func:`jaxmp.analysis.gpu.roofline`):
+    the same config and policy compiled for the same GPU with XLA's compiler."""
+    config = config.copy_and_resolve_references()
+    config.precision.policy, config.precision.loss_scale = spec["policy"], spec["loss_scale"]
+    try:
+        bound = gpu_target.gpu_report(config, gpu_target.get_target(spec["hardware"]), 1, top=0)["roofline"]
+    except Exception as e:  # noqa: BLE001 - a bound that cannot be built is reported, not fatal
+        return {"bound_error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    measured_ms = result.get("step_ms")
+    return {"bound_ms": bound["bound_s"] * 1e3, "mfu_bound": bound["mfu_bound"],
+            "measured_over_bound": (measured_ms / (bound["bound_s"] * 1e3)) if measured_ms else None}
 
 
 def run_part(spec: dict) -> dict:
@@ -550,6 +604,8 @@ def _rows(report: dict) -> List[List[str]]:
         rows.append(["moe_dispatch", f"{r['dispatch']} cf={r['capacity_factor']:g}, {moe['tokens']} tokens",
                      f"{r['ms']:.4g} ms fwd+bwd, {r['tokens_per_s']:,.0f} tokens/s, dropped "
                      f"{r['dropped_fraction']:.1%}", "", ""])
+    for kernel, verdict in moe.get("kernel_checks", {}).items():
+        rows.append(["moe_dispatch", f"moe_kernel={kernel} correctness", verdict, "", ""])
     if moe:
         rows.append(["moe_dispatch", "choice", moe["recommendation"], "the faster one as the GPU default",
                      "measured" if report["device"]["platform"] == "gpu" and not report["toy"] else "n/a (no GPU)"])

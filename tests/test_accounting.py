@@ -354,10 +354,10 @@ def test_bad_device_counts_are_rejected():
 def tiny_cli(tmp_path_factory):
     out = tmp_path_factory.mktemp("acct") / "tiny.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # The reference attention keeps its probabilities in the compute dtype, so the
-    # activation ratio below measures the policy; XLA's jax.nn.dot_product_attention (what
-    # model.attention=auto runs on CPU) keeps float32 scores in every policy, which no
-    # precision setting can halve (see test_attention.py for its saved bytes).
+    # The reference attention (what model.attention=auto runs on CPU) keeps its
+    # probabilities in the compute dtype, so the activation ratio below measures the
+    # policy; XLA's jax.nn.dot_product_attention keeps float32 scores in every policy,
+    # which no precision setting can halve (see test_attention.py for its saved bytes).
     proc = subprocess.run([sys.executable, "-m", "jaxmp.report", "--config", "configs/tiny_moe.py",
                            "--config.model.attention=reference", "--json", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
@@ -499,3 +499,42 @@ def test_stablehlo_dots_by_hand():
         ("f8E4M3FN", "bf16", "f32")]
     assert [d.fp8 for d in dots] == [True, False, True, False]
     assert hlo.count_fp8_dots(text) == (2, 2)
+
+
+@pytest.mark.parametrize("remat_setting", ["none", "full"])
+def test_fsdp_activations_are_counted_from_the_step_and_hold_no_gathered_weight(remat_setting):
+    """Under fsdp the loss is traced as the step runs it (each module gathering its weights
+    under the FSDP checkpoint policy): no residual is a whole compute-dtype weight, and
+    remat=full keeps no more than remat=none."""
+    from jaxmp.train.experiment import Experiment
+
+    def residuals_of(remat_value):
+        # Widths chosen so that no activation has a weight's shape (tokens per device 64,
+        # dispatched rows 128; weights 48 x 80, 48 x 112, ...).
+        config = load_config("tiny_moe", ["--config.parallel.strategy=fsdp",
+                                          f"--config.model.remat={remat_value}",
+                                          "--config.model.d_model=48", "--config.model.d_ff=80",
+                                          "--config.model.d_expert=112", "--config.data.seq_len=32"])
+        exp = Experiment.create(config, mesh=accounting.data_mesh(8))
+        return exp, accounting._step_residuals(exp)
+
+    exp, res = residuals_of(remat_setting)
+    weights = {tuple(p.shape) for p in jax.tree.leaves(exp.abstract_state.params) if p.ndim >= 2}
+    kept = [r for r in res if r.kind == "computed" and r.dtype == "bfloat16" and r.shape in weights]
+    assert kept == [], kept
+    if remat_setting == "full":
+        none = sum(r.nbytes for r in residuals_of("none")[1] if r.kind == "computed")
+        assert sum(r.nbytes for r in res if r.kind == "computed") < none
+
+
+def test_cli_says_which_defaults_are_in_force(tiny_cli):
+    """The report's device count and mixed_fp16's initial loss scale differ from the
+    trainer's defaults: it says so, with the trainer's value (DynamicLossScale's 256)."""
+    from jaxmp import DynamicLossScale
+
+    out = tiny_cli[1]
+    assert "note: 8 devices (--devices, default 8; train.py uses every local device" in out
+    trainer_init = int(DynamicLossScale().loss_scale)
+    assert trainer_init == 256
+    assert (f"mixed_fp16 starts its dynamic loss scale at 2**15; the trainer's "
+            f"precision.loss_scale=dynamic starts at {trainer_init}") in out

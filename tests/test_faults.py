@@ -327,6 +327,21 @@ def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_previous_one(t
     assert [r["step"] for r in train_rows(tmp_path)] == list(range(1, 7))
 
 
+def test_a_truncated_array_file_is_named_in_the_corrupt_checkpoint_warning(tmp_path, capsys):
+    """The largest array file of step 4 cut to half its size: the warning names the array
+    and the file TensorStore failed on, not a pybind11 repr, and step 2 resumes."""
+    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
+    files = sorted((p for p in (tmp_path / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+    os.truncate(files[-1], files[-1].stat().st_size // 2)
+    capsys.readouterr()
+    train_and_evaluate(_config(6, checkpoint_every=2), str(tmp_path))
+    out = capsys.readouterr().out
+    warning = next(line for line in out.splitlines() if "is corrupt" in line)
+    assert "<bound method" not in warning and "Error reading" in warning, warning
+    assert str(tmp_path / "checkpoints") in warning and "resuming from step 2 instead" in out
+
+
 def test_random_bytes_over_a_checkpoint_never_reach_the_run(tmp_path, capsys):
     """64 random bytes over the start of every state file of the newest checkpoint."""
     train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
@@ -536,7 +551,7 @@ def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
     repeats = {"sigint": 8, "missing": 3, "empty": 3, "binary": 3, "jsonl": 3}
     want = {"sigint": (130, "train.py: SIGINT during start-up: stopped before training; nothing was "
                             "trained or saved in this run; rerun the same command to start"),
-            "missing": (1, "train.py: error: no file matches data.path glob"),
+            "missing": (1, "train.py: error: data.path "),
             "empty": (1, "train.py: error: data.path directory"),
             "binary": (1, "train.py: error: data.path directory"),
             "jsonl": (1, "train.py: error: ")}
@@ -554,6 +569,7 @@ def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
         assert r["status"] == status and len(lines) == 1 and lines[0].startswith(first), r
     assert all("expected a JSON object with a string field 'text'" in r["stderr"]
                for r in results if r["kind"] == "jsonl")
+    assert all("does not exist" in r["stderr"] for r in results if r["kind"] == "missing")
 
 
 # ----------------------------------------------------------------------------- a peer that dies

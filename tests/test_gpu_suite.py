@@ -185,3 +185,19 @@ def test_bad_output_or_case_is_a_one_line_error_before_any_measurement(args, mes
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "matmul" not in proc.stdout and "attention" not in proc.stdout  # nothing ran
+
+
+def test_a_kernel_that_does_not_match_ragged_dot_is_refused_before_timing():
+    """gpu_suite's correctness gate for the grouped GEMM: loss and gradients within 2% of
+    each leaf's scale pass; a gradient off by 10% (or non-finite) is refused, by name."""
+    import numpy as np
+
+    from benchmarks.gpu_suite import _grouped_check
+
+    ref = (np.float32(3.0), ({"w": np.array([1.0, -2.0, 4.0])}, np.array([[0.5, 0.25]])))
+    close = (np.float32(3.01), ({"w": np.array([1.01, -2.0, 4.02])}, np.array([[0.5, 0.251]])))
+    assert _grouped_check(ref, close) is None
+    off = (np.float32(3.0), ({"w": np.array([1.0, -2.0, 4.4])}, np.array([[0.5, 0.25]])))
+    assert _grouped_check(ref, off) == "refused to time: dparams off by 0.1 of its scale"
+    nan = (np.float32(np.nan), ref[1])
+    assert _grouped_check(ref, nan).startswith("refused to time: loss off by nan")

@@ -144,11 +144,16 @@ def test_every_layer_body_matmul_is_an_fp8_gemm(policy):
     config = load_config("dense_1b", [f"--config.precision.policy={policy}",
                                          "--config.model.num_layers=2", "--config.train.batch_size=1"])
     step = gpu.compile_step(config, gpu.get_target("H200"), 1)
-    kinds = collections.Counter(k.kind for k in hlo.hlo_kernels(step.hlo_text)
-                                if "/while/body/" in k.op_name and k.kind in ("gemm", "fp8_gemm"))
+    kinds = collections.Counter(
+        "fp8" if k.kind == "fp8_gemm" or (k.kind == "mosaic_gpu" and k.gemm_dtype.startswith("f8"))
+        else k.kind for k in hlo.hlo_kernels(step.hlo_text)
+        if "/while/body/" in k.op_name and k.kind in ("gemm", "fp8_gemm", "mosaic_gpu"))
     # q, k, v, o, gate, up, down at least forward (XLA may merge a few dx/dw GEMMs of one
-    # input into one), and no GEMM of the layer body outside FP8.
-    assert kinds["fp8_gemm"] >= 7 and kinds["gemm"] == 0, kinds
+    # input into one), and no GEMM of the layer body outside FP8: cuBLASLt/Triton FP8
+    # GEMMs, or (blockwise on Hopper) the Mosaic GPU kernel with E4M3 operands.
+    assert kinds["fp8"] >= 7 and kinds["gemm"] == 0 and kinds["mosaic_gpu"] == 0, kinds
+    if policy == "fp8_blockwise":
+        assert kinds["fp8"] == 3 * 7, kinds  # forward, dx, dw of each: one kernel per product
 
 
 def _tiny(overrides, devices=8):

@@ -47,7 +47,12 @@ def test_resumed_run_matches_uninterrupted_run_loss_by_loss(tmp_path):
         assert key in a[-1], key
     assert read_metrics(straight, "eval")[-1]["step"] == 12
     assert list((straight / "tensorboard").iterdir())
-    assert (straight / "sample.txt").read_text().startswith("def ")
+    # The default prompt is the start of the first eval document (train.sample_prompt="").
+    config = small_config(steps=12)
+    data = create_pipeline(config.data, global_batch_size=config.train.batch_size, seed=config.seed)
+    prompt = data.tokenizer.decode(data.sample_prompt)
+    sample = (straight / "sample.txt").read_text()
+    assert prompt and sample.startswith(prompt) and len(sample) > len(prompt)
 
 
 @pytest.mark.slow

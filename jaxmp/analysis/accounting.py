@@ -30,7 +30,9 @@ Per device, in bytes, for the config's layout (``parallel.strategy`` and
     integer/boolean arrays (routing indices, masks). Not counted: the arguments (master
     params, router biases, loss scale, token batch), which exist whether or not a
     backward pass follows, and literals and constants baked into the program. This is
-    the saving precision buys at the JAX level, identical on every backend; XLA may
+    the saving precision buys at the JAX level, identical on every backend (under
+    ``fsdp``, traced as the step runs it: every module gathers its weights under the FSDP
+    checkpoint policy); XLA may
     later fuse, rematerialize or (XLA:CPU) widen some of them, which the compiled memory
     analysis printed on a GPU shows.
 ``grad_allreduce_bytes``
@@ -276,12 +278,35 @@ def _micro_batch(exp: Experiment) -> jax.ShapeDtypeStruct:
 
 
 def _step_residuals(exp: Experiment) -> List[Residual]:
-    """The residuals the train step's loss keeps at the per-device micro-batch."""
+    """The residuals the train step's loss keeps at the per-device micro-batch.
+
+    Under ``fsdp`` the loss runs as in the step: inside ``shard_map`` (over one device)
+    with every module gathering its weights (:func:`jaxmp.comm.gather_param`, here over
+    an axis of one) under :func:`jaxmp.sharding.fsdp_checkpoint_policy`, so the count is
+    what that policy saves with the model's remat policy, not what plain autodiff of
+    whole parameters would save.
+    """
     state, micro = exp.abstract_state, _micro_batch(exp)
 
     def loss(params, biases, rest, loss_scale, batch):
         return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
 
+    if exp.layout.strategy == "fsdp":
+        one_device = Mesh(np.array(jax.devices("cpu")[:1]), (sharding.DATA_AXIS,))
+
+        def gather(value, logical_axes, dtype):
+            return comm.gather_param(value, sharding.DATA_AXIS, 0, dtype, jnp.float32, 1)
+
+        def per_device(params, biases, rest, loss_scale, batch):
+            with sharding.in_step(None, gather, exp.layout.dispatch_dtype):
+                return loss(params, biases, rest, loss_scale, batch)
+
+        spec = jax.sharding.PartitionSpec()
+        fsdp_loss = jax.shard_map(per_device, mesh=one_device, in_specs=spec, out_specs=spec,
+                                  check_vma=False)
+        plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             (state.params, state.biases, state.rest, state.loss_scale))
+        return saved_residuals(fsdp_loss, *plain, {"inputs": micro, "targets": micro}, argnums=0)
     return saved_residuals(loss, state.params, state.biases, state.rest, state.loss_scale,
                            {"inputs": micro, "targets": micro}, argnums=0)
 

@@ -222,8 +222,15 @@ class _Corrupt(Exception):
 
 
 def _one_line(error: BaseException) -> str:
-    """An error's text on one line, at most 200 characters."""
-    return " ".join(str(error).split())[:200]
+    """An error's text on one line, at most 300 characters. Where the text holds a
+    pybind11 object's repr instead of a message (orbax's "See full TensorStore details:
+    <bound method ...>"), the message of the error that caused it is used: TensorStore's
+    names the array and the file (``Error reading "params.w/0.0" in OCDBT database at
+    local file ...``)."""
+    text, cause = str(error), error.__cause__ or error.__context__
+    while "<bound method" in text and cause is not None:
+        text, cause = f"{type(cause).__name__}: {cause}", cause.__cause__ or cause.__context__
+    return " ".join(text.split())[:300]
 
 
 def _check_digests(meta: dict) -> Optional[dict]:
