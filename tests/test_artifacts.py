@@ -123,3 +123,17 @@ def test_sample_command(run):
     bad = subprocess.run([sys.executable, "-m", "jaxmp.sample", "--workdir", str(workdir / "nope")],
                          capture_output=True, text=True, env=env, timeout=600)
     assert bad.returncode == 2 and "holds no checkpoints directory" in bad.stderr
+
+
+def test_load_on_a_mesh_gives_the_same_weights_sharded(run):
+    """load(num_devices=8): the trained weights on the 8-device mesh under the run's own
+    layout (dp: every parameter on every device), equal to the host copy bit for bit."""
+    import jax
+
+    workdir, _ = run
+    host, _, _ = load(workdir)
+    meshed, _, config = load(workdir, num_devices=8)
+    on_mesh = jax.tree.leaves(nnx.state(meshed, nnx.Param))
+    assert on_mesh and all(len(x.sharding.device_set) == 8 for x in on_mesh)
+    for a, b in zip(jax.tree.leaves(nnx.state(host, nnx.Param)), on_mesh):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(jax.device_get(b)))

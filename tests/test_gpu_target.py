@@ -115,6 +115,10 @@ def test_fsdp_honours_remat_and_fits_an_h100(seed_dp, name):
     assert report["memory"]["fits"] and total <= 0.9 * gpu.get_target("H100").memory_bytes
     # The master weights and moments are split 8 ways: 12 B/param / 8 plus the router biases.
     assert report["memory"]["argument_bytes"] < 2 * report["setup"]["params"]
+    # The routed experts (float16) run as the Mosaic grouped GEMM under FSDP, scanned layers
+    # and remat=full (moe_kernel=auto on Hopper): forward, dx, dw of 3 weights, and the
+    # forward again where the backward recomputes the block.
+    assert report["kernels"]["mosaic_gpu"]["sites"] >= 9
 
 
 @pytest.fixture(scope="module")

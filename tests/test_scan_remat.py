@@ -154,7 +154,10 @@ def test_a_scanned_run_resumes_and_the_other_layout_is_a_clear_error(tmp_path):
     scanned.train.steps = 3
     summary = train_and_evaluate(scanned, str(tmp_path))  # restores the stacked state
     assert summary["step"] == 3
-    assert (tmp_path / "sample.txt").read_text().startswith("def ")  # sampling from the stacks
+    # Sampling from the stacks, from the default prompt (the first eval document's start).
+    data = create_pipeline(scanned.data, global_batch_size=scanned.train.batch_size, seed=scanned.seed)
+    prompt = data.tokenizer.decode(data.sample_prompt)
+    assert (tmp_path / "sample.txt").read_text().startswith(prompt) and prompt
     plain = small_config(steps=4)
     with pytest.raises(CheckpointError, match=r"model\.scan_layers: saved True, now False"):
         train_and_evaluate(plain, str(tmp_path))
