@@ -41,13 +41,14 @@ def _take(it, n):
 
 @pytest.fixture
 def corpus(tmp_path):
-    """24 documents of distinct random bytes (incl. invalid UTF-8) in nested dirs."""
+    """24 documents of distinct random bytes (incl. invalid UTF-8) in nested dirs; no NUL
+    byte, which would make a file binary (skipped with a warning, load_documents)."""
     rng = np.random.default_rng(0)
     docs = []
     for i in range(24):
         f = tmp_path / f"d{i % 3}" / f"doc{i:02d}.txt"
         f.parent.mkdir(exist_ok=True)
-        f.write_bytes(rng.integers(0, 256, size=int(rng.integers(5, 40)), dtype=np.uint8).tobytes())
+        f.write_bytes(rng.integers(1, 256, size=int(rng.integers(5, 40)), dtype=np.uint8).tobytes())
         docs.append(f)
     return tmp_path, sorted(docs, key=str)
 
