@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import importlib.resources
 import os
@@ -163,8 +164,10 @@ def get_target(name: str) -> GpuTarget:
                      f"GpuTargetConfigProto .pbtxt file")
 
 
+@functools.lru_cache(maxsize=None)
 def plugin_problem() -> Optional[str]:
-    """None when deviceless GPU compilation works here, else why not (one line)."""
+    """None when deviceless GPU compilation works here, else why not (one line). Asked once
+    per process (it describes a GPU topology): the answer does not change."""
     try:
         import jax_plugins.xla_cuda12  # noqa: F401  (jax[cuda12]'s PJRT plugin)
     except ImportError:
