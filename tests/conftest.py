@@ -27,9 +27,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# Tests check numerics, not speed: compile fast, here and in every subprocess (train.py,
+# the report, the notebooks), which reads the flag from the environment. The deviceless GPU
+# compiles turn full optimizations back on themselves (jaxmp.analysis.gpu.full_optimizations).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import jax  # noqa: E402
 
-# Tests check numerics, not speed: compile fast.
 jax.config.update("jax_disable_most_optimizations", True)
 
 
