@@ -514,7 +514,8 @@ def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics
     if main_process:
         (workdir / "sample.txt").write_text(sample)
         loss_text = "not evaluated" if eval_metrics is None else eval_text(eval_metrics)
-        print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} skipped")
+        print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} "
+              f"skipped")
         print(f"sample after {steps_text(final_step)}:\n{sample}")
     return {"step": final_step, "train_losses": losses, "eval_loss": eval_loss,
             "eval": eval_metrics, "skipped_steps": skipped, "sample": sample}
