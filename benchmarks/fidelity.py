@@ -78,7 +78,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp import ops
-from jaxmp.diagnostics import LeafReport, summarize, underflow_report
+from jaxmp.precision.diagnostics import LeafReport, summarize, underflow_report
 from jaxmp.precision.loss_scale import get_loss_scale
 from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train import Experiment

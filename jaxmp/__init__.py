@@ -6,8 +6,9 @@ The public surface, in layers (each depends only on the ones before it):
   :func:`get_policy_rules`), loss scales (:class:`NoOpLossScale`,
   :class:`StaticLossScale`, :class:`DynamicLossScale`), :func:`all_finite`,
   :func:`select_tree`, and the modules :mod:`jaxmp.ops`, :mod:`jaxmp.optim`,
-  :mod:`jaxmp.comm`, :mod:`jaxmp.diagnostics` and :mod:`jaxmp.fp8` (the same module
-  objects as ``jaxmp.precision.ops`` and so on, importable under either name);
+  :mod:`jaxmp.comm`, :mod:`jaxmp.diagnostics` and :mod:`jaxmp.fp8`, re-exported: the
+  module objects ``jaxmp.precision.ops`` and so on (``from jaxmp import fp8``); a dotted
+  import names the defining module (``from jaxmp.precision.fp8 import Recipe``);
 * :mod:`jaxmp.sharding`: logical axis names to mesh axes, the one place layouts are decided;
 * :mod:`jaxmp.models`: the Flax NNX MoE Transformer;
 * :mod:`jaxmp.train`: the config, the :class:`~jaxmp.train.experiment.Experiment`, the
@@ -15,8 +16,6 @@ The public surface, in layers (each depends only on the ones before it):
 * :mod:`jaxmp.analysis`: memory, communication and cost accounting
   (``python -m jaxmp.report``).
 """
-import sys as _sys
-
 from jaxmp.precision.policy import PRESETS, Policy, PolicyRules, get_policy, get_policy_rules
 from jaxmp.precision.loss_scale import (
     DynamicLossScale,
@@ -31,11 +30,6 @@ from jaxmp.precision.loss_scale import (
 from jaxmp.precision import comm, diagnostics, fp8, ops, optim
 
 __version__ = "0.1.0"
-
-# `import jaxmp.ops` and `from jaxmp.ops import ...` reach the precision layer's modules.
-for _name in ("ops", "optim", "comm", "diagnostics", "fp8"):
-    _sys.modules[f"{__name__}.{_name}"] = globals()[_name]
-del _name
 
 __all__ = [
     "Policy", "PolicyRules", "PRESETS", "get_policy", "get_policy_rules",

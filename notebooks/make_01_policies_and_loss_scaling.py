@@ -32,8 +32,8 @@ import numpy as np
 import optax
 
 import jaxmp
-from jaxmp.diagnostics import (DtypeRange, format_report, suggest_loss_scale, summarize,
-                               underflow_report)
+from jaxmp.precision.diagnostics import (DtypeRange, format_report, suggest_loss_scale,
+                                         summarize, underflow_report)
 
 SMALL = os.environ.get("JAXMP_NOTEBOOK_SMALL") == "1"
 N_GRAD = 20_000 if SMALL else 200_000  # gradient values per synthetic layer

@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
 
 import jax
 from benchmarks import fidelity
-from jaxmp.diagnostics import LeafReport, format_report
+from jaxmp.precision.diagnostics import LeafReport, format_report
 
 SMALL = os.environ.get("JAXMP_NOTEBOOK_SMALL") == "1"
 config = fidelity.load_config(ROOT / "configs" / "fidelity.py")

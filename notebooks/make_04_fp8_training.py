@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp import diagnostics, fp8
-from jaxmp.fp8 import E4M3, E5M2, Recipe
+from jaxmp.precision.fp8 import E4M3, E5M2, Recipe
 
 SMALL = os.environ.get("JAXMP_NOTEBOOK_SMALL") == "1"
 if SMALL:

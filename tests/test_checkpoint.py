@@ -1,5 +1,5 @@
-"""Checkpoint verification: the per-array checksums, and a top-k residual moved between
-device counts."""
+"""Checkpoint verification: the per-array checksums, the config comparison on resume, and
+a top-k residual moved between device counts."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,8 +9,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from _configs import small_config
 from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
-from jaxmp.train.checkpoint import state_checksums
-from jaxmp.train.config import config_to_dict
+from jaxmp.train.checkpoint import config_differences, state_checksums
+from jaxmp.train.config import config_to_dict, default_config
 from jaxmp.train.loop import _restore_or_init
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.uint8, np.bool_, jnp.float8_e4m3fn]
@@ -61,6 +61,21 @@ def test_swapped_elements_and_renamed_leaves_change_the_checksums():
 
 
 @pytest.mark.slow
+def test_config_differences_name_each_incompatible_leaf_by_its_dotted_key():
+    saved = config_to_dict(default_config())
+    current = config_to_dict(default_config())
+    current["model"]["d_model"] = saved["model"]["d_model"] * 2  # incompatible
+    current["optim"]["decay_steps"] = 123  # in MAY_CHANGE_KEYS
+    current["train"]["steps"] = saved["train"]["steps"] + 1  # train.steps may change
+    current["seed"] = saved["seed"] + 1  # a top-level leaf
+    del saved["data"]["eod_id"]  # a key an older checkpoint lacks
+    assert config_differences(saved, current) == [
+        ("model.d_model", saved["model"]["d_model"], current["model"]["d_model"]),
+        ("data.eod_id", None, current["data"]["eod_id"]),
+        ("seed", saved["seed"], saved["seed"] + 1)]
+    assert config_differences(current, current) == []
+
+
 def test_a_topk_residual_saved_on_8_devices_resumes_on_4_keeping_its_mean(tmp_path, capsys):
     """The residual is what each device has not delivered of its gradients; resumed on 4
     devices, every device holds the mean of the 8 saved rows, so mean_j new_j equals

@@ -210,7 +210,7 @@ def test_dtype_range():
 
 # ----------------------------------------------------------------------------- FP8
 
-from jaxmp.fp8 import Recipe  # noqa: E402
+from jaxmp.precision.fp8 import Recipe  # noqa: E402
 
 N = 256 * 256
 

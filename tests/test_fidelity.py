@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import fidelity  # noqa: E402
-from jaxmp.diagnostics import LeafReport  # noqa: E402
+from jaxmp.precision.diagnostics import LeafReport  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "fidelity.py"
 # One MoE block (no dense one): the smallest model with router, experts and norms.

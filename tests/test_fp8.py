@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxmp
 from jaxmp import fp8
-from jaxmp.fp8 import E4M3, E5M2, Recipe
+from jaxmp.precision.fp8 import E4M3, E5M2, Recipe
 
 MAX = {E4M3: 448.0, E5M2: 57344.0}
 ML = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
+from jax.extend import core as jex_core, source_info_util
 
 __all__ = ["Residual", "saved_residuals", "residual_breakdown"]
 
@@ -47,10 +48,50 @@ def _kind(source: str) -> str:
     return "computed"
 
 
+def _checkpoint_name(eqn) -> Optional[str]:
+    """The ``jax.ad_checkpoint.checkpoint_name`` an equation gives its output, if any."""
+    if eqn.primitive.name == "name":
+        return eqn.params.get("name")
+    prim = eqn.params.get("_prim")  # newer JAX: a call_hi primitive holding a CheckpointName
+    return prim.name if type(prim).__name__ == "CheckpointName" else None
+
+
+def _attributed(jaxpr, residuals, arg_names: Sequence[str]) -> List[Tuple[Any, str]]:
+    """``[(aval, source)]`` for the residual variables ``residuals`` of ``jaxpr``: literals,
+    then constants, arguments and equation outputs in the jaxpr's order.
+
+    The wording is ``jax.ad_checkpoint.print_saved_residuals``' (``output of exp from
+    FILE:LINE:COL (FUNCTION)``), from the public jaxpr types (``jax.extend.core``) and
+    ``jax.extend.source_info_util.summarize``. A ``reduce_precision`` is looked through to
+    the equation that produced its operand, as JAX does.
+    """
+    through = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns
+               if e.primitive.name == "reduce_precision"}
+    wanted = {through.get(v, v) for v in residuals if not isinstance(v, jex_core.Literal)}
+    out = [(v.aval, "from a literal") for v in residuals if isinstance(v, jex_core.Literal)]
+    out += [(v.aval, "from a constant") for v in jaxpr.constvars if v in wanted]
+    out += [(v.aval, f"from the argument {arg_names[i]}" if arg_names[i] else
+             f"from the argument at flattened index {i}")
+            for i, v in enumerate(jaxpr.invars) if v in wanted]
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            if v not in wanted:
+                continue
+            src = source_info_util.summarize(eqn.source_info)
+            if (name := _checkpoint_name(eqn)) is not None:
+                out.append((v.aval, f"named '{name}' from {src}"))
+            elif eqn.primitive.name in ("jit", "pjit"):
+                out.append((v.aval, f"output of jitted function '{eqn.params['name']}' from {src}"))
+            else:
+                out.append((v.aval, f"output of {eqn.primitive.name} from {src}"))
+    return out
+
+
 def saved_residuals(fn: Callable, *args, argnums: Any = 0) -> List[Residual]:
     """The residuals ``jax.vjp`` of ``fn`` with respect to ``args[argnums]`` saves.
 
-    Like ``jax.ad_checkpoint.print_saved_residuals``, but only the ``argnums`` arguments
+    Like ``jax.ad_checkpoint.print_saved_residuals`` (the same list, read from the jaxpr of
+    ``jax.vjp`` with public APIs only), but only the ``argnums`` arguments
     are differentiated (as ``jax.grad(fn, argnums)`` does): the others are traced as
     plain inputs, so a residual that *is* one of them is reported as an argument, and
     computations on them that need no derivative save nothing. Works on abstract
@@ -67,9 +108,6 @@ def saved_residuals(fn: Callable, *args, argnums: Any = 0) -> List[Residual]:
     Raises:
       ValueError: an ``argnums`` entry outside ``[0, len(args))``.
     """
-    # Private but documented by its public printer; no public call returns the list.
-    from jax._src.ad_checkpoint import _saved_residuals
-
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if not nums or any(not isinstance(i, int) or not 0 <= i < len(args) for i in nums):
         raise ValueError(f"argnums={argnums!r} must name arguments in [0, {len(args)})")
@@ -91,11 +129,8 @@ def saved_residuals(fn: Callable, *args, argnums: Any = 0) -> List[Residual]:
     closed, shapes = jax.make_jaxpr(forward, return_shape=True)(*leaves)
     num_res = len(jax.tree.leaves(shapes[1]))
     jaxpr = closed.jaxpr
-    info = jaxpr.debug_info
-    jaxpr = jaxpr.replace(outvars=jaxpr.outvars[len(jaxpr.outvars) - num_res:],
-                          debug_info=info._replace(result_paths=None) if info is not None else None)
     out = []
-    for aval, source in _saved_residuals(jaxpr, names):
+    for aval, source in _attributed(jaxpr, jaxpr.outvars[len(jaxpr.outvars) - num_res:], names):
         shape = tuple(int(d) for d in aval.shape)
         dtype = np.dtype(aval.dtype)
         name = dtype.name

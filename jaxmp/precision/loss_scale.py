@@ -93,7 +93,14 @@ def _int32_at_least(v: float, lo: int) -> bool:
 
 
 class _PytreeMixin:
-    """Registers a class whose fields (``_fields``) are all pytree leaves, with key paths."""
+    """Registers a class whose fields (``_fields``) are all pytree leaves, with key paths.
+
+    Not ``jax.tree_util.register_dataclass`` or ``flax.struct``: they unflatten through
+    the constructor, and the constructors here check concrete values on the host
+    (``float(np.asarray(x))``) and cast; on unflatten that would read back every jit output
+    and refuse per-leaf maps (``jax.tree.map(lambda x: x.nbytes, ls)``). Unflattening here
+    sets the leaves as they are.
+    """
 
     _fields: Sequence[str] = ()
 

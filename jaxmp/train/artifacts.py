@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp.models import MoETransformer, ModelConfig
-from jaxmp.train.checkpoint import CheckpointError, Checkpointer
+from jaxmp.train.checkpoint import CheckpointError, Checkpointer, residual_adapter
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
 from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
@@ -91,9 +91,8 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
             saved[key] = _saved_config(ckpt, step)[key]
-        from jaxmp.train.loop import _adapt_residual
         _, state, _ = ckpt.restore(exp.checkpoint_template, saved, step=step,
-                                   adapt=_adapt_residual(exp))
+                                   adapt=residual_adapter(exp.num_devices, exp.mesh))
     if num_devices is None:
         model = exp.host_model(state)
     else:

@@ -55,12 +55,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax.traverse_util import flatten_dict
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import all_finite
 
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
-           "state_checksums", "json_digest", "config_differences"]
+           "state_checksums", "json_digest", "config_differences", "residual_adapter",
+           "reshard_residual"]
 
 # 1: array checksums only; 2: also the digests of the JSON items and the health flag.
 _FORMAT = 2
@@ -88,21 +91,12 @@ def _lookup(config: dict, dotted: str):
     return node
 
 
-def _flatten(node, prefix: str) -> dict:
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}.{key}"))
-        return out
-    return {prefix: node}
-
-
 def config_differences(saved: dict, current: dict) -> list:
     """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
     (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`."""
     diffs = []
     for section in INCOMPATIBLE_KEYS:
-        a, b = _flatten(_lookup(saved, section), section), _flatten(_lookup(current, section), section)
+        a, b = (flatten_dict({section: _lookup(c, section)}, sep=".") for c in (saved, current))
         for key in sorted(set(a) | set(b)):
             if key not in MAY_CHANGE_KEYS and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str):
                 diffs.append((key, a.get(key), b.get(key)))
@@ -536,3 +530,44 @@ class Checkpointer:
                 manager.close()
             except Exception:  # a failed save can make closing fail too; the error is raised above
                 pass
+
+
+def residual_adapter(num_devices: int, mesh) -> Callable[[dict, Any], Any]:
+    """An ``adapt`` for :meth:`Checkpointer.restore`: a top-k residual (``comm_state``,
+    one row per device, ``[saved_n, ...]``) saved for another device count is restored
+    in its saved shape, replicated on ``mesh``, for :func:`reshard_residual`."""
+    def adapt(meta: dict, template):
+        saved_n = meta.get("num_devices")
+        if template.comm_state is None or saved_n in (None, num_devices):
+            return template
+        replicated = NamedSharding(mesh, PartitionSpec())
+        comm = jax.tree.map(lambda x: jax.ShapeDtypeStruct((int(saved_n),) + tuple(x.shape[1:]),
+                                                           x.dtype, sharding=replicated),
+                            template.comm_state)
+        return template.replace(comm_state=comm)
+    return adapt
+
+
+def reshard_residual(state, saved_n: Optional[int], num_devices: int, shardings):
+    """``(state, note)``: the top-k residual of ``saved_n`` devices given to ``num_devices``
+    devices, laid out by ``shardings`` (the train state's ``comm_state`` shardings); the
+    state unchanged and None when the counts agree or there is no residual.
+
+    Each device's residual is what it has not yet delivered of its own gradients; the
+    exchange sends the mean over devices, so the undelivered part of the mean gradient is
+    ``mean_i residual_i``. Giving every new device that mean keeps it exactly:
+    ``mean_j new_j = mean_i old_i``.
+    """
+    if state.comm_state is None or saved_n in (None, num_devices):
+        return state, None
+    n = num_devices
+
+    def spread(r, sharding):  # the mean in float64, rounded once to float32
+        mean = np.asarray(jax.device_get(r), np.float64).mean(0, keepdims=True).astype(np.float32)
+        return jax.device_put(np.broadcast_to(mean, (n,) + r.shape[1:]), sharding)
+
+    comm = jax.tree.map(spread, state.comm_state, shardings)
+    note = (f"the top-k residual was saved for {saved_n} devices and this mesh has {n}: each "
+            f"device now holds the mean of the saved rows, which keeps the gradient not yet "
+            f"delivered")
+    return state.replace(comm_state=comm), note

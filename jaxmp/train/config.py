@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import ml_collections
 import numpy as np
+from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
 from jaxmp.models import ModelConfig
@@ -70,15 +71,9 @@ def default_config() -> ml_collections.ConfigDict:
 
 
 def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> List[str]:
-    """Every leaf key of ``config`` as a dotted path (``train.steps``), in order."""
-    out = []
-    for key, value in config.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, ml_collections.ConfigDict):
-            out.extend(flat_keys(value, path + "."))
-        else:
-            out.append(path)
-    return out
+    """Every leaf key of ``config`` as a dotted path (``train.steps``), in order, each
+    after ``prefix``."""
+    return [prefix + key for key in flatten_dict(config.to_dict(), sep=".")]
 
 
 def closest_key(key: str, valid: Iterable[str]) -> Optional[str]:

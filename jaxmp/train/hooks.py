@@ -18,10 +18,12 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
+from jaxmp.precision.loss_scale import DynamicLossScale
 from jaxmp.train.metrics import MetricsWriter, expert_load_stats
 
 __all__ = ["TrainingStalled", "TrainingDiverged", "Stopwatch", "PeriodicAction", "ReportMetrics",
-           "RunGuard", "Evaluate", "SaveCheckpoint", "steps_text", "eval_text"]
+           "RunGuard", "StallGuard", "DivergenceGuard", "Evaluate", "SaveCheckpoint",
+           "steps_text", "eval_text", "last_checkpoint_text"]
 
 
 class TrainingStalled(RuntimeError):
@@ -150,19 +152,93 @@ class RunGuard(PeriodicAction):
     The count is ``metrics[metric]``, kept exactly in the train state
     (``consecutive_skips``: steps not applied; ``divergent_steps``: applied steps that
     looked divergent), so it is right at any interval; the stop comes at the first check
-    at or after the ``limit``-th bad step and raises ``error(describe(state, count))``.
+    at or after the ``limit``-th bad step and raises ``error(self.message(state, count))``
+    (``describe(state, count)`` when given).
     """
 
     metric: str = "consecutive_skips"
     limit: int = 100
     error: type = TrainingStalled
-    describe: Callable[[Any, int], str] = None
+    describe: Optional[Callable[[Any, int], str]] = None
 
     def apply(self, step, state, metrics):
         run = int(jax.device_get(metrics[self.metric]))
         if run >= self.limit:
             raise self.error(self.describe(state, run) if self.describe else
-                             f"{self.metric} reached {run} at step {step}")
+                             self.message(state, run, step))
+
+    def message(self, state, run: int, step: int) -> str:
+        """The error's text after ``run`` bad steps in a row, at ``step``."""
+        return f"{self.metric} reached {run} at step {step}"
+
+
+def last_checkpoint_text(ckpt) -> str:
+    """Where a rerun resumes and where the last healthy state is (they differ when a
+    checkpoint was saved unhealthy, by a signal during a stall or a divergence).
+
+    ``ckpt`` is a :class:`~jaxmp.train.checkpoint.Checkpointer` (``directory``,
+    ``healthy_step()``, ``unhealthy_steps()``).
+    """
+    directory, healthy, unhealthy = ckpt.directory, ckpt.healthy_step(), ckpt.unhealthy_steps()
+    if healthy is None:
+        return f"No healthy checkpoint was written (checkpoints: {directory})"
+    text = f"The last healthy checkpoint, step {healthy} in {directory}, is from before it"
+    if not unhealthy:
+        return text + ": a rerun resumes from there"
+    many = len(unhealthy) > 1
+    return (text + f"; the newer checkpoint{'s' if many else ''} {', '.join(map(str, unhealthy))} "
+            f"{'were' if many else 'was'} saved while the run was unhealthy, and a "
+            f"rerun resumes from step {unhealthy[-1]}: move {'them' if many else 'it'} "
+            f"out of {directory} to resume from step {healthy}")
+
+
+@dataclasses.dataclass
+class StallGuard(RunGuard):
+    """Raises :class:`TrainingStalled` after ``limit`` skipped steps in a row
+    (``train.max_consecutive_skips``), with advice for the run's precision ``rules``
+    (a :class:`~jaxmp.precision.policy.PolicyRules`) and where ``ckpt`` resumes."""
+
+    metric: str = "consecutive_skips"
+    error: type = TrainingStalled
+    rules: Any = None
+    ckpt: Any = None
+
+    def message(self, state, run, step):
+        ls = state.loss_scale
+        scale, step = float(jax.device_get(ls.loss_scale)), int(jax.device_get(state.step))
+        advice = ["lower optim.learning_rate"]
+        policies = [self.rules.default] + [p for _, p in self.rules.rules]
+        if isinstance(ls, DynamicLossScale):
+            advice.append("check the loss scale's min (it backs off no further)")
+        elif any(p.needs_loss_scale for p in policies):
+            advice.append("use precision.loss_scale=dynamic for float16")
+        advice.append("or compute in a wider dtype")
+        return (f"the last {steps_text(run)} (to step {step}) were all skipped: gradients or "
+                f"updates were not finite, so the parameters have not changed since step "
+                f"{step - run}; loss scale {scale:g} ({type(ls).__name__}). "
+                f"{'; '.join(advice)}. {last_checkpoint_text(self.ckpt)}")
+
+
+@dataclasses.dataclass
+class DivergenceGuard(RunGuard):
+    """Raises :class:`TrainingDiverged` after ``limit`` divergent applied steps in a row
+    (``train.max_divergent_steps``); the spike factors are ``train.loss_spike_factor`` and
+    ``train.grad_norm_spike_factor``, as the train step tests them."""
+
+    metric: str = "divergent_steps"
+    error: type = TrainingDiverged
+    loss_spike_factor: float = 0.0
+    grad_norm_spike_factor: float = 0.0
+    ckpt: Any = None
+
+    def message(self, state, run, step):
+        step = int(jax.device_get(state.step))
+        return (f"the last {steps_text(run)} applied (to step {step}) looked divergent: a loss "
+                f"above {self.loss_spike_factor:g}x its running mean "
+                f"({float(jax.device_get(state.loss_ema)):.4g}), a gradient norm above "
+                f"{self.grad_norm_spike_factor:g}x its running mean, a non-finite loss, or a zero "
+                f"gradient norm. Lower optim.learning_rate or raise optim.warmup_steps. "
+                f"{last_checkpoint_text(self.ckpt)}")
 
 
 @dataclasses.dataclass

@@ -33,16 +33,16 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxmp.models import generate
 from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxmp.train.checkpoint import CheckpointError, Checkpointer
+from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.experiment import Experiment, unmatched_rules
-from jaxmp.train.hooks import (Evaluate, ReportMetrics, RunGuard, SaveCheckpoint, Stopwatch,
-                               TrainingDiverged, TrainingStalled, eval_text, steps_text)
+from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
+                               StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
+                               steps_text)
 from jaxmp.train.metrics import MetricsWriter
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
@@ -337,97 +337,17 @@ def _healthy(state) -> bool:
     return int(skips) == 0 and int(divergent) == 0
 
 
-def _last_checkpoint_text(ckpt: Checkpointer) -> str:
-    """Where a rerun resumes and where the last healthy state is (they differ when a
-    checkpoint was saved unhealthy, by a signal during a stall or a divergence)."""
-    directory, healthy, unhealthy = ckpt.directory, ckpt.healthy_step(), ckpt.unhealthy_steps()
-    if healthy is None:
-        return f"No healthy checkpoint was written (checkpoints: {directory})"
-    text = f"The last healthy checkpoint, step {healthy} in {directory}, is from before it"
-    if not unhealthy:
-        return text + ": a rerun resumes from there"
-    listed = ", ".join(map(str, unhealthy))
-    return (text + f"; the newer checkpoint{'s' if len(unhealthy) > 1 else ''} {listed} "
-            f"{'were' if len(unhealthy) > 1 else 'was'} saved while the run was unhealthy, and a "
-            f"rerun resumes from step {unhealthy[-1]}: move {'them' if len(unhealthy) > 1 else 'it'} "
-            f"out of {directory} to resume from step {healthy}")
-
-
-def _stall_message(exp: Experiment, ckpt: Checkpointer):
-    def describe(state, run: int) -> str:
-        ls = state.loss_scale
-        scale = float(jax.device_get(ls.loss_scale))
-        step = int(jax.device_get(state.step))
-        advice = ["lower optim.learning_rate"]
-        if isinstance(ls, DynamicLossScale):
-            advice.append("check the loss scale's min (it backs off no further)")
-        elif any(p.needs_loss_scale for p in [exp.rules.default] + [p for _, p in exp.rules.rules]):
-            advice.append("use precision.loss_scale=dynamic for float16")
-        advice.append("or compute in a wider dtype")
-        return (f"the last {steps_text(run)} (to step {step}) were all skipped: gradients or "
-                f"updates were not finite, so the parameters have not changed since step "
-                f"{step - run}; loss scale {scale:g} ({type(ls).__name__}). "
-                f"{'; '.join(advice)}. {_last_checkpoint_text(ckpt)}")
-    return describe
-
-
-def _divergence_message(exp: Experiment, ckpt: Checkpointer):
-    def describe(state, run: int) -> str:
-        step = int(jax.device_get(state.step))
-        t = exp.config.train
-        return (f"the last {steps_text(run)} applied (to step {step}) looked divergent: a loss "
-                f"above {t.loss_spike_factor:g}x its running mean "
-                f"({float(jax.device_get(state.loss_ema)):.4g}), a gradient norm above "
-                f"{t.grad_norm_spike_factor:g}x its running mean, a non-finite loss, or a zero "
-                f"gradient norm. Lower optim.learning_rate or raise optim.warmup_steps. "
-                f"{_last_checkpoint_text(ckpt)}")
-    return describe
-
-
-def _adapt_residual(exp: Experiment):
-    """An ``adapt`` for :meth:`Checkpointer.restore`: a top-k residual saved for another
-    device count is restored in its saved shape (replicated), for :func:`_reshard_residual`."""
-    def adapt(meta: dict, template):
-        saved_n = meta.get("num_devices")
-        if template.comm_state is None or saved_n in (None, exp.num_devices):
-            return template
-        replicated = NamedSharding(exp.mesh, PartitionSpec())
-        comm = jax.tree.map(lambda x: jax.ShapeDtypeStruct((int(saved_n),) + tuple(x.shape[1:]), x.dtype,
-                                                           sharding=replicated), template.comm_state)
-        return template.replace(comm_state=comm)
-    return adapt
-
-
-def _reshard_residual(exp: Experiment, state, saved_n: Optional[int]):
-    """``(state, note)``: the top-k residual of ``saved_n`` devices given to this mesh.
-
-    Each device's residual is what it has not yet delivered of its own gradients; the
-    exchange sends the mean over devices, so the undelivered part of the mean gradient is
-    ``mean_i residual_i``. Giving every new device that mean keeps it exactly:
-    ``mean_j new_j = mean_i old_i``.
-    """
-    if state.comm_state is None or saved_n in (None, exp.num_devices):
-        return state, None
-    n = exp.num_devices
-    def spread(r, sharding):  # the mean in float64, rounded once to float32
-        mean = np.asarray(jax.device_get(r), np.float64).mean(0, keepdims=True).astype(np.float32)
-        return jax.device_put(np.broadcast_to(mean, (n,) + r.shape[1:]), sharding)
-
-    comm = jax.tree.map(spread, state.comm_state, exp.state_shardings.comm_state)
-    note = (f"the top-k residual was saved for {saved_n} devices and this mesh has {n}: each device now "
-            f"holds the mean of the saved rows, which keeps the gradient not yet delivered")
-    return state.replace(comm_state=comm), note
-
-
 def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dict):
     """``(start_step, state, notes)``: the newest good checkpoint's, with the data iterator
     moved to it, or step 0 and a freshly initialised state."""
     if ckpt.latest_step() is None:
         return 0, exp.init_state(), []
-    start, state, data_state = ckpt.restore(exp.checkpoint_template, config_dict, adapt=_adapt_residual(exp),
+    start, state, data_state = ckpt.restore(exp.checkpoint_template, config_dict,
+                                            adapt=residual_adapter(exp.num_devices, exp.mesh),
                                             check_data=data.check_state)
     state = exp.restored_state(state)
-    state, note = _reshard_residual(exp, state, ckpt.saved_meta.get("num_devices"))
+    state, note = reshard_residual(state, ckpt.saved_meta.get("num_devices"), exp.num_devices,
+                                   exp.state_shardings.comm_state)
     notes = [note] if note else []
     saved = (ckpt.saved_meta.get("strategy", "dp"), ckpt.saved_meta.get("expert", 1),
              ckpt.saved_meta.get("num_devices"))
@@ -497,10 +417,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir = prepare_workdir(workdir)
     exp = Experiment.create(config, num_devices=num_devices)
     exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
-    cfg, t = exp.config, exp.config.train
-    main_process = jax.process_index() == 0
-    config_dict = config_to_dict(cfg)
-    meta = {"num_devices": exp.num_devices, "strategy": exp.layout.strategy, "expert": exp.layout.expert}
+    t, main_process = exp.config.train, jax.process_index() == 0
+    config_dict = config_to_dict(exp.config)
 
     check_sample_memory(exp)
     with contextlib.ExitStack() as stack:
@@ -512,7 +430,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         stack.callback(data.train_iter.close)  # grain's prefetch threads
         step_fn = compilation.join(catcher)
         if step_fn is None:  # a signal during start-up: nothing to save
-            raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(), startup=True)
+            raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(),
+                              startup=True)
         check_memory(step_fn, exp)  # before the state takes device memory
         ckpt = stack.enter_context(Checkpointer(workdir, keep=t.keep_checkpoints))
         start, state, notes = _restore_or_init(exp, ckpt, data, config_dict)
@@ -520,26 +439,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)
         stack.push(lambda *exc: writer.close(raise_errors=exc[0] is None))  # the first error wins
-        bar = stack.enter_context(tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True,
-                                       disable=not main_process))
-        stopwatch = Stopwatch()
-        report = ReportMetrics(t.log_every, t.steps, writer=writer, stopwatch=stopwatch,
-                               tokens_per_step=t.batch_size * cfg.data.seq_len, bar=bar,
-                               last_step_reported=start, last_skipped=int(jax.device_get(state.skipped_steps)),
-                               timed_from=start + 1)
-        # eval_every=0: never evaluate (last_step=-1 never comes).
-        evaluate = Evaluate(t.eval_every, t.steps if t.eval_every else -1, evaluate=exp.evaluate_metrics,
-                            writer=writer, stopwatch=stopwatch, bar=bar)
-        saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
-                               last_saved=start or None,
-                               save=lambda step, s: ckpt.save(step, exp.checkpoint_state(s), data.get_state(),
-                                                              config_dict, meta, healthy=_healthy(s)))
-        hooks = [report,
-                 RunGuard(t.log_every, t.steps, metric="consecutive_skips", limit=t.max_consecutive_skips,
-                          error=TrainingStalled, describe=_stall_message(exp, ckpt)),
-                 RunGuard(t.log_every, t.steps, metric="divergent_steps", limit=t.max_divergent_steps,
-                          error=TrainingDiverged, describe=_divergence_message(exp, ckpt)),
-                 evaluate, saver]
+        bar = stack.enter_context(tqdm(total=t.steps, initial=start, desc="train",
+                                       dynamic_ncols=True, disable=not main_process))
+        save = _saver(exp, ckpt, data, config_dict)
+        stopwatch, hooks = _hooks(exp, ckpt, writer, bar, start, state, save)
+        report, *_, evaluate, saver = hooks
 
         step = start
         catcher.training = catcher.signum is None
@@ -554,17 +458,51 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             for hook in hooks:
                 hook(step, state, metrics)
         if catcher.signum is not None:
-            saved = step > start
-            if saved and saver.last_saved != step:
-                ckpt.save(step, exp.checkpoint_state(state), data.get_state(), config_dict, meta,
-                          healthy=_healthy(state))
+            if step > start and saver.last_saved != step:
+                save(step, state)
             ckpt.close()
-            raise Interrupted(catcher.signum, step, saved, ckpt.directory)
+            raise Interrupted(catcher.signum, step, step > start, ckpt.directory)
         bar.close()
+    return _finish(exp, data, state, start, report.losses, evaluate.last_metrics, workdir)
 
-    eval_metrics = evaluate.last_metrics
-    if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train: the restored state
-        eval_metrics = exp.evaluate_metrics(state)
+
+def _saver(exp: Experiment, ckpt: Checkpointer, data, config_dict: dict):
+    """``save(step, state)``: starts the checkpoint of ``state`` at ``step`` with the data
+    iterator's state, the config, the layout it was saved for and its health."""
+    meta = {"num_devices": exp.num_devices, "strategy": exp.layout.strategy,
+            "expert": exp.layout.expert}
+    return lambda step, s: ckpt.save(step, exp.checkpoint_state(s), data.get_state(), config_dict,
+                                     meta, healthy=_healthy(s))
+
+
+def _hooks(exp: Experiment, ckpt: Checkpointer, writer, bar, start: int, state, save):
+    """``(stopwatch, hooks)``: the loop's periodic actions in order (report, stall guard,
+    divergence guard, evaluate, save) for a run resumed at ``start`` with ``state``."""
+    t, stopwatch = exp.config.train, Stopwatch()
+    report = ReportMetrics(t.log_every, t.steps, writer=writer, stopwatch=stopwatch,
+                           tokens_per_step=t.batch_size * exp.config.data.seq_len, bar=bar,
+                           last_step_reported=start,
+                           last_skipped=int(jax.device_get(state.skipped_steps)),
+                           timed_from=start + 1)
+    # eval_every=0: never evaluate (last_step=-1 never comes).
+    evaluate = Evaluate(t.eval_every, t.steps if t.eval_every else -1,
+                        evaluate=exp.evaluate_metrics, writer=writer, stopwatch=stopwatch, bar=bar)
+    saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
+                           last_saved=start or None, save=save)
+    stall = StallGuard(t.log_every, t.steps, limit=t.max_consecutive_skips, rules=exp.rules,
+                       ckpt=ckpt)
+    diverge = DivergenceGuard(t.log_every, t.steps, limit=t.max_divergent_steps, ckpt=ckpt,
+                              loss_spike_factor=t.loss_spike_factor,
+                              grad_norm_spike_factor=t.grad_norm_spike_factor)
+    return stopwatch, [report, stall, diverge, evaluate, saver]
+
+
+def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics, workdir):
+    """The summary of :func:`train_and_evaluate`, after the closing evaluation (when the
+    loop trained nothing) and the generated sample (``workdir/sample.txt``)."""
+    t, main_process = exp.config.train, jax.process_index() == 0
+    if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train
+        eval_metrics = exp.evaluate_metrics(state)  # the restored state
     eval_loss = None if eval_metrics is None else eval_metrics["loss"]
     prompt = (data.tokenizer.encode(t.sample_prompt, add_eos=False) if t.sample_prompt
               else data.sample_prompt)
@@ -576,7 +514,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if main_process:
         (workdir / "sample.txt").write_text(sample)
         loss_text = "not evaluated" if eval_metrics is None else eval_text(eval_metrics)
-        print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} skipped")
+        print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} "
+              f"skipped")
         print(f"sample after {steps_text(final_step)}:\n{sample}")
-    return {"step": final_step, "train_losses": report.losses, "eval_loss": eval_loss,
+    return {"step": final_step, "train_losses": losses, "eval_loss": eval_loss,
             "eval": eval_metrics, "skipped_steps": skipped, "sample": sample}
