@@ -28,18 +28,17 @@ as WGMMA's), and scales are read with ``ref[...]`` instead of ``plgpu.load``.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmp import target as compile_target
 from jaxmp.precision._vma import match_varying
 
 _TILE = 128          # M, N and K tile: K must be the 128 of the block scales
 _STEPS = 4           # pipeline depth: 4 x (16 KiB A + 16 KiB B + 1 KiB scales) of SMEM
-_HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")  # NVIDIA device kinds of compute capability 9.0
 
 
 def _interpret_params():
@@ -149,47 +148,22 @@ def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_d
     return match_varying(out[:m, :n], a, bt, sa_t, sb)
 
 
-def target() -> tuple:
-    """``(platform, hopper)`` of the devices being compiled for, read at trace time.
-
-    The device is the abstract device of the mesh context (``jax.set_mesh``, which the
-    trainer enters; for a deviceless compile, the topology's devices), else the default
-    device. ``hopper`` (compute capability 9.x) comes from a local device of the same
-    kind where there is one, else from the device kind's name (H100, H200, H800, H20,
-    GH200): an abstract device carries no compute capability.
-    """
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if device is None:
-        device = jax.devices()[0]
-    platform = device.platform
-    if platform != "gpu":
-        return platform, False
-    capability = getattr(device, "compute_capability", None)
-    if capability is None:
-        try:
-            local = [d for d in jax.devices("gpu") if d.device_kind == device.device_kind]
-        except RuntimeError:
-            local = []
-        capability = getattr(local[0], "compute_capability", None) if local else None
-    if capability is not None:
-        return platform, str(capability).split(".")[0] == "9"
-    return platform, bool(_HOPPER.search(device.device_kind))
-
-
 def select(kernel: str, pallas: Callable[[Any], jax.Array], xla: Callable[[], jax.Array],
            *operands: jax.Array):
     """Runs the blockwise GEMM ``kernel`` names (:data:`jaxmp.precision._fp8.recipe.KERNELS`).
 
     ``xla``: ``xla()``. ``pallas``: ``pallas(None)`` (compiled) on a GPU target,
     ``pallas(InterpretGPUParams())`` elsewhere (Mosaic GPU's interpreter: slow, for tests).
-    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`), else ``xla()``. Inside
+    ``auto``: ``pallas(None)`` on a Hopper target (sm 9.x, where WGMMA exists:
+    :meth:`jaxmp.target.Target.is_hopper` of :func:`jaxmp.target.current`, the devices
+    being compiled for), else ``xla()``. Inside
     ``jax.shard_map`` (the trainer's step) the kernel's results are made varying over the
     operands' manual mesh axes (:func:`jaxmp.precision._vma.match_varying`), as a custom
     VJP's cotangents must match their primals' types.
     """
     if kernel == "xla":
         return xla()
-    platform, hopper = target()
+    where = compile_target.current()
     if kernel == "pallas":
-        return pallas(None if platform == "gpu" else _interpret_params())
-    return pallas(None) if hopper else xla()
+        return pallas(None if where.platform == "gpu" else _interpret_params())
+    return pallas(None) if where.is_hopper() else xla()
