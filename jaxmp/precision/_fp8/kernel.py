@@ -25,6 +25,14 @@ Without a GPU the same kernel runs in Mosaic GPU's interpret mode
 kernel's, but the interpreter's WGMMA does not take a transposed operand, so there the
 128 x 128 x 128 tile product is ``lax.dot_general`` on the SMEM tiles (float32 output,
 as WGMMA's), and scales are read with ``ref[...]`` instead of ``plgpu.load``.
+
+:func:`quantize_both` is the backward's quantization as one Mosaic GPU kernel: each
+128 x 128 tile of the gradient (or of the saved FP8 activation, dequantized) is read once
+and written as its 1x128 tiles and, transposed, its 128x1 tiles, where XLA's fusions read
+it four or five times (``benchmarks/README.md``). On a GPU, the kernel's float32
+reciprocal and FP8 cast are Mosaic GPU's (``arith.divf``, ``arith.truncf``), not XLA's:
+their bits against XLA's await a GPU (``benchmarks/gpu_suite.py``); the interpreter
+checks the algorithm bit for bit.
 """
 from __future__ import annotations
 
