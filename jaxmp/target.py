@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import threading
 from typing import Any, Iterator, Optional, Tuple
 
@@ -52,6 +53,11 @@ class Target:
         """An NVIDIA GPU of compute capability >= 9.0 (H100, H200, H800, B200...)."""
         return self.is_nvidia((9, 0))
 
+    def is_hopper(self) -> bool:
+        """An NVIDIA GPU of compute capability 9.x (H100, H200, H800, H20, GH200): the
+        only one with WGMMA (sm_90a; Blackwell's sm_100 has tcgen05 instead)."""
+        return self.is_nvidia((9, 0)) and self.compute_capability[0] == 9
+
     def describe(self) -> str:
         """One line for error messages: ``"gpu NVIDIA H200 (sm 9.0)"``, ``"cpu"``."""
         cc = self.compute_capability
@@ -83,14 +89,44 @@ def of_device(device: Any) -> Target:
                   deviceless=platform != jax.default_backend() and not _attached(platform))
 
 
+# NVIDIA device kinds of compute capability 9.0, for an abstract device (which carries none).
+_HOPPER_KINDS = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def _of_abstract(device: Any) -> Target:
+    """The :class:`Target` of the abstract device of a mesh (``jax.set_mesh``).
+
+    An abstract device has a platform, a device kind and a core count but no compute
+    capability: that comes from an attached device of the same kind where there is one,
+    else, for an NVIDIA GPU, from the device kind's name (H100, H200, H800, H20, GH200:
+    9.0; other names: unknown).
+    """
+    platform, kind = str(device.platform), str(getattr(device, "device_kind", ""))
+    try:
+        local = [d for d in jax.devices(platform) if d.device_kind == kind]
+    except RuntimeError:  # no such platform in this process
+        local = []
+    if local:
+        return of_device(local[0])
+    cc = (9, 0) if platform == "gpu" and _HOPPER_KINDS.search(kind) else None
+    cores = getattr(device, "num_cores", None)
+    return Target(platform=platform, device_kind=kind, compute_capability=cc,
+                  core_count=int(cores) if cores else None, deviceless=True)
+
+
 _CONTEXT = threading.local()
 
 
 def current() -> Target:
-    """The target set by the innermost :func:`compiling_for`, else this host's first device."""
+    """The target set by the innermost :func:`compiling_for`; else the abstract device of
+    the mesh set by ``jax.set_mesh`` (a program traced under it is built for that mesh's
+    devices); else this host's first device."""
     stack = getattr(_CONTEXT, "stack", None)
     if stack:
         return stack[-1]
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None:
+        return _of_abstract(device)
     return of_device(jax.devices()[0])
 
 

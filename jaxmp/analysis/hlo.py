@@ -508,7 +508,8 @@ class Kernel:
       gemm_dtype: the operands' element type of a GEMM or attention kernel, '' otherwise.
       highest: a float32 GEMM that asks for full float32 precision (no TF32).
       bytes: HBM bytes one launch reads and writes at least: its operands and results,
-        an operand that the kernel only slices counted at the slices' size, an in-place
+        an operand that the kernel only slices (directly or through bitcasts, which move
+        no data) counted at the slices' size, an in-place
         ``dynamic-update-slice`` result at the update's size.
       op_name: the JAX ``op_name`` metadata.
       target: the custom-call target, or the fusion's backend kind.
@@ -616,14 +617,30 @@ def _fusion_bytes(module: HloModule, ins: Instruction, callee: str) -> int:
             index_of[i.name] = int(i.operands[0])
         for operand in i.operands:
             users[operand].append(i)
+    def sliced(name: str) -> Optional[int]:
+        """Bytes of the slices ``name`` is read through, when every use (through bitcasts,
+        which move no data) slices it; else None."""
+        uses, out = users.get(name, []), 0
+        for u in uses:
+            if u.op == "bitcast":
+                part = sliced(u.name)
+                if part is None:
+                    return None
+                out += part
+            elif u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == name:
+                out += sum(r.nbytes for r in u.results)
+            else:
+                return None
+        return out if uses else None
+
     total = 0
     operand_arrays = [module.arrays(n) for n in ins.operands]
     for pname, idx in index_of.items():
         full = sum(a.nbytes for a in operand_arrays[idx]) if idx < len(operand_arrays) else 0
         uses = users.get(pname, [])
-        if uses and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == pname
-                        for u in uses):
-            total += min(full, sum(r.nbytes for u in uses for r in u.results))
+        part = sliced(pname)
+        if part is not None:
+            total += min(full, part)
         elif uses and all(u.op == "dynamic-update-slice" and u.operands[0] == pname for u in uses):
             continue  # the buffer updated in place: only the update is written (below)
         else:

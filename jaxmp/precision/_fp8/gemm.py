@@ -302,6 +302,37 @@ def _blockwise_mm(recipe, qa, sa, qb, sb_cols, out_dtype):
     return _kernel.select(recipe.kernel, pallas, xla, qa, qb)
 
 
+def _blockwise_bwd_tiles(recipe, qx, sx, g):
+    """The backward operands of a dense blockwise matmul: ``(qg, sg)`` the 1x128 tiles of
+    ``g [M, N]`` along N (``dx``); ``(qgt, sgt)`` and ``(qxt, sxt)`` the 128x1 tiles of
+    ``g`` and of the saved activation (dequantized from its 1x128 tiles ``qx [M, K]``,
+    ``sx``) along M, transposed: ``[N, M]``, ``[N, Mb]``, ``[K, M]``, ``[K, Mb]`` (``dw``;
+    DeepSeek-V3 3.3.3).
+
+    ``xla``: :func:`_q_tiles` of each layout (XLA fuses them into several passes over
+    ``g``: benchmarks/README.md). ``pallas`` (:func:`_kernel.select`; M, N and K
+    multiples of 128): :func:`jaxmp.precision._fp8.kernel.quantize_both`, one read of
+    ``g`` for both of its layouts and one of ``qx``; the same bits.
+    """
+    f8, b8 = recipe.fwd_dtype, recipe.bwd_dtype
+
+    def xla():
+        qg, sg = _q_tiles(g, b8)
+        qxt, sxt = _q_tiles(_dequantize_tiles(qx, sx).T, f8)
+        qgt, sgt = _q_tiles(g.T, b8)
+        return qg, sg, qgt, sgt, qxt, sxt
+
+    def pallas(interpret):
+        qg, sg_t, qgt, sgt_t = _kernel.quantize_both(g, b8, interpret=interpret)
+        _, _, qxt, sxt_t = _kernel.quantize_both(qx, f8, row_scales_t=sx.T, rows=False,
+                                                 interpret=interpret)
+        return qg, sg_t.T, qgt, sgt_t.T, qxt, sxt_t.T
+
+    if any(d % BLOCK for d in (*g.shape, qx.shape[1])):
+        return xla()
+    return _kernel.select(recipe.kernel, pallas, xla)
+
+
 class _Blockwise:
     """DeepSeek-V3 (report, sections 3.3.2-3.3.3): 1x128 tiles of ``x`` and ``g``, 128x128
     blocks of ``w`` (transposed blocks for ``dx``), 128x1 tiles of ``x`` and ``g`` for
@@ -317,14 +348,11 @@ class _Blockwise:
 
     @staticmethod
     def dense_bwd(recipe, qx, sx, sw, w, g, state, amaxes):
-        f8, b8 = recipe.fwd_dtype, recipe.bwd_dtype
+        f8 = recipe.fwd_dtype
         k = qx.shape[1]
-        qg, sg = _q_tiles(g, b8)                          # 1x128 tiles along N: [M, Nb]
+        qg, sg, qgt, sgt, qxt, sxt = _blockwise_bwd_tiles(recipe, qx, sx, g)
         qw, sw_b = _quantize_blocks(w, BLOCK, BLOCK, f8)  # [Kb, Nb]; used transposed
         dx = _blockwise_mm(recipe, qg, sg, qw.T, _cols(sw_b.T, k), g.dtype)
-        xd = _dequantize_tiles(qx, sx)                    # 1x128 -> 128x1 tiles (DeepSeek-V3 3.3.3)
-        qxt, sxt = _q_tiles(xd.T, f8)                     # x.T [K, M], tiles along M: [K, Mb]
-        qgt, sgt = _q_tiles(g.T, b8)                      # g.T [N, M]: [N, Mb]
         dw = _blockwise_mm(recipe, qxt, sxt, qgt.T, sgt.T, _F32)
         return dx, dw, None
 

@@ -25,21 +25,29 @@ Without a GPU the same kernel runs in Mosaic GPU's interpret mode
 kernel's, but the interpreter's WGMMA does not take a transposed operand, so there the
 128 x 128 x 128 tile product is ``lax.dot_general`` on the SMEM tiles (float32 output,
 as WGMMA's), and scales are read with ``ref[...]`` instead of ``plgpu.load``.
+
+:func:`quantize_both` is the backward's quantization as one Mosaic GPU kernel: each
+128 x 128 tile of the gradient (or of the saved FP8 activation, dequantized) is read once
+and written as its 1x128 tiles and, transposed, its 128x1 tiles, where XLA's fusions read
+it four or five times (``benchmarks/README.md``). On a GPU, the kernel's float32
+reciprocal and FP8 cast are Mosaic GPU's (``arith.divf``, ``arith.truncf``), not XLA's:
+their bits against XLA's await a GPU (``benchmarks/gpu_suite.py``); the interpreter
+checks the algorithm bit for bit.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxmp import target as compile_target
 from jaxmp.precision._vma import match_varying
 
 _TILE = 128          # M, N and K tile: K must be the 128 of the block scales
 _STEPS = 4           # pipeline depth: 4 x (16 KiB A + 16 KiB B + 1 KiB scales) of SMEM
-_HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")  # NVIDIA device kinds of compute capability 9.0
 
 
 def _interpret_params():
@@ -149,47 +157,177 @@ def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_d
     return match_varying(out[:m, :n], a, bt, sa_t, sb)
 
 
-def target() -> tuple:
-    """``(platform, hopper)`` of the devices being compiled for, read at trace time.
-
-    The device is the abstract device of the mesh context (``jax.set_mesh``, which the
-    trainer enters; for a deviceless compile, the topology's devices), else the default
-    device. ``hopper`` (compute capability 9.x) comes from a local device of the same
-    kind where there is one, else from the device kind's name (H100, H200, H800, H20,
-    GH200): an abstract device carries no compute capability.
-    """
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if device is None:
-        device = jax.devices()[0]
-    platform = device.platform
-    if platform != "gpu":
-        return platform, False
-    capability = getattr(device, "compute_capability", None)
-    if capability is None:
-        try:
-            local = [d for d in jax.devices("gpu") if d.device_kind == device.device_kind]
-        except RuntimeError:
-            local = []
-        capability = getattr(local[0], "compute_capability", None) if local else None
-    if capability is not None:
-        return platform, str(capability).split(".")[0] == "9"
-    return platform, bool(_HOPPER.search(device.device_kind))
-
-
 def select(kernel: str, pallas: Callable[[Any], jax.Array], xla: Callable[[], jax.Array],
            *operands: jax.Array):
     """Runs the blockwise GEMM ``kernel`` names (:data:`jaxmp.precision._fp8.recipe.KERNELS`).
 
     ``xla``: ``xla()``. ``pallas``: ``pallas(None)`` (compiled) on a GPU target,
     ``pallas(InterpretGPUParams())`` elsewhere (Mosaic GPU's interpreter: slow, for tests).
-    ``auto``: ``pallas(None)`` on a Hopper target (:func:`target`), else ``xla()``. Inside
+    ``auto``: ``pallas(None)`` on a Hopper target (sm 9.x, where WGMMA exists:
+    :meth:`jaxmp.target.Target.is_hopper` of :func:`jaxmp.target.current`, the devices
+    being compiled for), else ``xla()``. Inside
     ``jax.shard_map`` (the trainer's step) the kernel's results are made varying over the
     operands' manual mesh axes (:func:`jaxmp.precision._vma.match_varying`), as a custom
     VJP's cotangents must match their primals' types.
     """
     if kernel == "xla":
         return xla()
-    platform, hopper = target()
+    where = compile_target.current()
     if kernel == "pallas":
-        return pallas(None if platform == "gpu" else _interpret_params())
-    return pallas(None) if hopper else xla()
+        return pallas(None if where.platform == "gpu" else _interpret_params())
+    return pallas(None) if where.is_hopper() else xla()
+
+
+# ----------------------------------------------------------------------------- quantization
+
+
+def _tile_transforms(dtype):
+    """SMEM tiling and 128-byte swizzle of a 128-wide tile of ``dtype`` (for TMA and WGMMA)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    size = jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, 128 // size)), plgpu.SwizzleTransform(128))
+
+
+def quantize_both(x: jax.Array, dtype: Any, *, row_scales_t: Optional[jax.Array] = None,
+                  rows: bool = True, interpret: Optional[Any] = None) -> tuple:
+    """1x128 and 128x1 tiles of ``x [M, N]`` from one read of it, one Mosaic GPU kernel.
+
+    Each 128 x 128 tile of ``x`` arrives in SMEM by TMA and is read once into registers;
+    from it the kernel computes the amax of each row (the 1x128 tiles along N) and of
+    each column (the 128x1 tiles along M), their scales
+    (:func:`jaxmp.precision._fp8.quant.scale_from_amax`'s formula, margin 0) and both
+    quantizations (:func:`jaxmp.precision._fp8.quant.quantize`'s: ``x * (1 / scale)``,
+    clipped to the format's maximum where ``x`` is finite). The 128x1 copy is written
+    transposed, ``[N, M]``, the K-major layout the weight-gradient GEMM reads: Mosaic GPU
+    stores registers only in the layout they were loaded in, so the tile is transposed
+    by the tensor cores, as the product ``I @ T.T`` of the 128 x 128 int8 identity and
+    the tile's FP8 bits read as int8 (one s8 WGMMA, int32 accumulation: each output is
+    one bit pattern times 1, exact; NaNs and signed zeros pass as integers). These are
+    the bits of ``_q_tiles(x, dtype)`` and ``_q_tiles(x.T, dtype)``
+    (``tests/test_fp8_kernel.py`` checks them bitwise in the interpreter).
+
+    With ``row_scales_t`` (float32 ``[N / 128, M]``), ``x`` is an FP8 array quantized in
+    1x128 tiles and is dequantized in the kernel first (``x * scale`` in float32, as
+    :func:`jaxmp.precision._fp8.quant._dequantize_tiles`): the saved activation
+    re-tiled along M for the weight gradient (DeepSeek-V3, section 3.3.3).
+
+    Args:
+      x: ``[M, N]``, float32, bfloat16 or float16, or FP8 with ``row_scales_t``; ``M``
+        and ``N`` multiples of 128.
+      dtype: E4M3 or E5M2, the quantized format.
+      row_scales_t: None, or float32 ``[N / 128, M]``, the transposed 1x128 scales of
+        an FP8 ``x``.
+      rows: also write the 1x128 copy (False: only the transposed 128x1 one).
+      interpret: None to compile for the GPU, or ``InterpretGPUParams()``.
+
+    Returns:
+      ``(q [M, N], s_t [N/128, M], qt [N, M], st [M/128, N])`` (the first two None when
+      ``rows`` is False): ``q`` the 1x128 tiles with their scales transposed, ``qt``
+      the 128x1 tiles transposed with their scales ``st[mb, n]``.
+
+    Raises:
+      ValueError: a shape that is not a multiple of 128, or scales of the wrong shape.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    t = _TILE
+    m, n = x.shape
+    if m % t or n % t:
+        raise ValueError(f"quantize_both needs M and N multiples of {t}, got {x.shape}")
+    if row_scales_t is not None and row_scales_t.shape != (n // t, m):
+        raise ValueError(f"row_scales_t must be [{n // t}, {m}], got {row_scales_t.shape}")
+    dtype = jnp.dtype(dtype)
+    fmax = float(jnp.finfo(dtype).max)
+    f32_max = float(jnp.finfo(jnp.float32).max)
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    inv_max = np.float32(1.0 / fmax)
+    compiled = interpret is None
+    dequant = row_scales_t is not None
+
+    def scale(a):  # scale_from_amax, margin 0; isfinite(a) is a <= max for a = |amax|
+        s = jnp.minimum(jnp.maximum(a * inv_max, tiny), 2.0 ** 126)
+        return jnp.where((a <= f32_max) & (a >= tiny), s, jnp.ones_like(s))
+
+    def quant(v, inv, finite):
+        y = v * inv
+        return jnp.where(finite, jnp.minimum(jnp.maximum(y, -fmax), fmax), y).astype(dtype)
+
+    def kernel(*refs):
+        refs = list(refs)
+        x_gmem, eye_gmem = refs.pop(0), refs.pop(0)
+        rs_gmem = refs.pop(0) if dequant else None
+        q_gmem, sr_gmem = (refs.pop(0), refs.pop(0)) if rows else (None, None)
+        qt_gmem, sc_gmem = refs.pop(0), refs.pop(0)
+        x_smem, eye_smem, c_smem, qt_smem, sc_smem = [refs.pop(0) for _ in range(5)]
+        rs_smem = refs.pop(0) if dequant else None
+        q_smem, sr_smem = (refs.pop(0), refs.pop(0)) if rows else (None, None)
+        bar = refs.pop(0)
+        mi, ni = lax.axis_index("m"), lax.axis_index("n")
+        plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)], x_smem, bar)
+        plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, bar)
+        if dequant:
+            plgpu.copy_gmem_to_smem(rs_gmem.at[ni, pl.ds(mi * t, t)], rs_smem, bar)
+        plgpu.barrier_wait(bar)
+        if compiled:
+            v = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+        else:
+            v = x_smem[...].astype(jnp.float32)
+        if dequant:
+            if compiled:
+                s_in = plgpu.load(rs_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            else:
+                s_in = rs_smem[...]
+            v = v * lax.broadcast_in_dim(s_in, (t, t), [0])
+        a = jnp.abs(v)
+        finite = a <= f32_max
+        if rows:
+            s_r = scale(jnp.max(a, axis=1))
+            q_smem[...] = quant(v, lax.broadcast_in_dim(1.0 / s_r, (t, t), [0]), finite)
+            sr_smem[...] = s_r
+        s_c = scale(jnp.max(a, axis=0))
+        c_smem[...] = lax.bitcast_convert_type(
+            quant(v, lax.broadcast_in_dim(1.0 / s_c, (t, t), [1]), finite), jnp.int8)
+        sc_smem[...] = s_c
+        plgpu.commit_smem()
+        if compiled:
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, eye_smem, plgpu.transpose_ref(c_smem, (1, 0)))
+                return acc_ref[...]
+            bits = pl.run_scoped(product, plgpu.ACC((t, t), jnp.int32))
+        else:
+            bits = lax.dot_general(eye_smem[...], c_smem[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.int32)
+        qt_smem[...] = bits.astype(jnp.int8)
+        plgpu.commit_smem()
+        if rows:
+            plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)])
+            plgpu.copy_smem_to_gmem(sr_smem, sr_gmem.at[ni, pl.ds(mi * t, t)])
+        plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[pl.ds(ni * t, t), pl.ds(mi * t, t)])
+        plgpu.copy_smem_to_gmem(sc_smem, sc_gmem.at[mi, pl.ds(ni * t, t)])
+        plgpu.wait_smem_to_gmem(0)
+
+    f32 = jnp.float32
+    out_type = ([jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((n // t, m), f32)]
+                if rows else [])
+    out_type += [jax.ShapeDtypeStruct((n, m), jnp.int8), jax.ShapeDtypeStruct((m // t, n), f32)]
+    i8 = _tile_transforms(jnp.int8)
+    scratch = [plgpu.SMEM((t, t), x.dtype, transforms=_tile_transforms(x.dtype)),
+               plgpu.SMEM((t, t), jnp.int8, transforms=i8),
+               plgpu.SMEM((t, t), jnp.int8, transforms=i8),
+               plgpu.SMEM((t, t), jnp.int8, transforms=i8),
+               plgpu.SMEM((t,), f32)]
+    scratch += [plgpu.SMEM((t,), f32)] if dequant else []
+    scratch += [plgpu.SMEM((t, t), dtype, transforms=_tile_transforms(dtype)),
+                plgpu.SMEM((t,), f32)] if rows else []
+    scratch += [plgpu.Barrier(num_arrivals=3 if dequant else 2)]
+    extra = {} if compiled else {"interpret": interpret}
+    operands = (x, jnp.eye(t, dtype=jnp.int8)) + ((row_scales_t.astype(f32),) if dequant else ())
+    outs = plgpu.kernel(kernel, out_type=tuple(out_type), scratch_types=scratch,
+                        grid=(m // t, n // t), grid_names=("m", "n"), **extra)(*operands)
+    outs = list(outs)
+    qt, st = lax.bitcast_convert_type(outs[-2], dtype), outs[-1]
+    q, s_t = (outs[0], outs[1]) if rows else (None, None)
+    like = (x,) + ((row_scales_t,) if dequant else ())
+    vary = lambda v: None if v is None else match_varying(v, *like)  # noqa: E731
+    return vary(q), vary(s_t), vary(qt), vary(st)
