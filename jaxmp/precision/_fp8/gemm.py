@@ -311,11 +311,13 @@ def _grouped_blockwise_mm(recipe, qa, sa, qb, sb_cols, group_sizes, rows, out_dt
     :func:`jaxmp.precision._fp8.grouped_kernel.grouped_scaled_mm`, one kernel (its B operand
     is ``qb[e].T``, K-major).
     """
-    xla = lambda: _scaled_mm(qa, sa, qb, sb_cols, group_sizes, rows).astype(out_dtype)
-    out = out_dtype if jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16) else _F32
-    pallas = lambda interpret: _grouped_kernel.grouped_scaled_mm(
-        qa, sa, jnp.swapaxes(qb, 1, 2), sb_cols, group_sizes, out,
-        interpret=interpret).astype(out_dtype)
+    def xla():
+        return _scaled_mm(qa, sa, qb, sb_cols, group_sizes, rows).astype(out_dtype)
+
+    def pallas(interpret):
+        out = out_dtype if jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16) else _F32
+        return _grouped_kernel.grouped_scaled_mm(qa, sa, jnp.swapaxes(qb, 1, 2), sb_cols,
+                                                 group_sizes, out, interpret=interpret)
     return _kernel.select(recipe.kernel, pallas, xla, qa, qb)
 
 
@@ -365,11 +367,11 @@ class _Blockwise:
         xd = _dequantize_tiles(qx, sx)
         qxt, sxt = _q_tiles(xd.T, f8)                                  # [K, Mb]
         qgt, sgt = _q_tiles(g.T, b8)                                   # [N, Mb]
-        dw = _kernel.select(
-            recipe.kernel,
-            lambda interpret: _grouped_kernel.grouped_wgrad(qxt, sxt, qgt, sgt, group_sizes,
-                                                            interpret=interpret),
-            lambda: _tiled_wgrad(qxt, sxt, qgt, sgt, group_sizes), qxt, qgt)
+        def pallas(interpret):
+            return _grouped_kernel.grouped_wgrad(qxt, sxt, qgt, sgt, group_sizes,
+                                                 interpret=interpret)
+        dw = _kernel.select(recipe.kernel, pallas,
+                            lambda: _tiled_wgrad(qxt, sxt, qgt, sgt, group_sizes), qxt, qgt)
         return dx, dw, None
 
 
@@ -489,9 +491,13 @@ def grouped_dot(x: Any, w: Any, group_sizes: Any, recipe: Recipe,
     output column) of ``w`` (rowwise; the weight gradient uses per (group, column) scales
     of ``x`` and ``g``); 1x128 tiles of ``x`` and 128x128 blocks of each ``w[e]``
     (blockwise; the weight gradient's 128x1 tiles run over the sorted rows, a tile may
-    span two groups, and each (tile, group) pair is one FP8 product, so its float32
-    temporaries are ``G * ceil(M / 128) * K * N``: a CPU-friendly layout, not a memory-lean
-    one; DeepGEMM instead pads each group to a multiple of 128 rows).
+    span two groups, and each (tile, group) pair is one FP8 product). Blockwise runs the
+    GEMM ``recipe.kernel`` selects: on a Hopper target (``auto``) or ``pallas``, three
+    Mosaic GPU kernels (:mod:`jaxmp.precision._fp8.grouped_kernel`: each row multiplied
+    by its own group's weight only, no float32 partials in memory); ``xla``, the
+    reference: one FP8 ``ragged_dot`` per 128 of K (which XLA's GPU compiler runs for
+    every group on every row) and a weight gradient with float32
+    ``[G, ceil(M / 128), K, N]`` temporaries.
 
     Args:
       x: ``[M, K]`` in the compute dtype.
