@@ -53,8 +53,13 @@ def test_fp8_blockwise_routed_experts_are_the_grouped_fp8_kernels(fp8_step):
     kernels (jaxmp.precision._fp8.grouped_kernel): w_gate, w_up, w_down x (forward, dx,
     dw), once per MoE layer, each computing every routed row once, in 128-row slots:
     2 x (ceil(M / 128) + G) x 128 x 1024 x 1024 FLOPs for M = 16 x 1024 x 2 routed rows
-    and G = 8 experts. No FP8 GEMM of XLA's is left, nor ragged_dot's masked [M, G, K]
-    copy, nor an array the size of the XLA reference's float32 [G, M/128, K, N] partials."""
+    and G = 8 experts. No FP8 GEMM of XLA's is left: the XLA reference (kernel "xla")
+    lowers the ragged_dot of each 128-slice of K to ragged_dot's masked [M, G, 128] copy
+    and one FP8 GEMM [M, G * 128] x [G * 128, N] (17 FP8 GEMMs for one grouped matmul at
+    these sizes, compiled the same way), so that copy goes with them; and no array is the
+    size of the reference's float32 [G, M/128, K, N] weight-gradient partials (its largest
+    array at these sizes). The masked copy itself cannot be told apart by shape here: the
+    1x128 tiles of x, [M, K/128, 128], have its shape, as K/128 = G."""
     from jaxmp.analysis import hlo
 
     module, _ = fp8_step
@@ -73,8 +78,6 @@ def test_fp8_blockwise_routed_experts_are_the_grouped_fp8_kernels(fp8_step):
     assert [k.flops for k in moe] == [2.0 * slots * 128 * d * d] * 9
     assert not [k for k in kernels if k.kind == "fp8_gemm"]
     shapes = [(a.dtype, tuple(a.shape)) for ins in module.instructions for a in ins.results]
-    masked = [s for s in shapes if s[1][-3:] == (m, g, d) or s[1][-2:] == (m, g * d)]
-    assert not masked, masked
     partials = g * (m // 128) * d * d
     assert max(int(np.prod(s)) for _, s in shapes) < partials
 
