@@ -15,23 +15,31 @@ table (one row per figure, with its target and verdict):
    the dense datasheet peak of :data:`jaxmp.analysis.cost.HARDWARE`; plus one row per
    FP8 recipe of ``jaxmp.fp8`` when that module exists on the commit (``jaxmp.fp8.dot``
    of a bfloat16 ``x`` and a float32 ``w``, against the FP8 peak).
-2. ``attention``: forward + backward of the attention core
+2. ``fp8_kernels``: the blockwise FP8 GEMMs as Pallas Mosaic GPU kernels
+   (``Recipe.blockwise("pallas")``), dense and grouped. Correctness first: the value and
+   both gradients of ``jaxmp.fp8.dot`` and ``jaxmp.fp8.grouped_dot`` (one group empty)
+   against the XLA reference (``Recipe.blockwise("xla")``), within float32 rounding; a
+   kernel that fails is not timed. Then the GEMMs alone on quantized operands, kernel and
+   reference: the dense one at 4096^3 against the FP8 dense peak (target: 60%), the
+   grouped forward and weight gradient at ``configs/bench_h200.py``'s routed-expert sizes.
+   Off a GPU the kernels run interpreted (checked, not timed).
+3. ``attention``: forward + backward of the attention core
    (:func:`jaxmp.models.attention.attention_core`) at ``configs/bench_h200.py``'s sizes,
    each path that runs here (reference, xla, cudnn): ms, the largest difference from the
    reference's output and gradients, and the bytes each keeps for the backward pass.
-3. ``moe_dispatch``: forward + backward of the routed experts
+4. ``moe_dispatch``: forward + backward of the routed experts
    (:class:`jaxmp.models.RoutedExperts`) at ``configs/bench_h200.py``'s sizes, dropless
    (sort + ``jax.lax.ragged_dot``) against the capacity-factor einsum dispatch (GShard) at
    capacity factors 1.0 and 1.25: ms, tokens/s, dropped fraction, and which is faster. The
    shipped default stays dropless (exact) until this has run on a GPU; the row says which
    ``model.capacity_factor`` the measurement favours.
-4. ``train_step``: the trainer's own step (``Experiment.train_step`` on a 1-device mesh,
+5. ``train_step``: the trainer's own step (``Experiment.train_step`` on a 1-device mesh,
    via ``benchmarks/train_step.py``) on ``configs/dense_1b.py`` (0.96B dense) and
    ``configs/bench_h200.py`` (MoE), in mixed_bf16, mixed_fp16 with dynamic loss scaling,
    and each ``fp8_*`` policy of ``jaxmp.fp8`` if present: tokens/s, model TFLOP/s, MFU,
    compile seconds, peak device memory (``memory_stats()["peak_bytes_in_use"]``, the
    case's own high-water mark: see below) and XLA's planned program bytes.
-5. ``overhead``: ``benchmarks/overhead.py``'s ratio of the trainer's step to a
+6. ``overhead``: ``benchmarks/overhead.py``'s ratio of the trainer's step to a
    hand-written Flax NNX + optax + jmp step on ``configs/bench_h200.py``, mixed_bf16.
 
 Time budget: ``--budget_s`` (default 480, the issue's 8 minutes, compile times
@@ -85,7 +93,8 @@ from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train.config import load_config
 
 __all__ = ["CONFIGS", "TOY_OVERRIDES", "TARGETS", "PARTS", "fp8_recipes", "suite_policies",
-           "run_matmul", "run_attention", "run_moe_dispatch", "run_case", "run_overhead", "run_part",
+           "run_matmul", "run_fp8_kernels", "run_attention", "run_moe_dispatch", "run_case",
+           "run_overhead", "run_part",
            "run_suite", "markdown_table", "main"]
 
 CONFIGS = {"dense_1b": ROOT / "configs" / "dense_1b.py", "moe_bench": ROOT / "configs" / "bench_h200.py"}
@@ -98,11 +107,13 @@ BASE_RULES = "router: fp32; norm: fp32"
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")  # jaxmp.fp8.Recipe presets (issue 12)
 # Targets of the issue, judged on an H200 only.
 TARGETS = {"mfu_dense_bf16": 0.45, "mfu_moe_bf16": 0.35, "overhead_ratio": 1.02,
-           "fp8_tensorwise_speedup": 1.3}
-PARTS = ("matmul", "attention", "moe_dispatch", "train_step", "overhead")
-GPU_SIZES = dict(matmul_n=8192, steps=3, repeats=MIN_REPEATS, warmup=1, ring=2, peak_size=8192,
+           "fp8_tensorwise_speedup": 1.3, "fp8_blockwise_gemm_peak_fraction": 0.60}
+PARTS = ("matmul", "fp8_kernels", "attention", "moe_dispatch", "train_step", "overhead")
+GPU_SIZES = dict(matmul_n=8192, fp8_n=4096, steps=3, repeats=MIN_REPEATS, warmup=1, ring=2,
+                 peak_size=8192,
                  overhead_steps=3, overhead_repeats=MIN_REPEATS, reserve_s=30.0)
-TOY_SIZES = dict(matmul_n=64, steps=1, repeats=MIN_REPEATS, warmup=0, ring=1, peak_size=64,
+TOY_SIZES = dict(matmul_n=64, fp8_n=128, steps=1, repeats=MIN_REPEATS, warmup=0, ring=1,
+                 peak_size=64,
                  overhead_steps=1, overhead_repeats=MIN_REPEATS, reserve_s=0.0)
 
 
@@ -203,7 +214,133 @@ def run_matmul(n: int, repeats: int, hardware: Optional[str], peak_size: int, de
     return {"rows": rows, "skipped": skipped}
 
 
-# ----------------------------------------------------------------------------- 2. attention
+# ----------------------------------------------------------------------------- 2. FP8 kernels
+
+
+def _leaf_check(names, reference, got, rtol: float) -> Optional[str]:
+    """None when each leaf of ``got`` is within ``rtol`` of the largest magnitude of its
+    ``reference`` leaf (and finite), else what differs."""
+    worst = []
+    for name, a, b in zip(names, reference, got):
+        x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        err = float(np.max(np.abs(x - y))) / max(float(np.max(np.abs(x))), 1e-30)
+        if not np.isfinite(err) or err > rtol:
+            worst.append(f"{name} off by {err:.3g} of its scale")
+    return ("refused to time: " + "; ".join(worst)) if worst else None
+
+
+def _fp8_vjp(fp8, kernel, grouped_sizes=None):
+    """jit of ``(y, dx, dw)`` of fp8.dot (or grouped_dot) by ``Recipe.blockwise(kernel)``."""
+    recipe = fp8.Recipe.blockwise(kernel)
+
+    def f(x, w, g):
+        if grouped_sizes is None:
+            y, vjp = jax.vjp(lambda a, b: fp8.dot(a, b, recipe), x, w)
+        else:
+            y, vjp = jax.vjp(lambda a, b: fp8.grouped_dot(a, b, grouped_sizes, recipe), x, w)
+        return (y,) + vjp(g)
+    return jax.jit(f)
+
+
+def run_fp8_kernels(config, n: int, repeats: int, hardware: Optional[str],
+                    rtol: float = 1e-3) -> dict:
+    """The blockwise FP8 kernels, dense and grouped: checked against the XLA reference,
+    then timed (GPU only) with the reference beside them.
+
+    Check: float32 ``x``, ``w`` and cotangent (random normal), so the value and both
+    gradients come out in float32; each within ``rtol`` of its largest magnitude of the
+    reference's (the same quantization and 128-slices, so only float32 rounding
+    differs: about ``K * 2^-24``). Sizes: dense ``n^3``; grouped, ``config``'s routed
+    rows (batch x seq_len x top_k), ``K = d_model``, ``N = d_expert``, G experts, the
+    rows spread by a multinomial draw (for the check with expert 1 empty). Timing: the
+    GEMM alone on quantized operands, bfloat16 output (dense, grouped forward) or float32
+    (grouped weight gradient); TFLOP/s of ``2 M K N`` against the FP8 dense peak of
+    ``hardware`` (:data:`jaxmp.analysis.cost.HARDWARE`).
+
+    Returns:
+      ``{"peak_tflops", "peak_source", "checks": {name: verdict}, "rows": [{"gemm",
+      "kernel", "shape", "ms", "tflops", "fraction_of_peak"}], "skipped": [{"gemm",
+      "reason"}]}``.
+    """
+    from jaxmp import fp8
+    from jaxmp.precision._fp8 import grouped_kernel, kernel as dense_kernel
+    from jaxmp.precision._fp8.gemm import _row_groups, _scaled_mm, _tiled_wgrad
+    from jaxmp.precision._fp8.quant import _cols
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    peak = cost.peak_tflops(hardware, "fp8") if hardware is not None else None
+    out = {"peak_tflops": peak, "peak_source": (f"{hardware} dense fp8 peak, "
+                                                f"jaxmp.analysis.cost.HARDWARE" if peak else None),
+           "checks": {}, "rows": [], "skipped": []}
+    s = _bench_shapes(config)
+    m_g, k_g, n_g, groups = s["batch"] * s["seq_len"] * s["top_k"], s["d_model"], s["d_expert"], \
+        s["num_experts"]
+    rng = np.random.default_rng(0)
+    share = np.full(groups, 1.0 / groups)
+    sizes_time = jnp.asarray(rng.multinomial(m_g, share), jnp.int32)
+    share[1] = 0.0
+    sizes_check = jnp.asarray(rng.multinomial(m_g, share / share.sum()), jnp.int32)
+    names = ("y", "dx", "dw")
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    cases = {"dense": ((n, n, n), None), "grouped": ((m_g, k_g, n_g), sizes_check)}
+    for gemm, ((m, k, nn), sizes) in cases.items():
+        w = normal(k, nn) if sizes is None else normal(groups, k, nn)
+        args = (normal(m, k), w, normal(m, nn))
+        ref = _fp8_vjp(fp8, "xla", sizes)(*args)
+        got = _fp8_vjp(fp8, "pallas", sizes)(*args)
+        problem = _leaf_check(names, ref, got, rtol)
+        out["checks"][gemm] = problem or "value, dx and dw match the XLA reference"
+        if problem:
+            out["skipped"].append({"gemm": gemm, "reason": problem})
+    if not on_gpu:
+        out["skipped"].append({"gemm": "all", "reason": "not timed off a GPU (the kernels ran "
+                                                          "interpreted for the check)"})
+        return out
+
+    def time_gemm(gemm, kernel, shape, fn, *operands):
+        median_s = float(np.median(time_per_call(jax.jit(fn), [operands], repeats=repeats,
+                                                 warmup=1)))
+        tflops = 2.0 * np.prod(shape) / median_s / 1e12
+        out["rows"].append({"gemm": gemm, "kernel": kernel, "shape": list(shape),
+                            "ms": median_s * 1e3, "tflops": tflops,
+                            "fraction_of_peak": tflops / peak if peak else None})
+
+    bf16 = jnp.bfloat16
+    if out["checks"]["dense"].startswith("value"):
+        qa, sa = fp8.quantize_blocks(normal(n, n), (1, 128))
+        qb, sb = fp8.quantize_blocks(normal(n, n), (128, 128))
+        sbc = _cols(sb, n)
+        time_gemm("dense", "pallas", (n, n, n),
+                  lambda qa, sat, bt, sbc: dense_kernel.scaled_mm(qa, sat, bt, sbc, bf16),
+                  qa, sa.T, qb.T, sbc)
+        time_gemm("dense", "xla", (n, n, n),
+                  lambda qa, sa, qb, sbc: _scaled_mm(qa, sa, qb, sbc).astype(bf16),
+                  qa, sa, qb, sbc)
+    if out["checks"]["grouped"].startswith("value"):
+        gs = sizes_time
+        qa, sa = fp8.quantize_blocks(normal(m_g, k_g), (1, 128))
+        qw, sw = jax.vmap(lambda v: fp8.quantize_blocks(v, (128, 128)))(normal(groups, k_g, n_g))
+        sbc = _cols(sw, n_g)
+        shape = (m_g, k_g, n_g)
+        time_gemm("grouped forward", "pallas", shape,
+                  lambda qa, sa, bt, sbc, gs: grouped_kernel.grouped_scaled_mm(
+                      qa, sa, bt, sbc, gs, bf16), qa, sa, jnp.swapaxes(qw, 1, 2), sbc, gs)
+        time_gemm("grouped forward", "xla", shape,
+                  lambda qa, sa, qw, sbc, gs: _scaled_mm(qa, sa, qw, sbc, gs,
+                                                         _row_groups(gs, m_g)).astype(bf16),
+                  qa, sa, qw, sbc, gs)
+        qxt, sxt = fp8.quantize_blocks(normal(k_g, m_g), (1, 128))
+        qgt, sgt = fp8.quantize_blocks(normal(n_g, m_g), (1, 128))
+        time_gemm("grouped dw", "pallas", shape, grouped_kernel.grouped_wgrad,
+                  qxt, sxt, qgt, sgt, gs)
+        time_gemm("grouped dw", "xla", shape, _tiled_wgrad, qxt, sxt, qgt, sgt, gs)
+    return out
+
+
+# ----------------------------------------------------------------------------- 3. attention
 
 
 def _bench_shapes(config) -> Dict[str, int]:
@@ -265,7 +402,7 @@ def run_attention(config, repeats: int, dtype=jnp.bfloat16) -> dict:
     return {"shape": list(shape), "dtype": jnp.dtype(dtype).name, "rows": rows, "skipped": skipped}
 
 
-# ----------------------------------------------------------------------------- 3. MoE dispatch
+# ----------------------------------------------------------------------------- 4. MoE dispatch
 
 
 def run_moe_dispatch(config, repeats: int, capacity_factors=(1.0, 1.25), dtype="bfloat16") -> dict:
@@ -353,7 +490,7 @@ def _grouped_check(reference, got, rtol: float = 2e-2) -> Optional[str]:
     return ("refused to time: " + "; ".join(worst)) if worst else None
 
 
-# ----------------------------------------------------------------------------- 4. train step
+# ----------------------------------------------------------------------------- 5. train step
 
 
 def run_case(spec: dict) -> dict:
@@ -401,6 +538,9 @@ def run_part(spec: dict) -> dict:
     part, toy = spec["part"], spec["toy"]
     if part == "matmul":
         return run_matmul(spec["n"], spec["repeats"], spec["hardware"], spec["peak_size"])
+    if part == "fp8_kernels":
+        return run_fp8_kernels(_config("moe_bench", toy), spec["n"], spec["repeats"],
+                               spec["hardware"])
     if part == "attention":
         return run_attention(_config("moe_bench", toy), spec["repeats"])
     if part == "moe_dispatch":
@@ -438,7 +578,7 @@ def _run_isolated(spec: dict, timeout_s: float) -> dict:
         out.unlink()
 
 
-# ----------------------------------------------------------------------------- 5. overhead
+# ----------------------------------------------------------------------------- 6. overhead
 
 
 def run_overhead(config, steps: int, repeats: int) -> dict:
@@ -485,7 +625,7 @@ def run_suite(toy: bool = False, budget_s: float = 480.0, parts: Sequence[str] =
 
     Returns:
       ``{"device", "commit", "toy", "budget_s", "elapsed_s", "fp8", "matmul",
-      "attention", "moe_dispatch", "train_step": [case rows], "overhead", "skipped":
+      "fp8_kernels", "attention", "moe_dispatch", "train_step": [case rows], "overhead", "skipped":
       [{"part", "case", "reason"}], "rows": [markdown rows]}``.
 
     Raises:
@@ -533,6 +673,9 @@ def run_suite(toy: bool = False, budget_s: float = 480.0, parts: Sequence[str] =
     if "matmul" in parts:
         report["matmul"] = timed("matmul", "", lambda: execute(
             {"part": "matmul", **common, "n": sizes["matmul_n"], "peak_size": sizes["peak_size"]}))
+    if "fp8_kernels" in parts:
+        report["fp8_kernels"] = timed("fp8_kernels", "", lambda: execute(
+            {"part": "fp8_kernels", **common, "n": sizes["fp8_n"]}))
     for part in ("attention", "moe_dispatch"):
         if part in parts:
             report[part] = timed(part, "", lambda part=part: execute({"part": part, **common}))
@@ -576,7 +719,7 @@ def _rows(report: dict) -> List[List[str]]:
     """``[part, case, result, target, verdict]`` rows of the markdown table."""
     h200 = report.get("hardware") == "H200" and not report["toy"]
     rows = []
-    for part in ("matmul", "attention", "moe_dispatch", "overhead"):
+    for part in ("matmul", "fp8_kernels", "attention", "moe_dispatch", "overhead"):
         if isinstance(report.get(part), dict) and "error" in report[part]:
             rows.append([part, "", f"failed: {report[part]['error']}", "", ""])
             report[part] = None  # nothing else to show for it
@@ -586,6 +729,21 @@ def _rows(report: dict) -> List[List[str]]:
                      f"({r['peak_source']})", "", ""])
     for s in (report.get("matmul") or {}).get("skipped", []):
         rows.append(["matmul", s["dtype"], f"skipped: {s['reason']}", "", ""])
+    fk = report.get("fp8_kernels") or {}
+    for gemm, verdict in fk.get("checks", {}).items():
+        rows.append(["fp8_kernels", f"{gemm} blockwise kernel correctness", verdict, "", ""])
+    for r in fk.get("rows", []):
+        frac = r["fraction_of_peak"]
+        result = f"{r['ms']:.4g} ms, {r['tflops']:.4g} TFLOP/s" + (
+            f" = {frac:.1%} of {fk['peak_tflops']:.4g} ({fk['peak_source']})" if frac else "")
+        target, verdict = "", ""
+        if r["gemm"] == "dense" and r["kernel"] == "pallas":
+            goal = TARGETS["fp8_blockwise_gemm_peak_fraction"]
+            target, verdict = f">= {goal:.0%} of the FP8 peak", _verdict(frac, goal, h200)
+        rows.append(["fp8_kernels", f"{r['gemm']} {r['kernel']} "
+                     f"{'x'.join(str(d) for d in r['shape'])}", result, target, verdict])
+    for sk in fk.get("skipped", []):
+        rows.append(["fp8_kernels", sk["gemm"], f"skipped: {sk['reason']}", "", ""])
     att = report.get("attention") or {}
     for r in att.get("rows", []):
         if r["traced_only"]:

@@ -77,6 +77,27 @@ def test_attention_rows(suite):
     assert rows["cudnn"]["traced_only"] and rows["cudnn"]["ms"] is None
 
 
+def test_fp8_kernels_are_checked_and_not_timed_off_a_gpu(suite):
+    """The blockwise FP8 kernels (dense and grouped) ran interpreted at toy size and matched
+    the XLA reference (value, dx, dw); nothing is timed on a CPU."""
+    fk = suite[0]["fp8_kernels"]
+    match = "value, dx and dw match the XLA reference"
+    assert fk["checks"] == {"dense": match, "grouped": match}
+    assert fk["rows"] == [] and fk["peak_tflops"] is None
+    assert [s["reason"] for s in fk["skipped"]] == [
+        "not timed off a GPU (the kernels ran interpreted for the check)"]
+
+
+def test_an_fp8_kernel_that_does_not_match_the_reference_is_refused():
+    from benchmarks.gpu_suite import _leaf_check
+
+    ref = (np.array([1.0, -4.0]), np.array([[2.0]]), np.array([0.5, 0.5]))
+    assert _leaf_check(("y", "dx", "dw"), ref, (ref[0] * (1 + 5e-4), ref[1], ref[2]), 1e-3) is None
+    off = (ref[0], ref[1] * 1.01, np.array([0.5, np.inf]))
+    assert _leaf_check(("y", "dx", "dw"), ref, off, 1e-3) == (
+        "refused to time: dx off by 0.01 of its scale; dw off by inf of its scale")
+
+
 def test_moe_dispatch_rows(suite):
     r = suite[0]
     m = r["moe_dispatch"]

@@ -560,7 +560,9 @@ def _mosaic_gemm_flops(module: HloModule, ins: Instruction) -> float:
     Grouped forward and ``dx``: a result ``[M, N]`` from tokens ``[M, K]`` and expert
     weights ``[G, K, N]`` (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``); grouped
     ``dw``: a result ``[G, K, N]`` from tokens ``[M, K]`` and gradients ``[M, N]`` (its
-    transposed twin); each token row meets one group: ``2 M K N``, not ``G`` times that.
+    transposed twin), or, token-minor (the blockwise FP8 ``dw`` of
+    :mod:`jaxmp.precision._fp8.grouped_kernel`), from ``x^T [K, M]`` and ``g^T [N, M]`` of
+    8-bit values; each token row meets one group: ``2 M K N``, not ``G`` times that.
     Dense (the blockwise FP8 GEMM): a result ``[M, N]`` from ``A [M, K]`` and
     ``B^T [N, K]`` (their float32 scales aside): ``2 M N K``.
     """
@@ -577,11 +579,16 @@ def _mosaic_gemm_flops(module: HloModule, ins: Instruction) -> float:
                     return 2.0 * m * a.shape[1] * n
     if len(out.shape) == 3:
         _, k, n = out.shape
-        two = [a for a in mats if len(a.shape) == 2]
+        two = [a for a in mats if len(a.shape) == 2 and a.dtype not in ("f32", "f64")]
         for a in two:
             for b in two:
                 if a is not b and a.shape[0] == b.shape[0] and a.shape[1] == k and b.shape[1] == n:
                     return 2.0 * a.shape[0] * k * n
+        for a in two:  # token-minor: [K', M] and [N', M], K' and N' padded to whole tiles
+            for b in two:
+                if (a is not b and a.shape[1] == b.shape[1] and a.shape[0] >= k
+                        and b.shape[0] >= n and a.dtype.startswith("f8")):
+                    return 2.0 * a.shape[1] * k * n
     if len(out.shape) == 2:  # a dense (scaled) GEMM: A [M, K] and B^T [N, K] of 8/16-bit values
         m, n = out.shape
         narrow = [a for a in mats if len(a.shape) == 2 and a.dtype not in ("f32", "f64")]

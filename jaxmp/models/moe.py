@@ -24,8 +24,10 @@ Every module creates its parameters in ``policy.param_dtype``, casts them and it
 ``policy.compute_dtype`` in ``__call__`` and returns ``policy.output_dtype``. Expert outputs
 are weighted by the float32 gates and summed in float32. Under an FP8 policy
 (``experts: fp8_blockwise``) the experts' grouped matmuls are FP8
-(:func:`jaxmp.fp8.grouped_dot`); the router never is (its logits are a float32 island),
-nor the gate-weighted sum.
+(:func:`jaxmp.fp8.grouped_dot`; under the blockwise recipe with ``kernel="auto"`` on a
+Hopper target, the grouped FP8 Mosaic GPU kernels of
+:mod:`jaxmp.precision._fp8.grouped_kernel`, whatever ``moe_kernel`` says); the router
+never is (its logits are a float32 island), nor the gate-weighted sum.
 
 Auxiliary-loss-free balancing (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2): the
 router holds a float32 per-expert bias in a :class:`RouterBias` variable (not an
@@ -122,7 +124,8 @@ def resolve_moe_kernel(name: str, dtype, d_model: int, d_expert: int, fp8_recipe
     if not tgt.is_hopper_or_newer():
         reason = f"the compile target {tgt.describe()} is not an NVIDIA GPU of sm >= 9.0"
     elif fp8_recipe is not None:
-        reason = "the experts run FP8 (fp8.grouped_dot), which the kernel does not cover yet"
+        reason = ("the experts run FP8 (fp8.grouped_dot, whose blockwise recipe has its own "
+                  "grouped kernel)")
     else:
         for d_in, d_out in ((d_model, d_expert), (d_expert, d_model)):
             ok, why = grouped_gemm.support(dtype, d_in, d_out)

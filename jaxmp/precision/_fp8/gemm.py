@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp.precision._fp8 import grouped_kernel as _grouped_kernel
 from jaxmp.precision._fp8 import kernel as _kernel
 from jaxmp.precision._fp8.quant import (
     _F32, BLOCK, _amax, _cols, _dequantize_tiles, _q_tiles, _quantize, _quantize_blocks,
@@ -333,6 +334,24 @@ def _blockwise_bwd_tiles(recipe, qx, sx, g):
     return _kernel.select(recipe.kernel, pallas, xla)
 
 
+def _grouped_blockwise_mm(recipe, qa, sa, qb, sb_cols, group_sizes, rows, out_dtype):
+    """The grouped :func:`_blockwise_mm`: row ``i`` of group ``e`` times ``qb[e]``.
+
+    ``qa [M, K]``, ``sa [M, Kb]``, ``qb [G, K, N]``, ``sb_cols [G, Kb, N]``. ``xla``:
+    :func:`_scaled_mm` (one FP8 ``ragged_dot`` per 128 of K), then a cast. ``pallas``:
+    :func:`jaxmp.precision._fp8.grouped_kernel.grouped_scaled_mm`, one kernel (its B operand
+    is ``qb[e].T``, K-major).
+    """
+    def xla():
+        return _scaled_mm(qa, sa, qb, sb_cols, group_sizes, rows).astype(out_dtype)
+
+    def pallas(interpret):
+        out = out_dtype if jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16) else _F32
+        return _grouped_kernel.grouped_scaled_mm(qa, sa, jnp.swapaxes(qb, 1, 2), sb_cols,
+                                                 group_sizes, out, interpret=interpret)
+    return _kernel.select(recipe.kernel, pallas, xla, qa, qb)
+
+
 class _Blockwise:
     """DeepSeek-V3 (report, sections 3.3.2-3.3.3): 1x128 tiles of ``x`` and ``g``, 128x128
     blocks of ``w`` (transposed blocks for ``dx``), 128x1 tiles of ``x`` and ``g`` for
@@ -361,7 +380,8 @@ class _Blockwise:
         f8 = recipe.fwd_dtype
         qx, sx = _q_tiles(x, f8)
         qw, sw = jax.vmap(lambda v: _quantize_blocks(v, BLOCK, BLOCK, f8))(w)  # [G, Kb, Nb]
-        y = _scaled_mm(qx, sx, qw, _cols(sw, w.shape[2]), group_sizes, rows)
+        y = _grouped_blockwise_mm(recipe, qx, sx, qw, _cols(sw, w.shape[2]), group_sizes, rows,
+                                  x.dtype)
         return y, (qx, sx, None, None, None)
 
     @staticmethod
@@ -370,12 +390,16 @@ class _Blockwise:
         k = qx.shape[1]
         qg, sg = _q_tiles(g, b8)                                       # [M, Nb]
         qw, sw_b = jax.vmap(lambda v: _quantize_blocks(v, BLOCK, BLOCK, f8))(w)  # [G, Kb, Nb]
-        dx = _scaled_mm(qg, sg, jnp.swapaxes(qw, 1, 2), _cols(jnp.swapaxes(sw_b, 1, 2), k),
-                        group_sizes, rows)
+        dx = _grouped_blockwise_mm(recipe, qg, sg, jnp.swapaxes(qw, 1, 2),
+                                   _cols(jnp.swapaxes(sw_b, 1, 2), k), group_sizes, rows, g.dtype)
         xd = _dequantize_tiles(qx, sx)
         qxt, sxt = _q_tiles(xd.T, f8)                                  # [K, Mb]
         qgt, sgt = _q_tiles(g.T, b8)                                   # [N, Mb]
-        dw = _tiled_wgrad(qxt, sxt, qgt, sgt, group_sizes)
+        def pallas(interpret):
+            return _grouped_kernel.grouped_wgrad(qxt, sxt, qgt, sgt, group_sizes,
+                                                 interpret=interpret)
+        dw = _kernel.select(recipe.kernel, pallas,
+                            lambda: _tiled_wgrad(qxt, sxt, qgt, sgt, group_sizes), qxt, qgt)
         return dx, dw, None
 
 
@@ -495,9 +519,13 @@ def grouped_dot(x: Any, w: Any, group_sizes: Any, recipe: Recipe,
     output column) of ``w`` (rowwise; the weight gradient uses per (group, column) scales
     of ``x`` and ``g``); 1x128 tiles of ``x`` and 128x128 blocks of each ``w[e]``
     (blockwise; the weight gradient's 128x1 tiles run over the sorted rows, a tile may
-    span two groups, and each (tile, group) pair is one FP8 product, so its float32
-    temporaries are ``G * ceil(M / 128) * K * N``: a CPU-friendly layout, not a memory-lean
-    one; DeepGEMM instead pads each group to a multiple of 128 rows).
+    span two groups, and each (tile, group) pair is one FP8 product). Blockwise runs the
+    GEMM ``recipe.kernel`` selects: on a Hopper target (``auto``) or ``pallas``, three
+    Mosaic GPU kernels (:mod:`jaxmp.precision._fp8.grouped_kernel`: each row multiplied
+    by its own group's weight only, no float32 partials in memory); ``xla``, the
+    reference: one FP8 ``ragged_dot`` per 128 of K (which XLA's GPU compiler runs for
+    every group on every row) and a weight gradient with float32
+    ``[G, ceil(M / 128), K, N]`` temporaries.
 
     Args:
       x: ``[M, K]`` in the compute dtype.
