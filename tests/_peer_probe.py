@@ -10,17 +10,20 @@ done; with PAUSE_S > 0, first ``WORKDIR/paused.PROCESS_ID`` and then a sleep of 
 seconds between ``initialize`` and the watchdog (a death in that gap). Exits 0 once
 ``WORKDIR/stop`` exists.
 """
+import importlib.util
 import os
 import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from jaxmp.train import distributed  # noqa: E402
+# The module alone (it imports only jax), not the jaxmp.train package: half the start-up.
+_path = pathlib.Path(__file__).resolve().parents[1] / "jaxmp" / "train" / "distributed.py"
+_spec = importlib.util.spec_from_file_location("jaxmp_train_distributed", _path)
+distributed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(distributed)
 
 address, n, pid, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
