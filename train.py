@@ -32,8 +32,9 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of pr
                                    "multi-process run (jax.distributed); with --num_processes, --process_id.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process, in [0, num_processes).")
-_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a heartbeat after which "
-                                  "a process counts as dead and the others exit with an error.")
+_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a heartbeat after "
+                                  "which JAX counts a process as dead; the others name a silent "
+                                  "process after half of it, and exit with an error.")
 
 
 def _parse_flags(argv):
@@ -93,8 +94,9 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     watchdog = None
     try:
+        # Before anything touches the devices; the workdir, for the line of a lost peer.
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                               _HEARTBEAT.value)  # before anything touches the devices
+                               _HEARTBEAT.value, _WORKDIR.value)
         watchdog = distributed.start_watchdog(_WORKDIR.value)  # a peer that dies stops this one
         train_and_evaluate(_LOADED["config"], _WORKDIR.value)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:

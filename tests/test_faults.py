@@ -577,11 +577,11 @@ def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_like_one_process(tmp_path):
-    """2 processes x 4 CPU devices over loopback. kill -9 of process 1: the survivor (the
-    coordinator) prints one line naming the lost process and the last checkpoint, and
-    exits 1 without a stack trace. Then (after a resume) kill -9 of process 0, the
-    coordinator: the survivor stops (its one line races JAX's own abort). Rerun together,
-    the losses equal one 8-device process's, step by step."""
+    """2 processes x 4 CPU devices over loopback. kill -9 of process 1, then (after a
+    resume) of process 0, the coordinator: each time the survivor prints one line naming
+    the lost process and the last checkpoint, and exits 1 without a stack trace (the
+    coordinator's death repeated, cheaply, in the test below). Rerun together, the
+    losses equal one 8-device process's, step by step."""
     from test_multiprocess import OVERRIDES as MP, RTOL, finish as finish_all, launch_pair, rows
     reference = tmp_path / "one"
     train_and_evaluate(load_config("tiny_moe", MP + ["train.steps=8", "train.checkpoint_every=100"]),
@@ -597,13 +597,6 @@ def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_lik
         procs[victim].send_signal(signal.SIGKILL)
         survivor = 1 - victim
         out, err = finish_all(procs)[survivor]
-        if victim == 0:
-            # The coordinator's death races JAX's own client, which logs a fatal error and
-            # aborts as soon as its RPCs to process 0 fail; the watchdog's line wins only
-            # sometimes (a known limit, noted on issue 22). What must hold: the survivor
-            # stops, and both resume (below).
-            assert procs[survivor].returncode != 0, err[-3000:]
-            continue
         assert procs[survivor].returncode == 1, err[-3000:]
         last = complete_steps(two)[-1]
         lines = [line for line in err.splitlines() if line.startswith("train.py")]
@@ -655,3 +648,62 @@ def test_orbaxs_never_retrieved_future_traceback_is_dropped():
     assert not _DropOrbaxTracebacks().filter(record)
     record.exc_info = (ValueError, ValueError("x"), None)
     assert _DropOrbaxTracebacks().filter(record)  # asyncio's other messages stay
+
+
+def _probe_pair(workdir, pauses=(0.0, 0.0)):
+    """Two tests/_peer_probe.py processes (4 CPU devices each, over loopback); their
+    stdout goes to ``workdir/out.I`` (gloo's lines), their stderr to ``workdir/err.I``."""
+    from test_multiprocess import free_port
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    address = f"127.0.0.1:{free_port()}"
+    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_peer_probe.py"), address, "2",
+                              str(i), str(workdir), str(pause)], cwd=ROOT, env=env,
+                             stdin=subprocess.DEVNULL, stdout=open(workdir / f"out.{i}", "w"),
+                             stderr=open(workdir / f"err.{i}", "w"))
+            for i, pause in enumerate(pauses)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, when", [(0, "running")] * 3 + [(0, "starting"), (1, "starting"),
+                                                                (0, "stopped"), (1, "stopped")],
+                         ids=["coordinator-1", "coordinator-2", "coordinator-3",
+                              "coordinator-before-the-watchdog", "peer-before-the-watchdog",
+                              "coordinator-stopped", "peer-stopped"])
+def test_a_lost_peer_is_the_survivors_one_line_however_the_race_goes(tmp_path, victim, when):
+    """kill -9 of process 0 (which hosts JAX's coordination service) while the pair runs
+    all-reduces, repeated; of process 0 while process 1 has not yet reached the
+    watchdog; of process 1 before it reaches the watchdog; SIGSTOP of either (a machine
+    gone silent, its connections open). The survivor exits 1 with the one line naming
+    the victim and the last checkpoint (a step directory made here), never with JAX's
+    abort (``client.h``, ``Fatal Python error``) or a traceback. The probes' heartbeat
+    timeout is 20 s, so the watchdog's silence limit is 10 s."""
+    (tmp_path / "checkpoints" / "12").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-3").mkdir()  # unfinished: not named
+    procs = _probe_pair(tmp_path, (0.0, 60.0) if when == "starting" else (0.0, 0.0))
+    survivor = 1 - victim
+    try:
+        # Starting: process 1 sleeps between initialize and the watchdog (process 0, its
+        # watchdog started, waits in the first all-reduce).
+        marks = ["paused.1"] if when == "starting" else ["ready.0", "ready.1"]
+        wait_for(lambda: all((tmp_path / m).exists() for m in marks), procs[survivor],
+                 " and ".join(marks))
+        procs[victim].send_signal(signal.SIGSTOP if when == "stopped" else signal.SIGKILL)
+        procs[survivor].wait(timeout=LIMIT_S)
+        err = (tmp_path / f"err.{survivor}").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # a stopped process too
+    how = {"running": "exited without a word (killed or crashed)",
+           "starting": "exited without a word (killed or crashed)" if victim == 0 else
+                       "died during start-up (it never reached process 0's watchdog)",
+           "stopped": "sent nothing for 10 s (stopped, hung, or its machine vanished)"}[when]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"train.py: error: process {victim} of 2 {how}; process {survivor} stops "
+                     f"too. The last checkpoint to resume from is step 12 in "
+                     f"{tmp_path / 'checkpoints'}; rerun all 2 processes to resume"], err[-3000:]
+    assert procs[survivor].returncode == 1, err[-3000:]
+    for bad in ("Traceback", "Fatal Python error", "client.h", "Terminating process",
+                "terminate called"):
+        assert bad not in err, err[-3000:]

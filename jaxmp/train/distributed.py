@@ -25,10 +25,27 @@ each process holds a TCP connection to process 0's watchdog, and the kernel clos
 dead process's connections. The survivors print one line naming the lost process and the
 checkpoint to resume from, and leave with status :data:`PEER_LOST_EXIT` without running
 the interpreter's shutdown (``os._exit``: their main thread may be blocked in a collective
-that can never finish). Otherwise JAX's coordination service would notice the missing
-heartbeats after ``heartbeat_timeout`` seconds (or its lost connection to process 0) and
-terminate the process from C++ with a check-failure stack trace; that remains the
-fallback for a machine that stops without closing its connections.
+that can never finish).
+
+JAX's own client would otherwise terminate the process from C++ (``client.h``: a logged
+fatal error, a stack trace, ``Fatal Python error: Aborted``) as soon as it polls the
+error: ``heartbeat_timeout`` seconds after a process other than 0 dies, but at once when
+process 0, which hosts the coordination service, dies, racing the watchdog's line. Its
+binding's ``missed_heartbeat_callback`` (``jax._src.lib._jax.get_distributed_runtime_client``;
+``jax.distributed.initialize`` does not pass it), meant to replace that abort, cannot be
+used in jax 0.10.2 (nor on jax's main branch of 2026-08-08): jaxlib casts the Python
+callable to ``std::function<void(absl::Status)>``, and nanobind has no caster for
+``absl::Status``, so its first call throws ``std::bad_cast`` in the coordination agent's
+thread and the process terminates (``terminate called after throwing an instance of
+'std::bad_cast'``) before any Python runs. So each process other than 0 reaches the coordination
+service through a :class:`CoordinatorRelay` of its own (loopback, started by
+:func:`initialize`): when process 0's end of the relayed connection closes, the relay
+reports process 0 lost before JAX's client can see the connection close. A process that
+sends the watchdog nothing for half the heartbeat timeout (stopped, or on a machine that
+vanished without closing its connections), or that dies between
+``jax.distributed.initialize`` and its first word to the watchdog, is named after that
+half, before JAX's heartbeat check can abort anyone. Started from a cluster's
+environment (no relay), the death of process 0 still races JAX's abort.
 """
 from __future__ import annotations
 
@@ -38,12 +55,13 @@ import re
 import socket
 import sys
 import threading
+import time
 from typing import Callable, Dict, Optional
 
 import jax
 
-__all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "start_watchdog", "last_checkpoint",
-           "PEER_LOST_EXIT"]
+__all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "CoordinatorRelay", "start_watchdog",
+           "last_checkpoint", "PEER_LOST_EXIT"]
 
 PEER_LOST_EXIT = 1  # the status of a process whose peer was lost (as for any other error)
 _KEY = "jaxmp/peer-watchdog"  # where process 0 publishes its watchdog port (JAX's key-value store)
@@ -53,12 +71,48 @@ _KEY = "jaxmp/peer-watchdog"  # where process 0 publishes its watchdog port (JAX
 CLUSTER_ENV_VARS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES",
                     "CLOUD_TPU_TASK_ID", "JOBSET_NAME")
 
+# This process's run, as initialize() set it up: what the line of a lost peer says.
+_RUN = {"process_id": 0, "num_processes": 1, "address": None, "describe": None,
+        "heartbeat_timeout": 30}
+_LEAVING = threading.Event()  # this process leaves deliberately: closed connections are expected
+_LOST = threading.Event()  # a peer was lost: this process is exiting
+_STOP_LOCK = threading.Lock()
+_WATCHDOG: Optional["PeerWatchdog"] = None
+
+
+def _stop(peer: int, how: str) -> None:
+    """Writes the one line for a lost ``peer`` and exits with :data:`PEER_LOST_EXIT`;
+    returns at once if this process is leaving by itself, or already stopping."""
+    with _STOP_LOCK:
+        if _LEAVING.is_set() or _LOST.is_set():
+            return
+        _LOST.set()
+    n, describe = _RUN["num_processes"], _RUN["describe"]
+    try:
+        where = describe() if describe else "Where to resume from is unknown (no workdir given)"
+    except OSError as e:
+        where = f"Where to resume from is unknown ({e})"
+    line = (f"\ntrain.py: error: process {peer} of {n} {how}; process {_RUN['process_id']} stops "
+            f"too. {where}; rerun all {n} processes to resume\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os.write(2, line.encode())
+    os._exit(PEER_LOST_EXIT)
+
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None, heartbeat_timeout: int = 30) -> str:
+               process_id: Optional[int] = None, heartbeat_timeout: int = 30,
+               workdir=None) -> str:
     """Starts JAX's multi-controller runtime when asked to, or when a cluster is detected.
 
-    Must run before anything touches JAX's devices.
+    Must run before anything touches JAX's devices. With explicit arguments, a process
+    other than 0 reaches the coordination service through its own
+    :class:`CoordinatorRelay`, so that the death of process 0 is this module's one line
+    and not JAX's abort (see the module's docstring); from a cluster's environment the
+    process id is known only inside ``jax.distributed.initialize``, and there is no relay.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service.
@@ -66,6 +120,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
       process_id: this process, in ``[0, num_processes)``.
       heartbeat_timeout: seconds without a heartbeat after which a process counts as
         dead and the others fail (JAX's default is 100).
+      workdir: the run's directory, whose last checkpoint the line of a lost peer names.
 
     Returns:
       A line saying what was done (``"single process"``, or the process and count).
@@ -75,20 +130,31 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
         or id, or a heartbeat timeout below 1.
     """
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
-    if isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int) or heartbeat_timeout < 1:
-        raise ValueError(f"--heartbeat_timeout={heartbeat_timeout!r} must be an integer number of seconds >= 1")
+    if (isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int)
+            or heartbeat_timeout < 1):
+        raise ValueError(f"--heartbeat_timeout={heartbeat_timeout!r} must be an integer number of "
+                         f"seconds >= 1")
     if any(given) and not all(given):
-        raise ValueError("--coordinator_address, --num_processes and --process_id go together: give "
-                         "all three (or none, to run one process or let a cluster's environment say)")
+        raise ValueError("--coordinator_address, --num_processes and --process_id go together: "
+                         "give all three (or none, to run one process or let a cluster's "
+                         "environment say)")
+    _RUN["heartbeat_timeout"] = heartbeat_timeout
+    if workdir is not None:
+        _RUN["describe"] = lambda: last_checkpoint(workdir)
     if all(given):
         if not re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", coordinator_address):
-            raise ValueError(f"--coordinator_address={coordinator_address!r} must be HOST:PORT, e.g. "
-                             f"127.0.0.1:12355")
+            raise ValueError(f"--coordinator_address={coordinator_address!r} must be HOST:PORT, "
+                             f"e.g. 127.0.0.1:12355")
         if num_processes < 1:
             raise ValueError(f"--num_processes={num_processes} must be >= 1")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"--process_id={process_id} must be in [0, {num_processes})")
-        jax.distributed.initialize(coordinator_address, num_processes, process_id,
+        _RUN.update(process_id=process_id, num_processes=num_processes, address=coordinator_address)
+        reach = coordinator_address
+        if process_id != 0:
+            reach = CoordinatorRelay(coordinator_address, _coordinator_closed).address
+        _leave_quietly_at_exit()
+        jax.distributed.initialize(reach, num_processes, process_id,
                                    heartbeat_timeout_seconds=heartbeat_timeout)
         return f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
     if any(os.environ.get(v) for v in CLUSTER_ENV_VARS):
@@ -96,15 +162,118 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
             jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout)
         except (ValueError, RuntimeError) as e:  # e.g. a one-task Slurm allocation
             return f"single process (cluster detection: {' '.join(str(e).split())[:120]})"
-        return f"process {jax.process_index()} of {jax.process_count()} (from the cluster's environment)"
+        from jax._src import distributed as _state  # (jax.process_index() starts the backend)
+        pid, n = _state.global_state.process_id, _state.global_state.num_processes
+        _RUN.update(process_id=pid, num_processes=n)
+        _leave_quietly_at_exit()
+        return f"process {pid} of {n} (from the cluster's environment)"
     return "single process"
+
+
+def _leave_quietly_at_exit() -> None:
+    """At the interpreter's exit (registered after JAX's own clean-up, so run before it:
+    ``atexit`` runs last-in first-out), closed connections are this process's own doing."""
+    import atexit
+    atexit.register(_LEAVING.set)
+
+
+def _coordinator_closed() -> None:
+    """Process 0's end of a relayed connection closed while this process runs on."""
+    said = _WATCHDOG.said_bye.get(0) if _WATCHDOG is not None else None
+    _stop(0, "stopped with an error (see its output)" if said == "error" else
+          "exited without a word (killed or crashed)" if said is None else
+          "exited before this process")
+
+
+class CoordinatorRelay:
+    """A loopback TCP relay between JAX's client in this process and the coordination
+    service of process 0, which reports a connection closed from process 0's end
+    before JAX's client can see it close.
+
+    Each connection accepted on ``127.0.0.1`` is joined to a new connection to the
+    coordinator and the bytes are copied both ways (the coordination traffic only:
+    key-value store, barriers, heartbeats; the collectives have their own connections).
+    When the coordinator's end closes, unless this process is leaving by itself
+    (:func:`_leave_quietly_at_exit`, :meth:`PeerWatchdog.leave`) or JAX's client closed
+    its end first, ``on_close()`` runs and the client's end is left open: ``on_close``
+    exits the process (:func:`_stop`). A coordinator not yet listening closes the
+    accepted connection, and JAX's client retries as it would against the service.
+
+    Args:
+      address: the coordinator's ``host:port`` (a bracketed IPv6 host allowed).
+      on_close: ``on_close()``, called from the relay's thread.
+
+    Attributes:
+      address: ``127.0.0.1:PORT`` for ``jax.distributed.initialize`` to connect to.
+    """
+
+    def __init__(self, address: str, on_close: Callable[[], None]):
+        host, port = address.rsplit(":", 1)
+        self._upstream, self._on_close = (host.strip("[]"), int(port)), on_close
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="jaxmp-relay", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(self._upstream, timeout=30)
+            except OSError:
+                down.close()  # not listening yet (or unreachable): the client retries
+                continue
+            up.settimeout(None)
+            for conn in (up, down):
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_closed = threading.Event()
+            threading.Thread(target=self._copy, args=(down, up, client_closed),
+                             name="jaxmp-relay", daemon=True).start()
+            threading.Thread(target=self._copy, args=(up, down, None, client_closed),
+                             name="jaxmp-relay", daemon=True).start()
+
+    def _copy(self, src: socket.socket, dst: socket.socket,
+              closes: Optional[threading.Event] = None,
+              closed_first: Optional[threading.Event] = None) -> None:
+        """Copies ``src`` to ``dst`` until either closes. From the client (``closes``
+        given): sets ``closes``. From the coordinator: ``on_close()`` if the coordinator's
+        end closed first (not ``closed_first``, nor a failed write to the client)."""
+        src_closed = False
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                src_closed = True
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        if closes is not None:
+            if not src_closed:  # the coordinator's end failed: the other thread sees it close
+                return
+            closes.set()
+        elif src_closed and not (_LEAVING.is_set() or closed_first.is_set()):
+            self._on_close()  # exits the process unless it is leaving by itself meanwhile
+            if _LOST.is_set():  # another thread is writing the line: keep the client's end open
+                threading.Event().wait()
+        for conn in (dst, src):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def last_checkpoint(workdir) -> str:
     """The newest complete checkpoint step under ``workdir/checkpoints``, in words (orbax
     names a finished step directory by its number, an unfinished one otherwise)."""
     directory = pathlib.Path(workdir).absolute() / "checkpoints"
-    steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+    steps = (sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+             if directory.is_dir() else [])
     if not steps:
         return f"There is no checkpoint in {directory} yet: a rerun starts afresh"
     return f"The last checkpoint to resume from is step {steps[-1]} in {directory}"
@@ -118,7 +287,12 @@ class PeerWatchdog:
     is. A process that leaves deliberately says so first (:meth:`leave`); a connection
     that closes without that means the process died (SIGKILL, a crash). Process 0 tells
     the others which process was lost; each survivor writes one line to stderr and
-    leaves with :data:`PEER_LOST_EXIT` through ``os._exit``.
+    leaves with :data:`PEER_LOST_EXIT` through ``os._exit``. Each end sends ``ping``
+    five times per ``silence_s``; a process that sends nothing for ``silence_s``
+    seconds (stopped, hung, or on a machine that vanished without closing its
+    connections) is lost too, and so is one that has not connected ``silence_s``
+    seconds after process 0's watchdog started (it died between
+    ``jax.distributed.initialize`` and its first word).
 
     Args:
       process_id: this process.
@@ -127,30 +301,65 @@ class PeerWatchdog:
       describe: ``describe() -> str``, where to resume from (:func:`last_checkpoint`).
       exchange: ``(set, get)`` of the key-value store: ``set(key, value)`` and
         ``get(key, timeout_ms) -> str``.
+      silence_s: see above. Below JAX's heartbeat timeout, after which JAX notices
+        such a process and aborts the others; far above any time the watchdog's
+        threads may wait for the interpreter's lock.
     """
 
     GRACE_S = 10.0  # after a peer's own error: time for this process to stop by itself
+    # A peer's death closes its connections at once; their end here is read within
+    # milliseconds, unless this machine is very busy.
+    ECHO_S = 2.0
 
     def __init__(self, process_id: int, num_processes: int, host: str, describe: Callable[[], str],
-                 exchange):
+                 exchange, silence_s: float = 15.0):
+        global _WATCHDOG
         self.process_id, self.num_processes, self.describe = process_id, num_processes, describe
-        self._leaving = threading.Event()
-        self._lost = threading.Event()
+        self.silence_s = silence_s
+        self._send_lock = threading.Lock()
+        _RUN.update(process_id=process_id, num_processes=num_processes, describe=describe)
         self._lock = threading.Lock()
         self._peers: Dict[int, socket.socket] = {}  # process 0: the others' connections
-        self._said_bye: set = set()
+        self.said_bye: Dict[int, str] = {}  # peer -> "ok" or "error", as it left
         set_value, get_value = exchange
+        _WATCHDOG = self
         if process_id == 0:
             self._server = socket.create_server((host, 0))
             set_value(_KEY, str(self._server.getsockname()[1]))
             threading.Thread(target=self._accept, name="jaxmp-watchdog", daemon=True).start()
+            self._hello_deadline = time.monotonic() + silence_s
+            timer = threading.Timer(silence_s, self._check_hellos)
+            timer.daemon = True
+            timer.start()
         else:
             port = int(get_value(_KEY, 300_000))
             self._up = socket.create_connection((host, port), timeout=60)
-            self._up.settimeout(None)
-            self._up.sendall(f"hello {process_id}\n".encode())
+            self._up.settimeout(silence_s)
+            self._send(self._up, f"hello {process_id}\n")
             threading.Thread(target=self._read, args=(self._up, 0), name="jaxmp-watchdog",
                              daemon=True).start()
+        threading.Thread(target=self._ping, name="jaxmp-watchdog", daemon=True).start()
+
+    def _send(self, conn: socket.socket, line: str) -> None:
+        with self._send_lock:
+            try:
+                conn.sendall(line.encode())
+            except OSError:  # closed, or full for silence_s: the reading side decides
+                pass
+
+    def _ping(self) -> None:
+        while not _LEAVING.wait(self.silence_s / 5):
+            with self._lock:
+                conns = list(self._peers.values()) if self.process_id == 0 else [self._up]
+            for conn in conns:
+                self._send(conn, "ping\n")
+
+    def _check_hellos(self) -> None:
+        with self._lock:
+            missing = [p for p in range(1, self.num_processes) if p not in self._peers]
+        if missing:
+            self._peer_lost(missing[0],
+                            "died during start-up (it never reached process 0's watchdog)")
 
     def _accept(self) -> None:
         while True:
@@ -158,11 +367,16 @@ class PeerWatchdog:
                 conn, _ = self._server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._greet, args=(conn,), name="jaxmp-watchdog", daemon=True).start()
+            threading.Thread(target=self._greet, args=(conn,), name="jaxmp-watchdog",
+                             daemon=True).start()
 
     def _greet(self, conn: socket.socket) -> None:
+        conn.settimeout(self.silence_s)
         reader = conn.makefile("r")
-        first = reader.readline().split()
+        try:
+            first = reader.readline().split()
+        except OSError:
+            first = []
         if len(first) != 2 or first[0] != "hello" or not first[1].isdigit():
             conn.close()
             return
@@ -177,7 +391,7 @@ class PeerWatchdog:
             for line in reader:
                 words = line.split()
                 if words[:1] == ["bye"]:
-                    self._said_bye.add(peer)
+                    self.said_bye[peer] = "error" if words[1:] == ["error"] else "ok"
                     if words[1:] == ["error"]:  # it reports its error; this one may be stuck
                         timer = threading.Timer(self.GRACE_S, self._peer_lost,
                                                 (peer, "stopped with an error (see its output)"))
@@ -185,66 +399,72 @@ class PeerWatchdog:
                         timer.start()
                 elif words[:1] == ["lost"] and len(words) == 3:
                     self._peer_lost(int(words[1]), " ".join(words[2:]).replace("_", " "))
+        except TimeoutError:  # nothing, not even a ping, for silence_s
+            if peer not in self.said_bye:
+                self._peer_lost(peer, f"sent nothing for {self.silence_s:g} s (stopped, hung, "
+                                      f"or its machine vanished)")
+            return
         except OSError:
             pass
-        if peer not in self._said_bye:
+        if peer not in self.said_bye:
             self._peer_lost(peer, "exited without a word (killed or crashed)")
 
     def _peer_lost(self, peer: int, how: str) -> None:
-        if self._leaving.is_set():  # this process is on its way out by itself
+        if _LEAVING.is_set() or _LOST.is_set():  # on its way out already
             return
         with self._lock:
-            if self._lost.is_set():
-                return
-            self._lost.set()
-            for other, conn in self._peers.items():  # process 0 tells the others
-                if other != peer:
-                    try:
-                        conn.sendall(f"lost {peer} {how.replace(' ', '_')}\n".encode())
-                    except OSError:
-                        pass
-        line = (f"\ntrain.py: error: process {peer} of {self.num_processes} {how}; process "
-                f"{self.process_id} stops too. {self.describe()}; rerun all "
-                f"{self.num_processes} processes to resume\n")
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os.write(2, line.encode())
-        os._exit(PEER_LOST_EXIT)
+            others = [conn for other, conn in self._peers.items() if other != peer]
+        for conn in others:  # process 0 tells the others
+            self._send(conn, f"lost {peer} {how.replace(' ', '_')}\n")
+        _stop(peer, how)
 
     def settle(self, seconds: float) -> None:
         """Gives the watchdog ``seconds`` to notice a lost peer (an error in this process
-        may be the echo of one: a collective whose peer vanished); when it does, the
-        process exits from the watchdog's thread and this never returns."""
-        if self._lost.wait(seconds):
+        may be the echo of one: a collective whose peer vanished), and on process 0, while
+        a peer has not connected yet, until a second after the hello deadline; when it
+        does, the process exits from the watchdog's thread and this never returns."""
+        with self._lock:
+            waiting = self.process_id == 0 and len(self._peers) < self.num_processes - 1
+        if waiting:  # a peer not yet connected is lost only at the hello deadline
+            seconds = max(seconds, self._hello_deadline + 1.0 - time.monotonic())
+        if _LOST.wait(seconds):
             threading.Event().wait()  # the watchdog is exiting the process
 
     def leave(self, ok: bool = True) -> None:
         """Says that this process leaves deliberately, so that its closed connection is
         not taken for a death; then stops watching. ``ok=False`` (it reports an error of
-        its own): a peer that has not stopped by itself :attr:`GRACE_S` seconds later
-        stops, naming this process."""
-        self._leaving.set()
+        its own): first :meth:`settle` for :attr:`ECHO_S` seconds (the error may be the
+        echo of a peer's death: a collective or a checkpoint write that failed with it);
+        a peer that has not stopped by itself :attr:`GRACE_S` seconds later stops,
+        naming this process."""
+        if not ok:
+            self.settle(self.ECHO_S)
+        _LEAVING.set()
         with self._lock:
             conns = list(self._peers.values()) if self.process_id == 0 else [self._up]
         for conn in conns:
-            try:
-                conn.sendall(b"bye ok\n" if ok else b"bye error\n")
-            except OSError:
-                pass
+            self._send(conn, "bye ok\n" if ok else "bye error\n")
 
 
-def start_watchdog(workdir) -> Optional[PeerWatchdog]:
+def start_watchdog(workdir, silence_s: Optional[float] = None) -> Optional[PeerWatchdog]:
     """A :class:`PeerWatchdog` for a multi-process run (None for one process).
 
-    Every process must call it, after :func:`initialize`.
+    Every process must call it, after :func:`initialize` and before anything starts
+    JAX's backend (which waits for every process: one that died first would leave the
+    others waiting there, not watched). ``silence_s`` (see :class:`PeerWatchdog`)
+    defaults to half of :func:`initialize`'s ``heartbeat_timeout``, so that a process that
+    died during start-up, or went silent, is named before JAX's heartbeat check aborts
+    the others.
     """
-    if jax.process_count() <= 1:
+    from jax._src import distributed as _state  # the running service: its key-value store
+    state = _state.global_state  # (not jax.process_count(): that would start the backend)
+    if state.client is None or state.num_processes <= 1:
         return None
-    from jax._src import distributed as _state  # the key-value store of the running service
-    client = _state.global_state.client
-    host = _state.global_state.coordinator_address.rsplit(":", 1)[0].strip("[]")
-    return PeerWatchdog(jax.process_index(), jax.process_count(), host, lambda: last_checkpoint(workdir),
-                        (client.key_value_set, client.blocking_key_value_get))
+    address = _RUN["address"] or state.coordinator_address  # not the relay's
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if silence_s is None:
+        silence_s = _RUN["heartbeat_timeout"] / 2
+    return PeerWatchdog(state.process_id, state.num_processes, host,
+                        lambda: last_checkpoint(workdir),
+                        (state.client.key_value_set, state.client.blocking_key_value_get),
+                        silence_s)
