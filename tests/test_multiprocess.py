@@ -1,17 +1,15 @@
 """Two real processes with 4 CPU devices each, over loopback, against one process with 8:
-the same losses step by step, a checkpoint written by both and resumed by both, and a
-process killed mid-run making the other exit with an error instead of hanging.
+the same losses step by step, and a checkpoint written by both and resumed by both. A
+process killed mid-run is tests/test_faults.py's (the survivor's one-line exit).
 
 Every wait is bounded by progress (rows in metrics.jsonl) or by a generous limit.
 """
 import json
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -63,7 +61,7 @@ def rows(workdir):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_resume_together_and_fail_together(tmp_path):
+def test_two_processes_match_one_and_resume_together(tmp_path):
     # One process, 8 devices: the reference, 8 steps.
     reference = tmp_path / "one"
     train_and_evaluate(load_config("tiny_moe", OVERRIDES + ["train.steps=8", "train.checkpoint_every=100"]),
@@ -80,20 +78,6 @@ def test_two_processes_match_one_resume_together_and_fail_together(tmp_path):
     assert "jaxmp trainer" not in results[1][0] and "done:" not in results[1][0]
     assert (two / "checkpoints" / "4").is_dir()
     np.testing.assert_allclose([r["loss"] for r in rows(two)], want[:4], rtol=RTOL)
-
-    # Resume both, kill process 1 mid-run: process 0 must exit with an error, not hang.
-    procs = launch_pair(two, "train.steps=100000", "train.checkpoint_every=100000")
-    deadline = time.monotonic() + LIMIT_S
-    while len(rows(two)) < 6 and time.monotonic() < deadline and procs[0].poll() is None:
-        time.sleep(0.05)
-    assert len(rows(two)) >= 6, finish(procs)[0][1][-3000:]
-    procs[1].send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    finish(procs)
-    print(f"process 0 exited {time.monotonic() - killed:.1f} s after process 1 was killed "
-          f"(heartbeat timeout 20 s)")
-    assert procs[0].returncode not in (0, None)
-    assert not (two / "checkpoints" / "100000").exists()
 
     # Rerun both to step 8: from the step-4 checkpoint, the same losses as one process.
     results = finish(launch_pair(two, "train.steps=8", "train.checkpoint_every=100000"))
