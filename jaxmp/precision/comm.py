@@ -328,9 +328,10 @@ def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[d
 
     Inside ``shard_map``. Dense: :func:`reduce_gradients` (every leaf all-reduced over
     ``axis_name``) of the *scaled* gradients in ``grad_reduce_dtype`` (the loss scale
-    protects float16's small values on the wire too), then unscaled in float32. Top-k: unscale in float32, :func:`topk_compress` with
-    this device's residual, :func:`topk_allgather_mean`. A value that overflows the
-    reduction dtype arrives as inf and fails the caller's finiteness check.
+    protects float16's small values on the wire too), then unscaled in float32. Top-k:
+    unscale in float32, :func:`topk_compress` with this device's residual,
+    :func:`topk_allgather_mean`. A value that overflows the reduction dtype arrives as
+    inf and fails the caller's finiteness check.
 
     Args:
       grads: this device's gradients of the loss times ``loss_scale``.

@@ -42,7 +42,8 @@ def use_rules(mesh: Mesh, rules: Rules):
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[Optional[str]]) -> jax.Array:
-    """``jax.lax.with_sharding_constraint`` by logical names under :func:`use_rules`; else identity."""
+    """``jax.lax.with_sharding_constraint`` by logical names under :func:`use_rules`; else
+    the identity."""
     ctx = getattr(_CONTEXT, "value", None)
     if ctx is None:
         return x

@@ -173,7 +173,8 @@ _LAYOUT_PRIMITIVES = frozenset({
 
 
 def _gathers(params) -> bool:
-    """True for a ``custom_jvp_call`` whose function all-gathers (:func:`jaxmp.comm.gather_param`)."""
+    """True for a ``custom_jvp_call`` whose function all-gathers
+    (:func:`jaxmp.comm.gather_param`)."""
     jaxpr = params.get("call_jaxpr")
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))

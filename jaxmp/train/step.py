@@ -6,10 +6,11 @@ function over a :class:`~jaxmp.train.state.TrainState` that the
 is one gradient path, whatever the number of devices (one device is a 1-device mesh):
 
 1. Per device, inside ``jax.shard_map`` over the mesh's batch axes (``"data"`` and
-   ``"expert"``): forward and backward on that device's share of the batch, in the compute dtypes of the module
-   policies, on the loss multiplied by the loss scale (micro-batches accumulate in the
-   master dtype when ``grad_accum_steps > 1``). A device-varying copy of the parameters
-   is differentiated, so ``shard_map`` inserts no reduction of its own.
+   ``"expert"``): forward and backward on that device's share of the batch, in the
+   compute dtypes of the module policies, on the loss multiplied by the loss scale
+   (micro-batches accumulate in the master dtype when ``grad_accum_steps > 1``). A
+   device-varying copy of the parameters is differentiated, so ``shard_map`` inserts no
+   reduction of its own.
 2. Each device's finiteness verdict is combined with ``pmin``; the gradients are
    averaged explicitly, leaf by leaf as the run's :class:`~jaxmp.sharding.StepPlan` says
    (all-reduce, or ZeRO's reduce-scatter), by :func:`jaxmp.comm.reduce_gradients` in
