@@ -148,8 +148,10 @@ def test_topk_matches_numpy_and_conserves_the_gradient(seed, log_scale):
 
 
 def _pmean(dtype):
-    return jax.jit(jax.shard_map(lambda x: comm.pmean_gradients(x[0], "data", dtype), mesh=mesh_of(8),
-                                 in_specs=P("data"), out_specs=P()))
+    """The dense all-reduce of the train step: every leaf summed over "data", divided by 8."""
+    def mean(x):
+        return comm.reduce_gradients(x[0], comm.LeafReduce(("data",)), 8, dtype)
+    return jax.jit(jax.shard_map(mean, mesh=mesh_of(8), in_specs=P("data"), out_specs=P()))
 
 
 def test_bfloat16_reduce_equals_the_float32_reduce_within_bfloat16_rounding():

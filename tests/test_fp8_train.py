@@ -19,13 +19,17 @@ from jaxmp.precision.policy import get_policy, get_policy_rules
 from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.data import create_pipeline
-from jaxmp.train.step import split_fp8
 
 ISLANDS = "; router: fp32; norm: fp32"
 # Weight matmuls per module kind (each is one forward and two backward products).
 WEIGHTS = {"attn": 4, "mlp": 3, "experts": 3, "shared_experts": 3, "head": 1}
 # StableHLO: `stablehlo.dot_general %a, %b, ... : (tensor<..xT>, tensor<..xU>) -> tensor<..>`.
 DOT = re.compile(r"stablehlo\.dot_general\b[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)")
+
+
+def split_fp8(rest):
+    """``(FP8 histories, everything else)`` of a model's ``rest`` state."""
+    return nnx.split_state(rest, FP8State, ...)
 
 
 def batches(config, n, seed=0):

@@ -7,6 +7,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmp import sharding
+from jaxmp.precision.comm import LeafReduce
 from jaxmp.models import ModelConfig, MoETransformer
 
 
@@ -21,6 +22,35 @@ def test_make_mesh(mesh):
     for bad in (0, 9):
         with pytest.raises(ValueError, match=f"num_devices={bad} must be an integer in \\[1, 8\\]"):
             sharding.make_mesh(bad)
+
+
+def test_the_steps_run_by_the_plan_built_once_in_create(monkeypatch):
+    from _configs import small_config
+    from jaxmp.train import Experiment
+
+    config = small_config(model=dict(capacity_factor=2.0))
+    config.parallel.strategy = "zero1"
+    exp = Experiment.create(config, num_devices=8)
+    plan = exp.plan
+    assert plan.layout.strategy == "zero1" and plan.axes == ("data", "expert") and plan.total == 8
+    # zero1: the master weights' embed axis is split over "data", the forward's copy is
+    # whole, so a gradient leaf with an embed axis is reduce-scattered along it; it is
+    # summed over the batch axes it is not split over (a routed expert's "expert" axis
+    # is on mesh axis "expert"): read from each parameter's logical axes.
+    is_reduce = lambda x: isinstance(x, LeafReduce)  # noqa: E731
+    reduces = jax.tree.leaves(plan.reduces, is_leaf=is_reduce)
+    params = jax.tree.leaves(exp.abstract_state.params,
+                             is_leaf=lambda x: isinstance(x, nnx.Variable))
+    assert len(reduces) == len(params) > 0
+    for r, var in zip(reduces, params):
+        axes = tuple(var.get_metadata().get("out_sharding") or ())
+        scatter = "data" if "embed" in axes else None
+        sums = tuple(a for a in ("data", "expert") if a != scatter and a not in axes)
+        assert r == LeafReduce(sums, scatter, axes.index("embed") if scatter else 0)
+    monkeypatch.setattr(sharding.StepPlan, "__init__", lambda *a, **k: pytest.fail("plan rebuilt"))
+    state, batch = exp.abstract_state, exp.abstract_batch()
+    jax.eval_shape(exp.train_step, state, batch)
+    jax.eval_shape(exp.eval_step, state, batch)
 
 
 def test_logical_to_sharding(mesh):

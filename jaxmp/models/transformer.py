@@ -106,6 +106,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmp._checks import check_int
+
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
 from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
 from jaxmp.models.moe import MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
@@ -200,8 +202,7 @@ class ModelConfig:
 
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "max_len"):
             v = getattr(self, name)
-            need(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1,
-                 f"{name}={v!r} must be an integer >= 1")
+            check_int(name, v, 1)
         need(self.d_model % self.num_heads == 0,
              f"num_heads={self.num_heads} must divide d_model={self.d_model}")
         need(self.head_dim % 2 == 0,

@@ -33,7 +33,6 @@ where NCCL reduces and gathers bfloat16/float16 natively.
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, NamedTuple, Optional, Tuple
 
 import jax
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmp._checks import check_choice, check_int, check_real
 from jaxmp.precision._fp8.quant import _F32, BLOCK, E4M3, _quantize_blocks
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import LossScale
@@ -54,7 +54,6 @@ __all__ = [
     "check_comm_config",
     "topk_count",
     "init_comm_state",
-    "pmean_gradients",
     "LeafReduce",
     "reduce_gradients",
     "gather_param",
@@ -102,9 +101,7 @@ def check_comm_config(grad_reduce_dtype: Any = "float32", grad_compression: str 
     if grad_compression not in COMPRESSIONS:
         raise ValueError(f"unknown grad_compression {grad_compression!r}; allowed: "
                          f"{', '.join(COMPRESSIONS)}")
-    if (isinstance(topk_ratio, bool) or not isinstance(topk_ratio, numbers.Real)
-            or not 0.0 < float(topk_ratio) <= 1.0):
-        raise ValueError(f"topk_ratio={topk_ratio!r} is not allowed; it must be a number in (0, 1]")
+    check_real("topk_ratio", topk_ratio, 0.0, 1.0, lo_open=True)
     return dtype
 
 
@@ -135,41 +132,14 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
     Raises:
       ValueError: unknown ``compression`` or ``num_devices`` < 1.
     """
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown grad_compression {compression!r}; allowed: {', '.join(COMPRESSIONS)}")
-    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 1:
-        raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
+    check_choice("grad_compression", compression, COMPRESSIONS)
+    num_devices = check_int("num_devices", num_devices, 1)
     if compression == "none":
         return None
     tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
     # NumPy: host zeros to be device_put onto their shardings, no compile per shape.
     return {"residual": jax.tree.map(
         lambda p: np.zeros((int(num_devices),) + tuple(p.shape), np.float32), tree)}
-
-
-def pmean_gradients(grads: Any, axis_name: str = DATA_AXIS, dtype: Any = jnp.float32) -> Any:
-    """Mean of each leaf over ``axis_name``, summed in ``dtype``; inside ``shard_map``.
-
-    Each device computes ``cast(g / N, dtype)`` and the ``psum`` runs in ``dtype``; the
-    result is cast to float32. Dividing *before* the sum keeps float16 finite: N values
-    each below 65504 (float16's largest) can sum past it, N values each below 65504/N
-    cannot, and their sum is the mean itself. For a power-of-two N the division is
-    exact in every dtype (barring subnormals); leave the loss scale on the gradients
-    when reducing in float16, so that small values stay above float16's subnormal
-    range, and unscale the float32 result.
-
-    Args:
-      grads: a pytree of per-device floating arrays.
-      axis_name: the mesh axis to average over.
-      dtype: the dtype of the exchanged values and of the sum.
-
-    Returns:
-      The tree of float32 means, identical on every device of the axis.
-    """
-    dtype = jnp.dtype(dtype)
-    n = jax.lax.axis_size(axis_name)
-    sent = jax.tree.map(lambda g: (g.astype(jnp.float32) / n).astype(dtype), grads)
-    return jax.tree.map(lambda s: s.astype(jnp.float32), jax.lax.psum(sent, axis_name))
 
 
 class LeafReduce(NamedTuple):
@@ -196,9 +166,14 @@ def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = 
 
     Each device computes ``cast(g / total_devices, dtype)``; the leaf is reduce-scattered
     over ``scatter_axis`` (``jax.lax.psum_scatter``, tiled) and all-reduced over
-    ``sum_axes`` (``jax.lax.psum``), in ``dtype``, then cast to float32. Dividing first
-    keeps float16 finite (see :func:`pmean_gradients`). A leaf with an empty layout is
-    only divided: it was already summed (e.g. by the transpose of an all-gather).
+    ``sum_axes`` (``jax.lax.psum``), in ``dtype``, then cast to float32. Dividing *before*
+    the sum keeps float16 finite: N values each below 65504 (float16's largest) can sum
+    past it, N values each below 65504/N cannot, and their sum is the mean itself. For a
+    power-of-two N the division is exact in every dtype (barring subnormals); leave the
+    loss scale on the gradients when reducing in float16, so that small values stay above
+    float16's subnormal range, and unscale the float32 result. A leaf with an empty
+    layout is only divided: it was already summed (e.g. by the transpose of an
+    all-gather).
 
     Args:
       grads: a pytree of per-device floating arrays (the gradient of each device's own
@@ -351,11 +326,12 @@ def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[d
                        grad_compression: str = "none", topk_ratio: float = 0.3):
     """Per-device scaled gradients -> the float32 unscaled mean over ``axis_name``.
 
-    Inside ``shard_map``. Dense: :func:`pmean_gradients` of the *scaled* gradients in
-    ``grad_reduce_dtype`` (the loss scale protects float16's small values on the wire
-    too), then unscaled in float32. Top-k: unscale in float32, :func:`topk_compress` with
-    this device's residual, :func:`topk_allgather_mean`. A value that overflows the
-    reduction dtype arrives as inf and fails the caller's finiteness check.
+    Inside ``shard_map``. Dense: :func:`reduce_gradients` (every leaf all-reduced over
+    ``axis_name``) of the *scaled* gradients in ``grad_reduce_dtype`` (the loss scale
+    protects float16's small values on the wire too), then unscaled in float32. Top-k:
+    unscale in float32, :func:`topk_compress` with this device's residual,
+    :func:`topk_allgather_mean`. A value that overflows the reduction dtype arrives as
+    inf and fails the caller's finiteness check.
 
     Args:
       grads: this device's gradients of the loss times ``loss_scale``.
@@ -375,7 +351,10 @@ def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[d
     """
     dtype = check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
     if grad_compression == "none":
-        return loss_scale.unscale(pmean_gradients(grads, axis_name, dtype)), comm_state
+        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        whole = jax.tree.map(lambda _: LeafReduce(axes), grads)
+        mean = reduce_gradients(grads, whole, jax.lax.axis_size(axes), dtype)
+        return loss_scale.unscale(mean), comm_state
     if comm_state is None:
         raise ValueError("grad_compression='topk' needs the residual of init_comm_state(...) in the "
                          "train state (comm_state is None)")
@@ -421,9 +400,8 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int) ->
     x = jnp.asarray(x)
     last = x.ndim - 1
     for name, ax in (("split_axis", split_axis), ("concat_axis", concat_axis)):
-        if isinstance(ax, bool) or not isinstance(ax, numbers.Integral) or not 0 <= ax < last:
-            raise ValueError(f"{name}={ax!r} must be an axis of x (shape {x.shape}) before its last, "
-                             f"tiled axis: an integer in [0, {last})")
+        check_int(name, ax, 0, last - 1, f"an axis of x (shape {x.shape}) before its last, "
+                                         f"tiled axis: an integer in [0, {last})")
     return _fp8_all_to_all(x, axis_name, int(split_axis), int(concat_axis))
 
 

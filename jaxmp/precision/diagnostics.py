@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._checks import Int, check
+
 from jaxmp.precision import fp8 as _fp8
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.policy import canonical_dtype
@@ -234,8 +236,7 @@ def format_report(report: Dict[str, LeafReport], top: Optional[int] = 10) -> str
     Raises:
       ValueError: ``top`` is not a positive integer or None.
     """
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
-        raise ValueError(f"top must be a positive integer or None, got {top!r}")
+    check("top", top, Int(1, text="a positive integer or None", none_ok=True))
     rows = sorted(report.items(), key=lambda kv: (-kv[1].underflow, -kv[1].overflow, kv[0]))
     shown = rows if top is None else rows[:top]
     width = max([len("leaf"), len("TOTAL")] + [len(p) for p, _ in shown])

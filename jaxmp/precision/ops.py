@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._checks import Int, check_int, check_real
+
 __all__ = [
     "rms_norm",
     "layer_norm",
@@ -66,6 +68,18 @@ _F32 = jnp.float32
 def _check_float(name: str, x: Any) -> None:
     if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         raise ValueError(f"{name} must have a floating-point dtype, got {jnp.result_type(x)}")
+
+
+def _check_matmul(x: Any, w: Any, k: str = "K", n: str = "N") -> None:
+    """Floating ``x [..., k]`` and a 2-D floating ``w [k, n]``; else a ValueError naming the
+    shapes (``k`` and ``n`` name the dimensions in the message)."""
+    _check_float("x", x)
+    _check_float("w", w)
+    if jnp.ndim(w) != 2:
+        raise ValueError(f"w must be a 2-D [{k}, {n}] weight, got shape {jnp.shape(w)}")
+    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
+        raise ValueError(f"x of shape {jnp.shape(x)} must end in {k} = {jnp.shape(w)[0]} "
+                         f"(w of shape {jnp.shape(w)})")
 
 
 def _out_dtype(x: Any, dtype: Any) -> jnp.dtype:
@@ -88,9 +102,7 @@ def _check_feature_param(name: str, p: Any, x: Any) -> None:
 
 
 def _check_eps(eps: float) -> None:
-    if isinstance(eps, bool) or not (isinstance(eps, (int, float, np.number)) and np.isfinite(eps)
-                                     and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    check_real("eps", eps, 0.0)
 
 
 def rms_norm(x: jax.Array, scale: Optional[jax.Array] = None, eps: float = 1e-6,
@@ -300,8 +312,7 @@ def softmax(x: jax.Array, axis: Any = -1, where: Optional[jax.Array] = None,
 def _axes(axis: Any, ndim: int) -> tuple:
     """``axis`` as a sorted tuple of non-negative ints (hashable, for ``nondiff_argnums``)."""
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-    ok = axes and all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
-                      and -ndim <= a < ndim for a in axes)
+    ok = axes and all(Int(-ndim, ndim - 1).ok(a) for a in axes)
     if not ok:
         raise ValueError(f"axis={axis!r} must be an int or a non-empty tuple of ints in "
                          f"[-{ndim}, {ndim}) for an array of rank {ndim}")
@@ -490,8 +501,7 @@ def causal_mask(q_len: int, kv_len: Optional[int] = None) -> jax.Array:
     """
     kv_len = q_len if kv_len is None else kv_len
     for name, n in (("q_len", q_len), ("kv_len", kv_len)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        check_int(name, n, 1, allowed="a positive integer")
     return jnp.tril(jnp.ones((q_len, kv_len), dtype=jnp.bool_), k=kv_len - q_len)
 
 
@@ -514,13 +524,7 @@ def router_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     Raises:
       ValueError: non-floating inputs, ``w`` not 2-D, or ``x``'s last axis != ``D``.
     """
-    _check_float("x", x)
-    _check_float("w", w)
-    if jnp.ndim(w) != 2:
-        raise ValueError(f"w must be [D, E], got shape {jnp.shape(w)}")
-    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
-        raise ValueError(f"x shape {jnp.shape(x)} must end in D = {jnp.shape(w)[0]} "
-                         f"(w shape {jnp.shape(w)})")
+    _check_matmul(x, w, "D", "E")
     return jnp.matmul(jnp.asarray(x).astype(_F32), jnp.asarray(w).astype(_F32),
                       precision=jax.lax.Precision.HIGHEST)
 

@@ -49,12 +49,13 @@ Gradient accumulation: one loss scale and one finiteness verdict per effective b
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxmp._checks import Real, check, is_real
 
 from jaxmp.precision.loss_scale import LossScale, all_finite, as_loss_scale, select_tree
 from jaxmp.precision.policy import canonical_dtype
@@ -77,10 +78,9 @@ def _is_float(x) -> bool:
 
 
 def _check_real(name: str, value: Any, lo: float, hi: Optional[float], allowed: str) -> None:
-    """Raises ValueError when a Python number lies outside ``[lo, hi)``; arrays pass."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not (lo <= value and (hi is None or value < hi)):
-            raise ValueError(f"{name}={value!r} is not allowed; it must be {allowed}")
+    """A Python number in ``[lo, hi)`` (:func:`jaxmp._checks.check`); arrays pass."""
+    if is_real(value):
+        check(name, value, Real(lo, hi, hi_open=True, finite=False, text=allowed))
 
 
 class ScaleByAdamState(NamedTuple):

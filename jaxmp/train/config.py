@@ -23,7 +23,6 @@ import difflib
 import importlib.util
 import json
 import math
-import numbers
 import pathlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -32,6 +31,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
+from jaxmp._checks import Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.moe import MOE_KERNELS
@@ -40,10 +40,11 @@ from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PRESETS, PolicyRules, canonical_dtype, get_policy_rules
 from jaxmp.train.keys import KEYS
+from jaxmp.train.data import SEED, TOKEN_DTYPES
 from jaxmp.train.optimizer import SCHEDULES
 
 __all__ = ["default_config", "complete_config", "load_config", "apply_overrides",
-           "config_to_dict", "Settings", "validate_config",
+           "config_to_dict", "Settings", "ALLOWED", "validate_config",
            "flat_keys", "closest_key"]
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -121,7 +122,7 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
         if key in sections:
             for sub, v in value.items():
                 default = merged[key][sub]
-                if isinstance(default, float) and _is_int(v):
+                if isinstance(default, float) and is_int(v):
                     v = float(v)  # learning_rate=1 means 1.0: keep the key a float
                 merged[key][sub] = v
         else:
@@ -265,6 +266,7 @@ class Settings:
       num_devices: devices of the mesh (the batch is split over all of them).
       layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy``,
         ``parallel.expert`` and ``parallel.dispatch_dtype``.
+      reduce_dtype: ``precision.grad_reduce_dtype`` as a ``jnp.dtype``.
     """
 
     config: ml_collections.ConfigDict
@@ -274,29 +276,96 @@ class Settings:
     comm: Dict[str, Any]
     num_devices: int
     layout: Any = None
+    reduce_dtype: Any = None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+_STEPS = Int(1, _I32_MAX, "an integer in [1, 2**31 - 1] (the train state counts steps in int32)")
+_COUNT = Int(1)
+_SPIKE = Kind(lambda v: is_real(v) and (v == 0 or 1 < v < math.inf),
+              "0 (off) or a finite number > 1")
+_UNIT_OPEN = Real(0, 1, hi_open=True, text="in [0, 1)")
+_MOMENT_DTYPE = Kind(lambda v: not v or canonical_dtype(v) is not None,
+                     "'' (the master dtype) or a dtype name such as bfloat16")
+
+# Every checked key and what it allows, in the order they are checked. The keys not here
+# are parsed whole below (the policy, the loss scale, the gradient communication, the
+# model's shape by ModelConfig, the parallel layout).
+ALLOWED: Dict[str, Any] = {
+    "train.steps": _STEPS,
+    "train.batch_size": _COUNT,
+    "train.log_every": _STEPS,
+    "train.grad_accum_steps": _COUNT,
+    "train.keep_checkpoints": _COUNT,
+    "train.checkpoint_every": _STEPS,
+    "train.eval_every": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = never)"),
+    "train.num_devices": Int(0, text="an integer >= 0 (0 = all devices)"),
+    "train.max_consecutive_skips": _STEPS,
+    "train.loss_spike_factor": _SPIKE,
+    "train.grad_norm_spike_factor": _SPIKE,
+    "train.max_divergent_steps": _STEPS,
+    "train.sample_tokens": Int(0),
+    "train.sample_temperature": Real(0, text="a finite number >= 0 (0 = greedy)"),
+    "train.sample_prompt": Kind(lambda v: isinstance(v, str), "a string"),
+    "optim.learning_rate": Real(0, _F32_MAX, lo_open=True,
+                                text="a number > 0 that float32 can hold"),
+    "optim.warmup_steps": Int(0, _I32_MAX),
+    "optim.decay_steps": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = train.steps)"),
+    "optim.final_lr_fraction": Real(0, 1, text="in [0, 1]"),
+    "optim.weight_decay": Real(0),
+    "optim.grad_clip": Real(0, text="a finite number >= 0 (0 = off)"),
+    "optim.b1": _UNIT_OPEN,
+    "optim.b2": _UNIT_OPEN,
+    "optim.eps": Real(0, lo_open=True),
+    "optim.schedule": Choice(SCHEDULES),
+    "optim.mu_dtype": _MOMENT_DTYPE,
+    "optim.nu_dtype": _MOMENT_DTYPE,
+    "data.path": Kind(lambda v: v is None or isinstance(v, str),
+                      "a path, a glob or '' (the stdlib corpus)"),
+    "data.text_field": Kind(lambda v: isinstance(v, str) and v.strip() != "",
+                            "a non-empty field name"),
+    "data.seq_len": _COUNT,
+    "data.eval_fraction": _UNIT_OPEN,
+    "data.num_eval_batches": Int(0, text="an integer >= 0 (0 = no evaluation)"),
+    "data.max_tokens": Int(0, text="an integer >= 0 (0 = all)", none_ok=True),
+    "data.tokenizer": Kind(lambda v: isinstance(v, str), "'bytes', a tokenizer.json or "
+                           "SentencePiece .model path, or 'bpe:VOCAB'"),
+    "data.token_dtype": Choice(TOKEN_DTYPES, "uint16 or uint32"),
+    "data.eod_id": Int(-1, text="an integer >= 0, or -1 (the tokenizer's own)"),
+    "seed": SEED,
+    "model.attention": Choice(ATTENTION_IMPLEMENTATIONS),
+    "model.moe_kernel": Choice(MOE_KERNELS),
+    "model.scan_layers": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.remat": Choice(REMAT_POLICIES),
+    "model.rope_theta": Real(),
+    "model.norm_eps": Real(),
+    "model.aux_loss_weight": Real(),
+    "model.bias_update_rate": Real(),
+    # The model's other checks are ModelConfig's; an int32 position is the run's.
+    "model.max_len": Kind(lambda v: not is_int(v) or v <= _I32_MAX,
+                          "at most 2**31 - 1 (positions are int32)"),
+}
 
 
-def _is_real(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+def _get(config: ml_collections.ConfigDict, key: str) -> Any:
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
 
 
-def _check(section: str, values, checks) -> None:
-    for key, ok, allowed in checks:
-        value = values[key]
-        try:
-            good = bool(ok(value))
-        except TypeError:
-            good = False
-        if not good:
-            raise ValueError(f"{section}.{key}={value!r} is not allowed; it must be {allowed}")
+def _check_table(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None:
+    for key in keys:
+        value, spec = _get(config, key), ALLOWED[key]
+        if not spec.ok(value):
+            raise ValueError(f"{key}={value!r} is not allowed; it must be {spec.allowed}")
 
 
 def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Settings:
     """Checks every setting of a run before any work is done; returns what it parsed.
+
+    Each key of :data:`ALLOWED` is checked against its entry, then what takes parsing
+    (the policy, the loss scale, the gradient communication, the model, the parallel
+    layout) is parsed once, and the keys that constrain each other are checked together.
 
     Args:
       config: a run config (missing keys take :func:`default_config`'s values).
@@ -307,40 +376,23 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
       The :class:`Settings`.
 
     Raises:
-      ValueError: an unknown key (named with the closest valid one); a model.attention,
-        model.scan_layers or model.remat value outside its set; a count that must
-        be positive is not; the global batch cannot be split into ``grad_accum_steps``
-        micro-batches that the data axis divides; an optimizer setting out of range; a
-        bad model shape or value (e.g. heads not dividing the width, top-k above the
-        number of experts, a non-finite ``aux_loss_weight`` or ``rope_theta``), policy,
-        loss scale, schedule, data setting or gradient communication; a parallel
-        layout that the devices or the model cannot take (``parallel.expert`` not
-        dividing the devices or the experts, expert parallelism without capacity
+      ValueError: an unknown key (named with the closest valid one); a value outside
+        its :data:`ALLOWED` entry; the global batch cannot be split into
+        ``grad_accum_steps`` micro-batches that the devices divide; a bad model shape
+        or value (e.g. heads not dividing the width, top-k above the number of
+        experts), policy, loss scale, data setting or gradient communication; a
+        parallel layout that the devices or the model cannot take (``parallel.expert``
+        not dividing the devices or the experts, expert parallelism without capacity
         dispatch, ``parallel.dispatch_dtype`` other than ``compute`` without expert
         parallelism, zero1/fsdp with ``d_model`` not divisible by the data axis, top-k
         compression outside data parallelism). The message names the value and what is
         allowed.
     """
     config = complete_config(config)
-    t, d, o, p = config.train, config.data, config.optim, config.precision
-    positive_int = (lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-    # A count of steps: the train state counts them in int32.
-    step_count = (lambda v: _is_int(v) and 1 <= v <= _I32_MAX, "an integer in [1, 2**31 - 1] "
-                  "(the train state counts steps in int32)")
-    _check("train", t, [
-        ("steps", *step_count), ("batch_size", *positive_int), ("log_every", *step_count),
-        ("grad_accum_steps", *positive_int), ("keep_checkpoints", *positive_int),
-        ("checkpoint_every", *step_count),
-        ("eval_every", lambda v: _is_int(v) and 0 <= v <= _I32_MAX, "an integer in [0, 2**31 - 1] (0 = never)"),
-        ("num_devices", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = all devices)"),
-        ("max_consecutive_skips", *step_count),
-        ("loss_spike_factor", lambda v: _is_real(v) and (v == 0 or 1 < v < math.inf), "0 (off) or a finite number > 1"),
-        ("grad_norm_spike_factor", lambda v: _is_real(v) and (v == 0 or 1 < v < math.inf), "0 (off) or a finite number > 1"),
-        ("max_divergent_steps", *step_count),
-        ("sample_tokens", lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
-        ("sample_temperature", lambda v: _is_real(v) and 0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
-        ("sample_prompt", lambda v: isinstance(v, str), "a string"),
-    ])
+    t, d, p = config.train, config.data, config.precision
+    keys = list(ALLOWED)
+    after = keys.index("optim.learning_rate")  # the batch split is checked after train.*
+    _check_table(config, keys[:after])
     if t.batch_size % t.grad_accum_steps:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                          f"train.grad_accum_steps={t.grad_accum_steps}")
@@ -350,53 +402,8 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
             f"the micro-batch of {micro} sequences (train.batch_size={t.batch_size} / "
             f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by the "
             f"{num_devices} devices of the mesh; use a multiple of {num_devices}")
-    _check("optim", o, [
-        ("learning_rate", lambda v: _is_real(v) and 0 < v <= _F32_MAX, "a number > 0 that float32 can hold"),
-        ("warmup_steps", lambda v: _is_int(v) and 0 <= v <= _I32_MAX, "an integer in [0, 2**31 - 1]"),
-        ("decay_steps", lambda v: _is_int(v) and 0 <= v <= _I32_MAX,
-         "an integer in [0, 2**31 - 1] (0 = train.steps)"),
-        ("final_lr_fraction", lambda v: _is_real(v) and 0 <= v <= 1, "in [0, 1]"),
-        ("weight_decay", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0"),
-        ("grad_clip", lambda v: _is_real(v) and math.isfinite(v) and v >= 0, "a finite number >= 0 (0 = off)"),
-        ("b1", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
-        ("b2", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
-        ("eps", lambda v: _is_real(v) and math.isfinite(v) and v > 0, "a finite number > 0"),
-        ("schedule", lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
-    ])
-    for key in ("mu_dtype", "nu_dtype"):
-        if o[key]:
-            try:
-                canonical_dtype(o[key])
-            except ValueError as e:
-                raise ValueError(f"optim.{key}: {e}") from None
-    _check("data", d, [
-        ("path", lambda v: v is None or isinstance(v, str), "a path, a glob or '' (the stdlib corpus)"),
-        ("text_field", lambda v: isinstance(v, str) and v.strip() != "", "a non-empty field name"),
-        ("seq_len", *positive_int),
-        ("eval_fraction", lambda v: _is_real(v) and 0 <= v < 1, "in [0, 1)"),
-        ("num_eval_batches", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = no evaluation)"),
-        ("max_tokens", lambda v: v is None or (_is_int(v) and v >= 0), "an integer >= 0 (0 = all)"),
-        ("tokenizer", lambda v: isinstance(v, str),
-         "'bytes', a tokenizer.json or SentencePiece .model path, or 'bpe:VOCAB'"),
-        ("token_dtype", lambda v: v in ("uint16", "uint32"), "uint16 or uint32"),
-        ("eod_id", lambda v: _is_int(v) and v >= -1, "an integer >= 0, or -1 (the tokenizer's own)"),
-    ])
-    if not _is_int(config.seed) or not 0 <= config.seed < 2**31 - 1:
-        raise ValueError(f"seed={config.seed!r} is not allowed; it must be an integer in [0, 2**31 - 1)")
-    m = config.model
-    _check("model", m, [
-        ("attention", lambda v: v in ATTENTION_IMPLEMENTATIONS, f"one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"),
-        ("moe_kernel", lambda v: v in MOE_KERNELS, f"one of {', '.join(MOE_KERNELS)}"),
-        ("scan_layers", lambda v: isinstance(v, bool), "True or False"),
-        ("remat", lambda v: v in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
-    ])
-    for key in ("rope_theta", "norm_eps", "aux_loss_weight", "bias_update_rate"):
-        if not _is_real(m[key]) or not math.isfinite(m[key]):
-            raise ValueError(f"model.{key}={m[key]!r} is not allowed; it must be a finite number")
-    if _is_int(m.max_len) and m.max_len > _I32_MAX:
-        raise ValueError(f"model.max_len={m.max_len} is not allowed; it must be at most 2**31 - 1 "
-                         f"(positions are int32)")
-    model = ModelConfig.from_config(m)
+    _check_table(config, keys[after:])
+    model = ModelConfig.from_config(config.model)
     if d.seq_len > model.max_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}")
     if not isinstance(p.policy, str) or not p.policy.strip():
@@ -407,12 +414,13 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     comm_kwargs = dict(grad_reduce_dtype=p.grad_reduce_dtype, grad_compression=p.grad_compression,
                        topk_ratio=p.topk_ratio)
     try:
-        comm.check_comm_config(**comm_kwargs)
+        reduce_dtype = comm.check_comm_config(**comm_kwargs)
     except ValueError as e:
         raise ValueError(f"precision: {e}") from None
     layout = _check_parallel(config, model, int(num_devices))
     return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale,
-                    comm=comm_kwargs, num_devices=int(num_devices), layout=layout)
+                    comm=comm_kwargs, num_devices=int(num_devices), layout=layout,
+                    reduce_dtype=reduce_dtype)
 
 
 def _check_parallel(config, model: ModelConfig, num_devices: int):

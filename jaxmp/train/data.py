@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 import grain
 import numpy as np
 
+from jaxmp._checks import Int, check, check_int, check_real
 from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -500,9 +501,7 @@ class DataPipeline:
             raise ValueError(
                 f"data state was saved for {state.get('fingerprint')}, but this "
                 f"pipeline is {self._fingerprint}")
-        position = state["iterator"].get("next_index")
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise ValueError(f"the iterator position next_index={position!r} must be an integer >= 0")
+        check_int("the iterator position next_index", state["iterator"].get("next_index"), 0)
 
     def set_state(self, state: dict) -> None:
         """Moves the train iterator to a position saved by :meth:`get_state`.
@@ -585,12 +584,6 @@ def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need
 def _count(n: int, noun: str) -> str:
     """``"1 document"``, ``"2 documents"``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 TOKEN_SUFFIXES = (".bin", ".npy")
@@ -711,6 +704,11 @@ def _prompt_from(stream, tokenizer, max_tokens: int = 16) -> np.ndarray:
     return encoded if encoded.size else ids.astype(np.int32)
 
 
+# The run's seed (the run config's ``seed``): the model's initialisation, the data order
+# and the sample all take it.
+SEED = Int(0, 2**31 - 2, text="an integer in [0, 2**31 - 1)")
+
+
 def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
                     process_index: int = 0, process_count: int = 1,
                     workdir: Optional[str | os.PathLike] = None) -> DataPipeline:
@@ -746,7 +744,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         tiny runs), and optionally ``tokenizer`` (default ``"bytes"``), ``token_dtype``
         and ``eod_id``.
       global_batch_size: sequences per step over all processes.
-      seed: shuffle seed in ``[0, 2**32)`` (grain's range).
+      seed: shuffle seed in ``[0, 2**31 - 1)`` (:data:`SEED`, the run config's ``seed``).
       process_index: this process, in ``[0, process_count)``.
       process_count: number of processes sharing each global batch.
       workdir: the run directory, where ``bpe:VOCAB`` keeps its ``tokenizer.json``.
@@ -762,28 +760,23 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         window; a corpus too short to give eval one window too while eval is enabled;
         a bad tokenizer, token dtype, end-of-document id or shard.
     """
-    seq_len = _check_int("data.seq_len", data_config.seq_len, 1)
-    batch = _check_int("global_batch_size", global_batch_size, 1)
-    count = _check_int("process_count", process_count, 1)
-    index = _check_int("process_index", process_index, 0)
-    if index >= count:
-        raise ValueError(f"process_index must be < process_count={count}, got {index}")
+    seq_len = check_int("data.seq_len", data_config.seq_len, 1)
+    batch = check_int("global_batch_size", global_batch_size, 1)
+    count = check_int("process_count", process_count, 1)
+    index = check_int("process_index", process_index, 0, count - 1)
     if batch % count:
         raise ValueError(f"global_batch_size={batch} is not divisible by "
                          f"process_count={count}")
-    seed = _check_int("seed", seed, 0)
-    if seed >= 2**32:
-        raise ValueError(f"seed must be < 2**32, got {seed}")
-    num_eval = _check_int("data.num_eval_batches", getattr(data_config, "num_eval_batches", 0), 0)
+    seed = int(check("seed", seed, SEED))
+    num_eval = check_int("data.num_eval_batches", getattr(data_config, "num_eval_batches", 0), 0)
     max_tokens = getattr(data_config, "max_tokens", None)
     if max_tokens is not None:
-        max_tokens = _check_int("data.max_tokens", max_tokens, 0) or None
-    eval_fraction = float(getattr(data_config, "eval_fraction", 0.0))
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+        max_tokens = check_int("data.max_tokens", max_tokens, 0) or None
+    eval_fraction = check_real("data.eval_fraction", getattr(data_config, "eval_fraction", 0.0),
+                               0.0, 1.0, hi_open=True)
     spec = getattr(data_config, "tokenizer", "bytes") or "bytes"
     eod_id = getattr(data_config, "eod_id", -1)
-    eod_id = -1 if eod_id is None else _check_int("data.eod_id", eod_id, -1)
+    eod_id = -1 if eod_id is None else check_int("data.eod_id", eod_id, -1)
 
     path = getattr(data_config, "path", None)
     warnings: list = []

@@ -60,6 +60,8 @@ from typing import Callable, Dict, Optional
 
 import jax
 
+from jaxmp._checks import check_int
+
 __all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "CoordinatorRelay", "start_watchdog",
            "last_checkpoint", "PEER_LOST_EXIT"]
 
@@ -130,10 +132,8 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
         or id, or a heartbeat timeout below 1.
     """
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
-    if (isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, int)
-            or heartbeat_timeout < 1):
-        raise ValueError(f"--heartbeat_timeout={heartbeat_timeout!r} must be an integer number of "
-                         f"seconds >= 1")
+    check_int("--heartbeat_timeout", heartbeat_timeout, 1,
+              allowed="an integer number of seconds >= 1")
     if any(given) and not all(given):
         raise ValueError("--coordinator_address, --num_processes and --process_id go together: "
                          "give all three (or none, to run one process or let a cluster's "

@@ -95,6 +95,7 @@ class Experiment:
         shardings, the state donated: ``(state, batch) -> (state, metrics)``.
       eval_step: ``jax.jit`` of :func:`~jaxmp.train.step.make_eval_step`:
         ``(state, batch) -> {"loss", "tokens"}`` summed over the batch.
+      plan: the :class:`jaxmp.sharding.StepPlan` both steps run by, built once here.
       workdir: the run directory (set by the trainer before :attr:`data` is read), where
         a ``bpe:VOCAB`` tokenizer is kept; None trains one in memory.
     """
@@ -113,6 +114,7 @@ class Experiment:
     batch_sharding: NamedSharding
     train_step: Callable
     eval_step: Callable
+    plan: Optional[sharding.StepPlan] = None
     _init: Callable = dataclasses.field(repr=False, default=None)
     _copy: Optional[Callable] = dataclasses.field(repr=False, default=None)
     workdir: Optional[Any] = None
@@ -165,15 +167,19 @@ class Experiment:
         if layout.compute_copy:
             abstract = abstract.replace(compute_params=jax.eval_shape(copy_fn, abstract.params))
         state_sh = train_state_shardings(abstract, mesh, layout)
+        # The steps' per-device layout, worked out once from the abstract state.
+        plan = sharding.StepPlan(
+            mesh, layout, abstract.compute_params if layout.compute_copy else abstract.params,
+            abstract.params, settings.reduce_dtype)
         batch_sh = sharding.batch_sharding(mesh, layout.state_rules)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 abstract, state_sh)
-        step = make_train_step(graphdef, optimizer, mesh=mesh, lr_schedule=lr_schedule,
+        step = make_train_step(graphdef, optimizer, plan=plan, lr_schedule=lr_schedule,
                                bias_update_rate=settings.model.bias_update_rate,
                                grad_accum_steps=cfg.train.grad_accum_steps,
                                loss_spike_factor=cfg.train.loss_spike_factor,
                                grad_norm_spike_factor=cfg.train.grad_norm_spike_factor,
-                               layout=layout, **settings.comm)
+                               **settings.comm)
         return cls(
             settings=settings, mesh=mesh, layout=layout, rules=model.rules,
             graphdef=graphdef, module_paths=tuple(module_paths(model)),
@@ -181,7 +187,9 @@ class Experiment:
             abstract_state=abstract, state_shardings=state_sh, batch_sharding=batch_sh,
             train_step=jax.jit(step, in_shardings=(state_sh, batch_sh),
                                out_shardings=(state_sh, None), donate_argnums=0),
-            eval_step=jax.jit(make_eval_step(graphdef, mesh, layout), in_shardings=(state_sh, batch_sh)),
+            eval_step=jax.jit(make_eval_step(graphdef, plan=plan),
+                              in_shardings=(state_sh, batch_sh)),
+            plan=plan,
             _init=jax.jit(init, out_shardings=state_sh.replace(compute_params=None)),
             _copy=jax.jit(copy_fn, out_shardings=state_sh.compute_params) if layout.compute_copy else None)
 

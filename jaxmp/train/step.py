@@ -5,16 +5,18 @@ function over a :class:`~jaxmp.train.state.TrainState` that the
 :class:`~jaxmp.train.experiment.Experiment` compiles with ``jax.jit`` over its mesh. There
 is one gradient path, whatever the number of devices (one device is a 1-device mesh):
 
-1. Per device, inside ``jax.shard_map`` over the mesh's ``"data"`` axis: forward and
-   backward on that device's share of the batch, in the compute dtypes of the module
-   policies, on the loss multiplied by the loss scale (micro-batches accumulate in the
-   master dtype when ``grad_accum_steps > 1``). A device-varying copy of the parameters
-   is differentiated, so ``shard_map`` inserts no reduction of its own.
+1. Per device, inside ``jax.shard_map`` over the mesh's batch axes (``"data"`` and
+   ``"expert"``): forward and backward on that device's share of the batch, in the
+   compute dtypes of the module policies, on the loss multiplied by the loss scale
+   (micro-batches accumulate in the master dtype when ``grad_accum_steps > 1``). A
+   device-varying copy of the parameters is differentiated, so ``shard_map`` inserts no
+   reduction of its own.
 2. Each device's finiteness verdict is combined with ``pmin``; the gradients are
-   averaged explicitly by :func:`jaxmp.comm.exchange_gradients`, in
-   ``grad_reduce_dtype`` (float32, bfloat16 or float16) or as top-k values and indices
-   with an error-feedback residual kept in ``TrainState.comm_state``, and unscaled to
-   float32.
+   averaged explicitly, leaf by leaf as the run's :class:`~jaxmp.sharding.StepPlan` says
+   (all-reduce, or ZeRO's reduce-scatter), by :func:`jaxmp.comm.reduce_gradients` in
+   ``grad_reduce_dtype`` (float32, bfloat16 or float16), or under top-k compression by
+   :func:`jaxmp.comm.exchange_gradients` as values and indices with an error-feedback
+   residual kept in ``TrainState.comm_state``, and unscaled to float32.
 3. The optimizer (clipping included) sees unscaled float32 gradients; on a non-finite
    step the parameters, every optimizer-state leaf, the router biases and the top-k
    residual are selected back bitwise and the loss scale backs off
@@ -34,25 +36,23 @@ from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxmp import sharding
-
+from jaxmp._checks import check_int
 from jaxmp.models import FP8State, update_router_bias
 from jaxmp.precision import comm, fp8, ops, optim
 from jaxmp.precision._paths import path_name
-from jaxmp.precision._vma import varying_axes
 from jaxmp.precision.loss_scale import all_finite, select_tree
-from jaxmp.sharding import DATA_AXIS, EXPERT_AXIS, Layout
+from jaxmp.sharding import DATA_AXIS, EXPERT_AXIS, Layout, StepPlan
 from jaxmp.train.state import TrainState
 
 __all__ = ["loss_fn", "make_train_step", "make_eval_step"]
 
 
-def loss_fn(graphdef, params, biases, rest, loss_scale, batch):
+def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None):
     """The training loss, multiplied by the loss scale, and what the step logs.
 
     Args:
@@ -60,6 +60,10 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch):
       params, biases, rest: the model's state (``split_model``'s three parts).
       loss_scale: a jaxmp loss scale.
       batch: ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``.
+      amax: the :class:`~jaxmp.models.FP8State` histories, when ``rest`` is given without
+        them (``nnx.split_state(rest, FP8State, ...)``), so that they can be
+        differentiated: their cotangent is their update (Flax's "overwrite with
+        gradient").
 
     Returns:
       ``(loss_scale.scale(cross_entropy + aux_loss), (cross_entropy, aux))``: the
@@ -67,23 +71,11 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch):
       tokens), ``aux`` the model's dict (``aux_loss``, ``expert_counts``,
       ``dropped_fraction``).
     """
-    model = nnx.merge(graphdef, params, biases, rest)
-    logits, aux = model(batch["inputs"])
+    if amax is not None:
+        rest = nnx.merge_state(amax, rest)
+    logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
     ce = ops.cross_entropy(logits, batch["targets"])
-    loss = ce + aux["aux_loss"]
-    return loss_scale.scale(loss), (ce, aux)
-
-
-def split_fp8(rest):
-    """``(fp8_states, other)``: the :class:`~jaxmp.models.FP8State` leaves of a model's
-    ``rest`` state and everything else (``nnx.merge_state`` puts them back together)."""
-    return nnx.split_state(rest, FP8State, ...)
-
-
-def _fp8_loss(graphdef, params, biases, amax, other, loss_scale, batch):
-    """:func:`loss_fn` with ``rest`` given as its FP8 histories and the remainder, so that
-    the histories can be differentiated (their cotangent is their update)."""
-    return loss_fn(graphdef, params, biases, nnx.merge_state(amax, other), loss_scale, batch)
+    return loss_scale.scale(ce + aux["aux_loss"]), (ce, aux)
 
 
 def _layer_order(path) -> list:
@@ -98,7 +90,8 @@ def _update_biases(biases, expert_counts, rate):
     stacked ``[layers, num_experts]`` leaf one row per layer, each layer moved by its own
     counts.
     """
-    flat = sorted(jax.tree_util.tree_flatten_with_path(biases)[0], key=lambda pl: _layer_order(pl[0]))
+    flat = sorted(jax.tree_util.tree_flatten_with_path(biases)[0],
+                  key=lambda pl: _layer_order(pl[0]))
     if not flat:
         return biases
     rows, start = {}, 0
@@ -112,7 +105,8 @@ def _update_biases(biases, expert_counts, rate):
 
     def update(path, bias):
         first, n = rows[path_name(path)]
-        return update_router_bias(bias, expert_counts[first:first + n].reshape(jnp.shape(bias)), rate)
+        counts = expert_counts[first:first + n].reshape(jnp.shape(bias))
+        return update_router_bias(bias, counts, rate)
 
     return jax.tree_util.tree_map_with_path(update, biases)
 
@@ -123,89 +117,14 @@ def _micro_batches(batch, n):
 
 def _mean_aux(ces, auxes):
     """Combines per-micro-batch losses and MoE statistics of one step."""
-    return ces.mean(), {"aux_loss": auxes["aux_loss"].mean(), "expert_counts": auxes["expert_counts"].sum(0),
+    return ces.mean(), {"aux_loss": auxes["aux_loss"].mean(),
+                        "expert_counts": auxes["expert_counts"].sum(0),
                         "dropped_fraction": auxes["dropped_fraction"].mean()}
 
 
-class _Plan:
-    """How one train or eval step lays its arrays out, derived at trace time from the
-    state's logical axes and the run's :class:`~jaxmp.sharding.Layout`.
-
-    Attributes:
-      axes: the mesh axes the batch is split over (those of ``layout.batch_axes`` the
-        mesh has).
-      total: the devices (product of ``axes``): each holds a share of the batch.
-      expert_axis: the mesh axis of expert parallelism, or None.
-      dispatch_dtype: the dtype of the expert-parallel dispatch (``"compute"`` or ``"e4m3"``).
-      compute_specs: ``PartitionSpec`` per parameter leaf as the forward reads it.
-      state_specs: ``PartitionSpec`` per parameter leaf at rest (master, moments).
-      layouts: :class:`jaxmp.comm.LeafReduce` per gradient leaf.
-      gather: the FSDP gather for :func:`jaxmp.sharding.in_step`, or None.
-    """
-
-    def __init__(self, mesh: Mesh, layout: Layout, compute_params, master_params, reduce_dtype):
-        layout = layout.on(mesh)
-        self.mesh, self.layout = mesh, layout
-        self.axes = tuple(a for a in layout.batch_axes if a in mesh.axis_names)
-        self.total = int(np.prod([mesh.shape[a] for a in self.axes]))
-        self.expert_axis = EXPERT_AXIS if mesh.shape.get(EXPERT_AXIS, 1) > 1 else None
-        self.dispatch_dtype = layout.dispatch_dtype
-
-        def specs(tree, rules):
-            return jax.tree.map(lambda s: s.spec, sharding.state_shardings(tree, mesh, rules),
-                                is_leaf=lambda x: isinstance(x, NamedSharding))
-
-        self.compute_specs = specs(compute_params, layout.compute_rules)
-        self.state_specs = specs(master_params, layout.state_rules)
-        compute_rules = dict(layout.compute_rules)
-        fsdp = layout.strategy == "fsdp"
-
-        def leaf_reduce(compute_spec, state_spec):
-            used_c = _spec_axes(compute_spec)
-            scatter, dim = None, 0
-            if not fsdp:
-                for d, entry in enumerate(state_spec):
-                    if DATA_AXIS in _entry_axes(entry) and DATA_AXIS not in used_c:
-                        scatter, dim = DATA_AXIS, d
-            sums = tuple(a for a in self.axes if a not in used_c and a != scatter)
-            return comm.LeafReduce(sums, scatter, dim, divided=fsdp and DATA_AXIS in used_c)
-
-        self.layouts = jax.tree.map(leaf_reduce, self.compute_specs, self.state_specs,
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
-        self.gather = None
-        if fsdp:
-            data_names = {name for name, target in compute_rules.items() if DATA_AXIS in _entry_axes(target)}
-
-            def gather(value, logical_axes, dtype):
-                dims = [i for i, name in enumerate(logical_axes) if name in data_names]
-                if not dims:
-                    return value.astype(dtype)
-                return comm.gather_param(value, DATA_AXIS, dims[0], dtype, reduce_dtype, self.total)
-
-            self.gather = gather
-
-    def varying(self, tree):
-        """Every leaf made device-varying over all of :attr:`axes`: the gradient of a
-        replicated input would otherwise be summed by ``shard_map``'s transpose, in the
-        input's dtype, behind the explicit reduction's back."""
-        def one(x):
-            missing = tuple(a for a in self.axes if a not in varying_axes(x))
-            return jax.lax.pcast(x, missing, to="varying") if missing else x
-        return jax.tree.map(one, tree)
-
-
-def _entry_axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _spec_axes(spec) -> set:
-    return {a for entry in spec for a in _entry_axes(entry)}
-
-
-def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Plan, comm_kwargs):
-    """Per-device gradients inside ``shard_map``, reduced by their layouts.
+def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: StepPlan,
+                   reduce_dtype, comm_kwargs):
+    """Per-device gradients inside ``shard_map``, reduced as ``plan.reduces`` says.
 
     Returns ``(grads, finite, ce, aux, new_comm_state, new_amax)``: float32 unscaled
     gradients of the mean loss laid out like the master weights (replicated, or split
@@ -215,11 +134,12 @@ def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Pla
     devices, and the updated FP8 amax histories (max over micro-batches and over every
     batch axis of the mesh, replicated; empty without delayed scaling).
     """
-    n = plan.total
+    n, axes = plan.total, plan.axes
     rows = jax.tree.leaves(batch)[0].shape[0]
     if rows % (n * grad_accum_steps):
         raise ValueError(f"a batch of {rows} sequences does not split into {n} devices x "
-                         f"{grad_accum_steps} micro-batches; use a multiple of {n * grad_accum_steps}")
+                         f"{grad_accum_steps} micro-batches; use a multiple of "
+                         f"{n * grad_accum_steps}")
     topk = comm_kwargs["grad_compression"] == "topk"
     residual = state.comm_state["residual"] if topk and state.comm_state is not None else None
     if topk:
@@ -228,28 +148,26 @@ def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Pla
                              "jaxmp.comm.init_comm_state(params, num_devices, 'topk'); it is None")
         leading = {jnp.shape(r)[0] for r in jax.tree.leaves(residual)}
         if leading != {n}:
-            raise ValueError(f"the top-k residual has leading dimension(s) {sorted(leading)} but the "
-                             f"mesh has {n} devices; build it with num_devices={n}")
+            raise ValueError(f"the top-k residual has leading dimension(s) {sorted(leading)} but "
+                             f"the mesh has {n} devices; build it with num_devices={n}")
     params = state.compute_params if plan.layout.compute_copy else state.params
-    reduce_dtype = comm.check_comm_config(**comm_kwargs)
-    axes = plan.axes
+    # d(scaled loss)/d(params, amax): the histories' "gradient" is their update.
+    grad_fn = jax.grad(loss_fn, argnums=(1, 6), has_aux=True)
 
-    def per_device(params, biases, rest, loss_scale, residual, batch):
-        # Differentiate device-varying copies of the params and FP8 histories (plan.varying).
-        params = plan.varying(params)
-        amax, other = split_fp8(rest)
-        amax = plan.varying(amax)
-        with sharding.in_step(plan.expert_axis, plan.gather, plan.dispatch_dtype):
+    def per_device(params, biases, amax, other, loss_scale, residual, batch):
+        # Device-varying copies (plan.varying): shard_map adds no reduction of its own.
+        params, amax = plan.varying(params), plan.varying(amax)
+        with plan.in_step():
             if grad_accum_steps == 1:
-                (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, amax, other,
-                                                       loss_scale, batch)
+                (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, other,
+                                                       loss_scale, batch, amax)
                 local_finite = all_finite(grads)
             else:
                 def body(carry, micro_batch):
                     acc, amax_acc = carry
-                    (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, amax, other,
-                                                    loss_scale, micro_batch)
-                    # Still scaled: the loss scale stays on the wire (see comm.pmean_gradients).
+                    (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, other, loss_scale,
+                                                    micro_batch, amax)
+                    # Still scaled: the loss scale stays on the wire (comm.reduce_gradients).
                     # Amax histories: the max over micro-batches, never the last one (FP8-1).
                     return ((optim.accumulate(acc, g, loss_scale, grads_scaled=False),
                              fp8.merge_states(amax_acc, a)), (ce_m, aux_m))
@@ -258,9 +176,10 @@ def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Pla
                 # (a zero1 compute copy is bfloat16): the master dtype of mixed precision.
                 init = plan.varying(optim.accumulator_init(
                     jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
-                amax_init = plan.varying(jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, a.dtype), amax))
-                (acc, new_amax), (ces, auxes) = jax.lax.scan(body, (init, amax_init),
-                                                             _micro_batches(batch, grad_accum_steps))
+                amax_init = plan.varying(
+                    jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, a.dtype), amax))
+                (acc, new_amax), (ces, auxes) = jax.lax.scan(
+                    body, (init, amax_init), _micro_batches(batch, grad_accum_steps))
                 grads, local_finite = optim.accumulated_mean(acc)
                 local_finite = local_finite & all_finite(grads)
                 ce, aux = _mean_aux(ces, auxes)
@@ -273,46 +192,27 @@ def _sharded_grads(grad_fn, graphdef, state, batch, grad_accum_steps, plan: _Pla
                                                        axis_name=axes, **comm_kwargs)
             new_residual = jax.tree.map(lambda r: r[None], new_state["residual"])
         else:
-            grads = loss_scale.unscale(comm.reduce_gradients(grads, plan.layouts, n, reduce_dtype))
+            grads = loss_scale.unscale(
+                comm.reduce_gradients(grads, plan.reduces, n, reduce_dtype))
             new_residual = None
         finite = jax.lax.pmin(local_finite.astype(jnp.int32), axes).astype(jnp.bool_)
-        aux = {"aux_loss": jax.lax.pmean(jnp.asarray(aux["aux_loss"], jnp.float32), axes),
-               "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
-               "dropped_fraction": jax.lax.pmean(jnp.asarray(aux["dropped_fraction"], jnp.float32), axes)}
-        return grads, finite, jax.lax.pmean(ce.astype(jnp.float32), axes), aux, new_residual, new_amax
 
-    rep, split = PartitionSpec(), PartitionSpec(axes)
+        def mean(x):
+            return jax.lax.pmean(jnp.asarray(x, jnp.float32), axes)
+
+        aux = {"aux_loss": mean(aux["aux_loss"]),
+               "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
+               "dropped_fraction": mean(aux["dropped_fraction"])}
+        return grads, finite, mean(ce), aux, new_residual, new_amax
+
+    rep, split = PartitionSpec(), plan.batch_spec
     grads, finite, ce, aux, new_residual, new_amax = jax.shard_map(
-        per_device, mesh=plan.mesh, in_specs=(plan.compute_specs, rep, rep, rep, split, split),
+        per_device, mesh=plan.mesh,
+        in_specs=(plan.compute_specs, rep, rep, rep, rep, split, split),
         out_specs=(plan.state_specs, rep, rep, rep, split, rep))(
-            params, state.biases, state.rest, state.loss_scale, residual, batch)
+            params, state.biases, amax, other, state.loss_scale, residual, batch)
     new_comm_state = {"residual": new_residual} if topk else state.comm_state
     return grads, finite, ce, aux, new_comm_state, new_amax
-
-
-def compute_copy(params, dtypes, plan: _Plan):
-    """ZeRO-1's compute-dtype copy of the parameters: each device casts its slice of the
-    master weights and ``all_gather`` s it over ``data`` (DeepSpeed ZeRO with bf16;
-    DeepSeek-V3 section 3.2.3), so the compute dtype crosses the wire, not float32.
-
-    Args:
-      params: the master weights, split like ``plan.state_specs``.
-      dtypes: a tree like ``params`` of compute dtypes.
-      plan: the step's layout.
-    """
-    def one(x, dtype, state_spec, compute_spec):
-        x = x.astype(dtype)
-        for d, entry in enumerate(state_spec):
-            if DATA_AXIS in _entry_axes(entry) and DATA_AXIS not in _spec_axes(compute_spec):
-                x = jax.lax.all_gather(x, DATA_AXIS, axis=d, tiled=True, to="invarying")
-        return x
-
-    def per_device(params):
-        return jax.tree.map(one, params, dtypes, plan.state_specs, plan.compute_specs,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-    return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(plan.state_specs,),
-                         out_specs=plan.compute_specs)(params)
 
 
 _EMA_DECAY = 0.9
@@ -341,30 +241,44 @@ def _health(state: TrainState, ce, grad_norm, applied, loss_spike_factor, grad_n
     def ema(old, x):
         return jnp.where(healthy, jnp.where(seen, _EMA_DECAY * old + (1 - _EMA_DECAY) * x, x), old)
 
-    steps = jnp.where(divergent, state.divergent_steps + 1, jnp.where(applied, 0, state.divergent_steps))
-    return divergent, ema(state.loss_ema, ce), ema(state.grad_norm_ema, grad_norm), steps.astype(jnp.int32)
+    steps = jnp.where(divergent, state.divergent_steps + 1,
+                      jnp.where(applied, 0, state.divergent_steps)).astype(jnp.int32)
+    return divergent, ema(state.loss_ema, ce), ema(state.grad_norm_ema, grad_norm), steps
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: Mesh,
-                    lr_schedule: optax.Schedule, bias_update_rate: float = 0.0,
-                    grad_accum_steps: int = 1, grad_reduce_dtype: Any = "float32",
-                    grad_compression: str = "none", topk_ratio: float = 0.3,
-                    loss_spike_factor: float = 3.0, grad_norm_spike_factor: float = 100.0,
-                    layout: Optional[Layout] = None) -> Callable:
+def _check_mesh(mesh, who: str) -> None:
+    if not isinstance(mesh, Mesh) or DATA_AXIS not in mesh.axis_names:
+        raise ValueError(f"{who} needs mesh= a jax.sharding.Mesh with a {DATA_AXIS!r} axis "
+                         f"(jaxmp.sharding.make_mesh), got {mesh!r}")
+
+
+def _plan_for(state: TrainState, mesh: Mesh, layout: Layout, reduce_dtype) -> StepPlan:
+    """The plan of a step made without one, from the state it is traced with."""
+    compute = state.compute_params if layout.compute_copy else state.params
+    return StepPlan(mesh, layout, compute, state.params, reduce_dtype)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
+                    mesh: Optional[Mesh] = None, lr_schedule: optax.Schedule,
+                    bias_update_rate: float = 0.0, grad_accum_steps: int = 1,
+                    grad_reduce_dtype: Any = "float32", grad_compression: str = "none",
+                    topk_ratio: float = 0.3, loss_spike_factor: float = 3.0,
+                    grad_norm_spike_factor: float = 100.0, layout: Optional[Layout] = None,
+                    plan: Optional[StepPlan] = None) -> Callable:
     """Returns the pure ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
       graphdef: the model's NNX graph definition (static).
       optimizer: an optax transformation over the master params.
       mesh: the device mesh, with a ``"data"`` axis (one device: a 1-device mesh, e.g.
-        :func:`jaxmp.sharding.make_mesh` ``(1)``).
+        :func:`jaxmp.sharding.make_mesh` ``(1)``); with ``plan``, None or ``plan.mesh``.
       lr_schedule: the optimizer's learning-rate schedule, reported in the metrics at
         the optimizer's count of applied (non-skipped) updates.
       bias_update_rate: gamma of auxiliary-loss-free balancing; 0 leaves biases fixed.
       grad_accum_steps: micro-batches per step; each device's share of the batch must be
         divisible by it. Gradients accumulate in the master dtype under one loss scale.
       grad_reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the
-        dtype gradients are summed across devices in (:func:`jaxmp.comm.pmean_gradients`).
+        dtype gradients are summed across devices in (:func:`jaxmp.comm.reduce_gradients`).
       grad_compression: ``"none"`` or ``"topk"`` (:func:`jaxmp.comm.topk_compress`;
         needs ``state.comm_state``).
       topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
@@ -373,7 +287,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
       grad_norm_spike_factor: likewise for the unscaled gradient norm (0 = off; the
         default 100 is loose because clipped training tolerates large spikes).
       layout: where the state and the parameters live (:func:`jaxmp.sharding.layout`:
-        dp, zero1 or fsdp, and expert parallelism); data parallelism when None.
+        dp, zero1 or fsdp, and expert parallelism); data parallelism when None; with
+        ``plan``, None or ``plan.layout``'s strategy.
+      plan: the run's :class:`~jaxmp.sharding.StepPlan`, built once with
+        ``grad_reduce_dtype`` (:meth:`jaxmp.train.Experiment.create`); None builds one
+        from the state each time the step is traced.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, B split over the
     mesh's data axis. Metrics (float32 scalars unless noted): ``loss`` (cross-entropy),
@@ -386,39 +304,40 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
 
     Raises:
       ValueError: ``grad_accum_steps`` < 1; bad communication settings (see
-        :func:`jaxmp.comm.check_comm_config`); a mesh without a ``"data"`` axis. When
-        tracing: top-k without (or with a mis-sized) ``state.comm_state``; a batch that
-        the devices times ``grad_accum_steps`` do not divide.
+        :func:`jaxmp.comm.check_comm_config`); a mesh without a ``"data"`` axis, or one
+        other than ``plan``'s; top-k outside data parallelism. When tracing: top-k
+        without (or with a mis-sized) ``state.comm_state``; a batch that the devices
+        times ``grad_accum_steps`` do not divide.
     """
-    if grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
-    comm.check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
-    if not isinstance(mesh, Mesh) or comm.DATA_AXIS not in mesh.axis_names:
-        raise ValueError(f"make_train_step needs mesh= a jax.sharding.Mesh with a {comm.DATA_AXIS!r} "
-                         f"axis (jaxmp.sharding.make_mesh), got {mesh!r}")
+    check_int("grad_accum_steps", grad_accum_steps, 1)
+    reduce_dtype = comm.check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
+    if plan is not None:
+        if mesh is not None and mesh is not plan.mesh:
+            raise ValueError("make_train_step got a mesh other than its plan's; pass one")
+        mesh, layout = plan.mesh, plan.layout
+    _check_mesh(mesh, "make_train_step")
     comm_kwargs = dict(grad_reduce_dtype=grad_reduce_dtype, grad_compression=grad_compression,
                        topk_ratio=topk_ratio)
     layout = layout or sharding.layout("dp", 1)
-    if grad_compression == "topk" and (layout.strategy != "dp" or mesh.shape.get(EXPERT_AXIS, 1) > 1):
-        raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and parallel.expert=1")
-    # Under FSDP each module gathers its weights inside its own checkpoint
-    # (jaxmp.sharding.fsdp_checkpoint_policy, composed with model.remat's policy).
-    grad_fn = jax.grad(_fp8_loss, argnums=(1, 3), has_aux=True)
+    topk = grad_compression == "topk"
+    if topk and (layout.strategy != "dp" or mesh.shape.get(EXPERT_AXIS, 1) > 1):
+        raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and "
+                         "parallel.expert=1")
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-        compute = state.compute_params if layout.compute_copy else state.params
-        plan = _Plan(mesh, layout, compute, state.params, comm.check_comm_config(**comm_kwargs))
+        step_plan = plan or _plan_for(state, mesh, layout, reduce_dtype)
+        amax, other = nnx.split_state(state.rest, FP8State, ...)
         grads, finite, ce, aux, new_comm_state, new_amax = _sharded_grads(
-            grad_fn, graphdef, state, batch, grad_accum_steps, plan, comm_kwargs)
+            graphdef, state, amax, other, batch, grad_accum_steps, step_plan, reduce_dtype,
+            comm_kwargs)
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
-        amax, other = split_fp8(state.rest)
         update = optim.apply_gradients(
             optimizer, grads, state.opt_state, state.params, state.loss_scale,
             grads_scaled=False, grads_finite=finite, extra=(state.biases, amax),
             new_extra=(new_biases, new_amax))
         biases, amax = update.extra
-        if grad_compression == "topk":  # a skipped step leaves the residual bitwise, as the params
+        if topk:  # a skipped step leaves the residual bitwise, as the params
             new_comm_state = select_tree(update.applied, new_comm_state, state.comm_state)
         not_applied = (~update.applied).astype(jnp.int32)
         skipped = state.skipped_steps + not_applied
@@ -431,8 +350,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
             # second evaluation of the update into the cast (rounded otherwise, e.g. with
             # another FMA contraction), so the copy is exactly what a restore rebuilds.
             stored = jax.lax.optimization_barrier(update.params)
-            new_compute = compute_copy(stored, jax.tree.map(lambda x: x.dtype, compute), plan)
-            new_compute = select_tree(update.applied, new_compute, state.compute_params)
+            dtypes = jax.tree.map(lambda x: x.dtype, state.compute_params)
+            new_compute = select_tree(update.applied, step_plan.compute_copy(stored, dtypes),
+                                      state.compute_params)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=biases,
             rest=nnx.merge_state(amax, other),
@@ -462,36 +382,43 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, mesh: 
     return train_step
 
 
-def make_eval_step(graphdef, mesh: Mesh, layout: Optional[Layout] = None) -> Callable:
+def make_eval_step(graphdef, mesh: Optional[Mesh] = None, layout: Optional[Layout] = None,
+                   plan: Optional[StepPlan] = None) -> Callable:
     """Returns ``eval_step(state, batch) -> {"loss": float32, "tokens": float32}``.
 
     Each device runs the forward pass on its share of the batch inside ``jax.shard_map``
-    over the mesh, with the parameters laid out as the train step reads them (``layout``;
-    data parallelism when None), and the sums are ``psum`` -med. ``loss`` is the summed
-    token cross-entropy of the batch (float32) and ``tokens`` the token count, so a
-    caller can average over batches of different sizes exactly.
+    over the mesh, with the parameters laid out as the train step reads them (``plan``,
+    else one built from ``layout``, data parallelism when None), and the sums are
+    ``psum`` -med. ``loss`` is the summed token cross-entropy of the batch (float32) and
+    ``tokens`` the token count, so a caller can average over batches of different sizes
+    exactly.
 
     Raises:
-      ValueError: a mesh without a ``"data"`` axis.
+      ValueError: a mesh without a ``"data"`` axis, or one other than ``plan``'s.
     """
-    if not isinstance(mesh, Mesh) or comm.DATA_AXIS not in mesh.axis_names:
-        raise ValueError(f"make_eval_step needs mesh= a jax.sharding.Mesh with a {comm.DATA_AXIS!r} "
-                         f"axis, got {mesh!r}")
+    if plan is not None:
+        if mesh is not None and mesh is not plan.mesh:
+            raise ValueError("make_eval_step got a mesh other than its plan's; pass one")
+        mesh, layout = plan.mesh, plan.layout
+    _check_mesh(mesh, "make_eval_step")
     layout = layout or sharding.layout("dp", 1)
 
     def eval_step(state: TrainState, batch):
+        step_plan = plan or _plan_for(state, mesh, layout, jnp.float32)
         params = state.compute_params if layout.compute_copy else state.params
-        plan = _Plan(mesh, layout, params, state.params, jnp.float32)
 
         def per_device(params, biases, rest, batch):
-            with sharding.in_step(plan.expert_axis, plan.gather, plan.dispatch_dtype):
+            with step_plan.in_step():
                 logits, _ = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
             tokens = jnp.asarray(batch["targets"].size, jnp.float32)
             loss = ops.cross_entropy(logits, batch["targets"]) * tokens
-            return {"loss": jax.lax.psum(loss, plan.axes), "tokens": jax.lax.psum(tokens, plan.axes)}
+            return {"loss": jax.lax.psum(loss, step_plan.axes),
+                    "tokens": jax.lax.psum(tokens, step_plan.axes)}
 
         rep = PartitionSpec()
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(plan.compute_specs, rep, rep, PartitionSpec(plan.axes)),
-                             out_specs=rep)(params, state.biases, state.rest, batch)
+        return jax.shard_map(
+            per_device, mesh=mesh,
+            in_specs=(step_plan.compute_specs, rep, rep, step_plan.batch_spec),
+            out_specs=rep)(params, state.biases, state.rest, batch)
 
     return eval_step

@@ -23,7 +23,7 @@ from jaxmp.precision._fp8.quant import (
     _F32, BLOCK, _amax, _cols, _dequantize_tiles, _q_tiles, _quantize, _quantize_blocks,
     scale_from_amax)
 from jaxmp.precision._fp8.recipe import Recipe, _check_recipe, _check_state, roll_history
-from jaxmp.precision.ops import _check_float
+from jaxmp.precision.ops import _check_float, _check_matmul
 from jaxmp.precision._vma import match_varying
 
 def _mm(a, b, group_sizes):
@@ -495,13 +495,7 @@ def dot(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None) -> ja
         shape or dtype.
     """
     recipe = _check_recipe(recipe)
-    _check_float("x", x)
-    _check_float("w", w)
-    if jnp.ndim(w) != 2:
-        raise ValueError(f"w must be a 2-D [K, N] weight, got shape {jnp.shape(w)}")
-    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
-        raise ValueError(f"x of shape {jnp.shape(x)} must end in K = {jnp.shape(w)[0]} "
-                         f"(w of shape {jnp.shape(w)})")
+    _check_matmul(x, w)
     state = _check_state(recipe, state)
     x, w = jnp.asarray(x), jnp.asarray(w)
     lead = x.shape[:-1]

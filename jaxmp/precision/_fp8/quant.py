@@ -4,13 +4,13 @@ Formulas and sources: :mod:`jaxmp.precision.fp8` (the module docstring) and each
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._checks import Int, check_int
 from jaxmp.precision.ops import _check_float
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -35,9 +35,7 @@ def _fp8_dtype(dtype: Any) -> jnp.dtype:
 
 
 def _check_margin(margin: Any) -> int:
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Integral) or margin < 0:
-        raise ValueError(f"margin={margin!r} must be an integer >= 0 (binades of headroom)")
-    return int(margin)
+    return check_int("margin", margin, 0, allowed="an integer >= 0 (binades of headroom)")
 
 
 def scale_from_amax(amax: Any, dtype: Any = E4M3, margin: int = 0) -> jax.Array:
@@ -154,8 +152,7 @@ def dequantize(q: Any, scale: Any, dtype: Any = jnp.float32) -> jax.Array:
 
 def _check_block_shape(block_shape: Any) -> Tuple[int, int]:
     ok = (isinstance(block_shape, (tuple, list)) and len(block_shape) == 2
-          and all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1
-                  for b in block_shape))
+          and all(Int(1).ok(b) for b in block_shape))
     if not ok:
         raise ValueError(f"block_shape={block_shape!r} must be two integers >= 1, e.g. (1, 128) "
                          f"tiles or (128, 128) blocks")

@@ -7,12 +7,12 @@ one scheme in :mod:`jaxmp.precision._fp8.gemm` (how the operands are scaled).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
+from jaxmp._checks import Int, check
 from jaxmp.precision._fp8.quant import _F32, E4M3, E5M2, _check_margin
 
 RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
@@ -71,8 +71,7 @@ class Recipe:
         if self.name not in RECIPES:
             raise ValueError(f"unknown FP8 recipe {self.name!r}; allowed: {', '.join(RECIPES)}")
         h = self.history_length
-        if isinstance(h, bool) or not isinstance(h, numbers.Integral):
-            raise ValueError(f"history_length={h!r} must be an integer")
+        check("history_length", h, Int())
         if self.name == "delayed" and h < 1:
             raise ValueError(f"a delayed recipe needs history_length >= 1, got {h}")
         if self.name != "delayed" and h != 0:
