@@ -14,7 +14,7 @@ from _configs import small_config
 from jaxmp import ops, sharding
 from jaxmp.analysis import accounting
 from jaxmp.analysis.residuals import saved_residuals
-from jaxmp.models import ModelConfig, MoETransformer, RouterBias
+from jaxmp.models import ModelConfig, MoETransformer
 from jaxmp.models.transformer import REMAT_POLICIES, layer_stacks
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.policy import get_policy_rules, with_float32_islands

@@ -281,8 +281,8 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
     """The residuals the train step's loss keeps at the per-device micro-batch.
 
     Under ``fsdp`` the loss runs as in the step: inside ``shard_map`` (over one device)
-    with every module gathering its weights (:func:`jaxmp.comm.gather_param`, here over
-    an axis of one) under :func:`jaxmp.sharding.fsdp_checkpoint_policy`, so the count is
+    with every module gathering its weights (the step's :class:`jaxmp.sharding.StepPlan`
+    gather, here over an axis of one) under :func:`jaxmp.sharding.fsdp_checkpoint_policy`, so the count is
     what that policy saves with the model's remat policy, not what plain autodiff of
     whole parameters would save.
     """
@@ -292,13 +292,13 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
         return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
 
     if exp.layout.strategy == "fsdp":
+        # The step's own plan (its FSDP gather and dispatch dtype), on one device.
         one_device = Mesh(np.array(jax.devices("cpu")[:1]), (sharding.DATA_AXIS,))
-
-        def gather(value, logical_axes, dtype):
-            return comm.gather_param(value, sharding.DATA_AXIS, 0, dtype, jnp.float32, 1)
+        plan = sharding.StepPlan(one_device, exp.layout, state.params, state.params,
+                                 exp.plan.reduce_dtype)
 
         def per_device(params, biases, rest, loss_scale, batch):
-            with sharding.in_step(None, gather, exp.layout.dispatch_dtype):
+            with plan.in_step():
                 return loss(params, biases, rest, loss_scale, batch)
 
         spec = jax.sharding.PartitionSpec()

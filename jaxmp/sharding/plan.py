@@ -56,7 +56,7 @@ class StepPlan:
         that of FSDP's reduce-scatter.
 
     Attributes:
-      mesh, layout: as given (``layout`` fitted to ``mesh``).
+      mesh, layout, reduce_dtype: as given (``layout`` fitted to ``mesh``).
       axes: the mesh axes the batch is split over (those of ``layout.batch_axes`` the
         mesh has).
       total: the devices (product of ``axes``): each holds a share of the batch.
@@ -75,7 +75,7 @@ class StepPlan:
     def __init__(self, mesh: Mesh, layout: Layout, compute_params: Any, master_params: Any,
                  reduce_dtype: Any = np.float32):
         layout = layout.on(mesh)
-        self.mesh, self.layout = mesh, layout
+        self.mesh, self.layout, self.reduce_dtype = mesh, layout, reduce_dtype
         self.axes = tuple(a for a in layout.batch_axes if a in mesh.axis_names)
         self.total = int(np.prod([mesh.shape[a] for a in self.axes]))
         self.expert_axis = EXPERT_AXIS if mesh.shape.get(EXPERT_AXIS, 1) > 1 else None
