@@ -50,55 +50,10 @@ The package, one concept to a module (everything is re-exported here):
   reduce-scatter, the FSDP gather, ZeRO-1's compute-copy all-gather), and
   :func:`fsdp_checkpoint_policy`.
 """
-from jaxmp.sharding.rules import (
-    DATA_AXIS,
-    DATA_PARALLEL_RULES,
-    DISPATCH_DTYPES,
-    EXPERT_AXIS,
-    FSDP_RULES,
-    LOGICAL_AXES,
-    STRATEGIES,
-    Layout,
-    Rules,
-    batch_sharding,
-    check_batch_divisible,
-    layout,
-    logical_to_sharding,
-    make_mesh,
-    state_shardings,
-)
-from jaxmp.sharding.context import (
-    constrain,
-    dispatch_dtype,
-    expert_axis,
-    in_step,
-    param_gather,
-    use_rules,
-)
-from jaxmp.sharding.plan import StepPlan, fsdp_checkpoint_policy
+from jaxmp.sharding import context, plan, rules
+from jaxmp.sharding.context import *  # noqa: F403
+from jaxmp.sharding.plan import *  # noqa: F403
+from jaxmp.sharding.rules import *  # noqa: F403
+from jaxmp.sharding.rules import Rules
 
-__all__ = [
-    "LOGICAL_AXES",
-    "DATA_PARALLEL_RULES",
-    "FSDP_RULES",
-    "DATA_AXIS",
-    "EXPERT_AXIS",
-    "STRATEGIES",
-    "DISPATCH_DTYPES",
-    "Rules",
-    "Layout",
-    "layout",
-    "make_mesh",
-    "logical_to_sharding",
-    "state_shardings",
-    "batch_sharding",
-    "check_batch_divisible",
-    "use_rules",
-    "constrain",
-    "in_step",
-    "expert_axis",
-    "param_gather",
-    "dispatch_dtype",
-    "StepPlan",
-    "fsdp_checkpoint_policy",
-]
+__all__ = [*rules.__all__, "Rules", *context.__all__, *plan.__all__]

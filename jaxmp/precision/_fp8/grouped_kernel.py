@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmp.precision._fp8.kernel import _STEPS, _TILE, _pad_to
+from jaxmp.precision._fp8.kernel import (_STEPS, _TILE, _check_out, _k_pipeline, _pad_to,
+                                         _promote, _store, _tiled, _zeros)
 from jaxmp.precision._vma import match_varying
 
 _F32 = jnp.float32
@@ -94,60 +95,6 @@ def slots(group_sizes: jax.Array, m: int):
     row_group = jnp.minimum(jnp.searchsorted(ends, i, side="right"), g - 1)
     row_pos = (first[row_group] + i // t - starts[row_group] // t) * t + i % t
     return src, keep.reshape(-1), slot_group, first.astype(jnp.int32), count, row_pos
-
-
-def _tiled(dtype):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(_TILE * itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _promote(compiled, t):
-    """The pipeline body: one 128-deep FP8 tile product, promoted into the float32 total."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    def body(_, a_smem, b_smem, sa_smem, sb_smem, total):
-        if compiled:
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-                return acc_ref[...]
-            part = pl.run_scoped(product, plgpu.ACC((t, t), _F32))
-            s_a = plgpu.load(sa_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            s_b = plgpu.load(sb_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
-        else:
-            part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=_F32)
-            s_a, s_b = sa_smem[...], sb_smem[...]
-        part = part * lax.broadcast_in_dim(s_a, (t, t), [0])
-        part = part * lax.broadcast_in_dim(s_b, (t, t), [1])
-        return total + part
-    return body
-
-
-def _zeros(compiled, t):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    zeros = jnp.zeros((t, t), _F32)
-    return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA) if compiled else zeros
-
-
-def _store(total, o_smem, o_gmem_tile, out_dtype):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    o_smem[...] = total.astype(out_dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
-    plgpu.wait_smem_to_gmem(0)
-
-
-def _check_out(out_dtype):
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(_F32)):
-        raise ValueError(f"out_dtype={out_dtype} must be bfloat16 or float32")
-    return out_dtype
 
 
 def grouped_scaled_mm(a: jax.Array, sa: jax.Array, bt: jax.Array, sb: jax.Array,
@@ -201,15 +148,9 @@ def grouped_scaled_mm(a: jax.Array, sa: jax.Array, bt: jax.Array, sb: jax.Array,
     def kernel(group_gmem, a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, o_smem):
         si, ni = lax.axis_index("s"), lax.axis_index("n")
         e = group_gmem[si]
-        total = plgpu.emit_pipeline(
-            body, grid=(kb,),
-            in_specs=[plgpu.BlockSpec((t, t), lambda s: (0, s), transforms=tiled),
-                      plgpu.BlockSpec((t, t), lambda s: (0, s), transforms=tiled),
-                      plgpu.BlockSpec((pl.squeezed, t), lambda s: (s, 0)),
-                      plgpu.BlockSpec((pl.squeezed, t), lambda s: (s, 0))],
-            max_concurrent_steps=min(_STEPS, kb), init_carry=_zeros(compiled, t),
-        )(a_gmem.at[pl.ds(si * t, t), :], b_gmem.at[e, pl.ds(ni * t, t), :],
-          sa_gmem.at[:, pl.ds(si * t, t)], sb_gmem.at[e, :, pl.ds(ni * t, t)])
+        total = _k_pipeline(body, kb, tiled, compiled)(
+            a_gmem.at[pl.ds(si * t, t), :], b_gmem.at[e, pl.ds(ni * t, t), :],
+            sa_gmem.at[:, pl.ds(si * t, t)], sb_gmem.at[e, :, pl.ds(ni * t, t)])
         _store(total, o_smem, o_gmem.at[pl.ds(si * t, t), pl.ds(ni * t, t)], out_dtype)
 
     extra = {} if compiled else {"interpret": interpret}
@@ -278,15 +219,9 @@ def grouped_wgrad(qxt: jax.Array, sxt: jax.Array, qgt: jax.Array, sgt: jax.Array
 
         @pl.when(steps > 0)
         def _():
-            total = plgpu.emit_pipeline(
-                body, grid=(steps,),
-                in_specs=[plgpu.BlockSpec((t, t), lambda s: (0, start + s), transforms=tiled),
-                          plgpu.BlockSpec((t, t), lambda s: (0, start + s), transforms=tiled),
-                          plgpu.BlockSpec((pl.squeezed, t), lambda s: (start + s, 0)),
-                          plgpu.BlockSpec((pl.squeezed, t), lambda s: (start + s, 0))],
-                max_concurrent_steps=min(_STEPS, p), init_carry=_zeros(compiled, t),
-            )(a_gmem.at[pl.ds(ki * t, t), :], b_gmem.at[pl.ds(ni * t, t), :],
-              sa_gmem.at[:, pl.ds(ki * t, t)], sb_gmem.at[:, pl.ds(ni * t, t)])
+            total = _k_pipeline(body, steps, tiled, compiled, start, min(_STEPS, p))(
+                a_gmem.at[pl.ds(ki * t, t), :], b_gmem.at[pl.ds(ni * t, t), :],
+                sa_gmem.at[:, pl.ds(ki * t, t)], sb_gmem.at[:, pl.ds(ni * t, t)])
             _store(total, o_smem, o_tile, _F32)
 
         @pl.when(steps == 0)  # an empty group: its weight gradient is 0

@@ -65,6 +65,80 @@ def _pad_to(x, axis, multiple, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _tiled(dtype):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(_TILE * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _promote(compiled, t):
+    """The pipeline body: one 128-deep FP8 tile product, promoted into the float32 total."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def body(_, a_smem, b_smem, sa_smem, sb_smem, total):
+        if compiled:
+            def product(acc_ref):
+                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+                return acc_ref[...]
+            part = pl.run_scoped(product, plgpu.ACC((t, t), jnp.float32))
+            s_a = plgpu.load(sa_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            s_b = plgpu.load(sb_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        else:
+            part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            s_a, s_b = sa_smem[...], sb_smem[...]
+        part = part * lax.broadcast_in_dim(s_a, (t, t), [0])
+        part = part * lax.broadcast_in_dim(s_b, (t, t), [1])
+        return total + part
+    return body
+
+
+def _zeros(compiled, t):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    zeros = jnp.zeros((t, t), jnp.float32)
+    return plgpu.layout_cast(zeros, plgpu.Layout.WGMMA) if compiled else zeros
+
+
+def _store(total, o_smem, o_gmem_tile, out_dtype):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    o_smem[...] = total.astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem_tile)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check_out(out_dtype):
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype={out_dtype} must be bfloat16 or float32")
+    return out_dtype
+
+
+def _k_pipeline(body, steps, tiled, compiled, start=0, depth=None):
+    """The loop over ``steps`` 128-deep steps of the contraction (from step ``start``) of
+    one output tile, pipelined through shared memory by TMA ``depth`` deep (default
+    ``min(_STEPS, steps)``; ``steps`` may be traced, then ``depth`` must be given): 128 x
+    128 tiles of A and of B transposed (K-major, swizzled), one row of each operand's
+    scales; the float32 total starts at zero."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    t = _TILE
+    return plgpu.emit_pipeline(
+        body, grid=(steps,),
+        in_specs=[plgpu.BlockSpec((t, t), lambda s: (0, start + s), transforms=tiled),
+                  plgpu.BlockSpec((t, t), lambda s: (0, start + s), transforms=tiled),
+                  plgpu.BlockSpec((pl.squeezed, t), lambda s: (start + s, 0)),
+                  plgpu.BlockSpec((pl.squeezed, t), lambda s: (start + s, 0))],
+        max_concurrent_steps=min(_STEPS, steps) if depth is None else depth,
+        init_carry=_zeros(compiled, t))
+
+
 def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_dtype: Any,
               *, interpret: Optional[Any] = None) -> jax.Array:
     """``sum_kb (a[:, kb] @ bt[:, kb].T) * sa_t[kb][:, None] * sb[kb][None, :]``, one kernel.
@@ -97,57 +171,23 @@ def scaled_mm(a: jax.Array, sa_t: jax.Array, bt: jax.Array, sb: jax.Array, out_d
     if sa_t.shape != (kb, m) or sb.shape != (kb, n):
         raise ValueError(f"scales must be [{kb}, {m}] and [{kb}, {n}], got {sa_t.shape} and "
                          f"{sb.shape}")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise ValueError(f"out_dtype={out_dtype} must be bfloat16 or float32")
+    out_dtype = _check_out(out_dtype)
     a = _pad_to(_pad_to(a, 0, _TILE, 0), 1, _TILE, 0)
     bt = _pad_to(_pad_to(bt, 0, _TILE, 0), 1, _TILE, 0)
     sa_t = _pad_to(sa_t.astype(jnp.float32), 1, _TILE, 1)
     sb = _pad_to(sb.astype(jnp.float32), 1, _TILE, 1)
     mp, np_ = a.shape[0], bt.shape[0]
     t = _TILE
-    swizzle = plgpu.find_swizzle(t * jnp.dtype(a.dtype).itemsize * 8)
-    tiled = (plgpu.TilingTransform((8, swizzle // jnp.dtype(a.dtype).itemsize)),
-             plgpu.SwizzleTransform(swizzle))
-    out_swizzle = plgpu.find_swizzle(t * out_dtype.itemsize * 8)
-    out_tiled = (plgpu.TilingTransform((8, out_swizzle // out_dtype.itemsize)),
-                 plgpu.SwizzleTransform(out_swizzle))
+    tiled, out_tiled = _tiled(a.dtype), _tiled(out_dtype)
     compiled = interpret is None
-
-    def body(_, a_smem, b_smem, sa_smem, sb_smem, total):
-        if compiled:
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-                return acc_ref[...]
-            part = pl.run_scoped(product, plgpu.ACC((t, t), jnp.float32))
-            s_a = plgpu.load(sa_smem, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            s_b = plgpu.load(sb_smem, (), layout=plgpu.Layout.WGMMA.reduce(0))
-        else:
-            part = lax.dot_general(a_smem[...], b_smem[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            s_a, s_b = sa_smem[...], sb_smem[...]
-        part = part * lax.broadcast_in_dim(s_a, (t, t), [0])
-        part = part * lax.broadcast_in_dim(s_b, (t, t), [1])
-        return total + part
+    body = _promote(compiled, t)
 
     def kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, o_gmem, o_smem):
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
-        zeros = jnp.zeros((t, t), jnp.float32)
-        if compiled:
-            zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-        total = plgpu.emit_pipeline(
-            body, grid=(kb,),
-            in_specs=[plgpu.BlockSpec((t, t), lambda s: (0, s), transforms=tiled),
-                      plgpu.BlockSpec((t, t), lambda s: (0, s), transforms=tiled),
-                      plgpu.BlockSpec((pl.squeezed, t), lambda s: (s, 0)),
-                      plgpu.BlockSpec((pl.squeezed, t), lambda s: (s, 0))],
-            max_concurrent_steps=min(_STEPS, kb), init_carry=zeros,
-        )(a_gmem.at[pl.ds(mi * t, t), :], b_gmem.at[pl.ds(ni * t, t), :],
-          sa_gmem.at[:, pl.ds(mi * t, t)], sb_gmem.at[:, pl.ds(ni * t, t)])
-        o_smem[...] = total.astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)])
-        plgpu.wait_smem_to_gmem(0)
+        total = _k_pipeline(body, kb, tiled, compiled)(
+            a_gmem.at[pl.ds(mi * t, t), :], b_gmem.at[pl.ds(ni * t, t), :],
+            sa_gmem.at[:, pl.ds(mi * t, t)], sb_gmem.at[:, pl.ds(ni * t, t)])
+        _store(total, o_smem, o_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)], out_dtype)
 
     extra = {} if compiled else {"interpret": interpret}
     out = plgpu.kernel(
