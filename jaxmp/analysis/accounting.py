@@ -104,20 +104,31 @@ TOPK_RATIO = 0.3
 # DeepSeek-V3 3.3.3; the 16-bit all-reduce and the top-k all-gather (bf16 values + int32
 # indices) are the article's section 2.3 proposals (jaxmp.analysis.article).
 _MODE_TABLE = (
-    # name             policy                                  loss scale           moments     reduce      compression
-    ("fp32",           "fp32",                                 "none",              "",         "float32",  "none"),
-    ("mixed_bf16",     "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "float32",  "none"),
-    ("mixed_fp16",     "mixed_fp16; router: fp32; norm: fp32", "dynamic:init=2**15", "",        "float32",  "none"),
-    ("bf16_moments",   "mixed_bf16; router: fp32; norm: fp32", "none",              "bfloat16", "float32",  "none"),
-    ("bf16_allreduce", "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "bfloat16", "none"),
-    ("topk_allreduce", "mixed_bf16; router: fp32; norm: fp32", "none",              "",         "bfloat16", "topk"),
+    # name             policy                                     loss scale
+    #                  moments     reduce      compression
+    ("fp32",           "fp32",                                     "none",
+                       "",         "float32",  "none"),
+    ("mixed_bf16",     "mixed_bf16; router: fp32; norm: fp32",     "none",
+                       "",         "float32",  "none"),
+    ("mixed_fp16",     "mixed_fp16; router: fp32; norm: fp32",     "dynamic:init=2**15",
+                       "",         "float32",  "none"),
+    ("bf16_moments",   "mixed_bf16; router: fp32; norm: fp32",     "none",
+                       "bfloat16", "float32",  "none"),
+    ("bf16_allreduce", "mixed_bf16; router: fp32; norm: fp32",     "none",
+                       "",         "bfloat16", "none"),
+    ("topk_allreduce", "mixed_bf16; router: fp32; norm: fp32",     "none",
+                       "",         "bfloat16", "topk"),
     # mixed_bf16 with attention and every FFN in FP8 (jaxmp.fp8; embedding, head, router,
     # norms and the attention core stay bf16/fp32, DeepSeek-V3 3.3.1): their backward
     # passes keep FP8 activations plus float32 scales instead of bf16 ones.
-    ("fp8_tensorwise", "fp8_tensorwise; router: fp32; norm: fp32", "none",          "",         "float32",  "none"),
-    ("fp8_delayed",    "fp8_delayed; router: fp32; norm: fp32", "none",             "",         "float32",  "none"),
-    ("fp8_rowwise",    "fp8_rowwise; router: fp32; norm: fp32", "none",             "",         "float32",  "none"),
-    ("fp8_blockwise",  "fp8_blockwise; router: fp32; norm: fp32", "none",           "",         "float32",  "none"),
+    ("fp8_tensorwise", "fp8_tensorwise; router: fp32; norm: fp32", "none",
+                       "",         "float32",  "none"),
+    ("fp8_delayed",    "fp8_delayed; router: fp32; norm: fp32",    "none",
+                       "",         "float32",  "none"),
+    ("fp8_rowwise",    "fp8_rowwise; router: fp32; norm: fp32",    "none",
+                       "",         "float32",  "none"),
+    ("fp8_blockwise",  "fp8_blockwise; router: fp32; norm: fp32",  "none",
+                       "",         "float32",  "none"),
 )
 
 MODES: Mapping[str, Mapping[str, Any]] = {
@@ -187,7 +198,8 @@ def gradient_collective_bytes(collectives: Sequence[Collective], dense_sizes: Se
         if c.op in ("all-reduce", "reduce-scatter"):
             total += c.count * sum(a.nbytes for a in c.operands if a.size in dense)
         elif c.op == "all-gather":
-            total += c.count * sum(r.nbytes for a, r in zip(c.operands, c.results) if a.size in sparse)
+            total += c.count * sum(r.nbytes for a,
+                                   r in zip(c.operands, c.results) if a.size in sparse)
     return total
 
 
@@ -206,7 +218,8 @@ def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
       ValueError: ``num_devices`` < 1 or more than either backend has, or ``expert``
         not dividing it.
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+    if (isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer))
+        or num_devices < 1):
         raise ValueError(f"num_devices={num_devices!r} must be an integer >= 1")
     devices = jax.devices()
     if len(devices) < num_devices:
@@ -319,7 +332,8 @@ def _state_bytes(exp: Experiment) -> Dict[str, int]:
     return {"params_bytes": params,
             "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
             "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
-            "compute_copy_bytes": 0 if copy is None else _per_device_bytes(copy, state_sh.compute_params),
+            "compute_copy_bytes": (0 if copy is None
+                                   else _per_device_bytes(copy, state_sh.compute_params)),
             "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state)}
 
 
@@ -355,10 +369,10 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
       ``{"policy": str, "strategy": str, "expert": int, "params_bytes": int,
       "grads_bytes": int, "opt_state_bytes": int, "compute_copy_bytes": int,
       "comm_state_bytes": int, "activation_bytes": int, "grad_allreduce_bytes": int,
-      "collective_bytes": {op: {dtype: int}}, "total_bytes": int}`` plus ``"xla_memory"`` (the ``memory_analysis()`` byte counts,
-      None on CPU), ``"hlo_source"`` (which HLO the collectives were read from),
-      ``"attention_path"`` (what ``model.attention`` resolved to on this machine, e.g.
-      ``"xla"`` for ``"auto"`` on CPU) and, if asked, ``"breakdown"`` (rows of
+      "collective_bytes": {op: {dtype: int}}, "total_bytes": int}`` plus ``"xla_memory"`` (the
+      ``memory_analysis()`` byte counts, None on CPU), ``"hlo_source"`` (which HLO the collectives
+      were read from), ``"attention_path"`` (what ``model.attention`` resolved to on this machine,
+      e.g. ``"xla"`` for ``"auto"`` on CPU) and, if asked, ``"breakdown"`` (rows of
       :func:`residual_breakdown`).
 
     Raises:
@@ -377,7 +391,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     settings = exp.settings.comm
     # A device's gradient as it enters the reduction has the layout of ``dp``'s
     # parameters (whole, but for the expert-parallel split): every strategy reduces that.
-    grad_sh = sharding.state_shardings(state.params, mesh, sharding.layout("dp", exp.layout.expert).on(mesh).compute_rules)
+    grad_sh = sharding.state_shardings(
+        state.params, mesh, sharding.layout("dp", exp.layout.expert).on(mesh).compute_rules)
     dense = []
     variables = jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for var, s in zip(variables, jax.tree.leaves(grad_sh)):
@@ -390,7 +405,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
 
     residuals = _step_residuals(exp)
     collectives = hlo_collectives(hlo)
-    out = {"policy": cfg.precision.policy, "strategy": exp.layout.strategy, "expert": exp.layout.expert,
+    out = {"policy": cfg.precision.policy, "strategy": exp.layout.strategy,
+           "expert": exp.layout.expert,
            **_state_bytes(exp),
            "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
            "grad_allreduce_bytes": gradient_collective_bytes(collectives, dense, sparse),
@@ -406,7 +422,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
             out["xla_memory"] = _memory_analysis(_lower_step(one, t.batch_size // n).compile())
     out["hlo_source"] = hlo_source
     m = exp.model_config
-    out["attention_path"] = resolve_attention(m.attention, exp.rules.resolve("blocks/0/attn").compute_dtype,
+    out["attention_path"] = resolve_attention(m.attention,
+                                              exp.rules.resolve("blocks/0/attn").compute_dtype,
                                               m.head_dim)
     if breakdown:
         out["breakdown"] = residual_breakdown(residuals, breakdown)
@@ -459,7 +476,8 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
     }
     for mode in modes:
         row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
-        out["details"][mode] = {k: row.pop(k) for k in ("xla_memory", "hlo_source", "attention_path",
+        out["details"][mode] = {k: row.pop(k)
+                                for k in ("xla_memory", "hlo_source", "attention_path",
                                                         "breakdown") if k in row}
         out["modes"][mode] = row
     return out
@@ -485,16 +503,20 @@ def format_accounting(report: dict, title: str = "") -> str:
              "  bytes per device (MiB = 2**20 bytes); 'vs fp32' divides by the fp32 mode's figure"]
     base = report["modes"].get("fp32")
     rows = (("params", "params_bytes", True), ("grads", "grads_bytes", True),
-            ("optimizer state", "opt_state_bytes", True), ("compute copy", "compute_copy_bytes", True),
+            ("optimizer state", "opt_state_bytes", True),
+            ("compute copy", "compute_copy_bytes", True),
             ("top-k residual", "comm_state_bytes", True),
             ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
             ("grad reduction", "grad_allreduce_bytes", True))
     for mode, r in report["modes"].items():
         o = MODES[mode]
-        lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale {o['precision.loss_scale']}; "
-                      f"Adam moments {o['optim.mu_dtype'] or 'in the master dtype'}; grad_reduce_dtype "
-                      f"{o['precision.grad_reduce_dtype']}; grad_compression {o['precision.grad_compression']}"
-                  + (f" (ratio {o['precision.topk_ratio']:g})" if o["precision.grad_compression"] == "topk" else ""),
+        lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale "
+                      f"{o['precision.loss_scale']}; Adam moments "
+                      f"{o['optim.mu_dtype'] or 'in the master dtype'}; grad_reduce_dtype "
+                      f"{o['precision.grad_reduce_dtype']}; grad_compression "
+                      f"{o['precision.grad_compression']}"
+                  + (f" (ratio {o['precision.topk_ratio']:g})"
+                     if o["precision.grad_compression"] == "topk" else ""),
             f"  {'':18s}{'bytes':>19s}{'MiB':>14s}{'B/param':>10s}{'vs fp32':>9s}"]
         for label, key, per_param in rows:
             v = r[key]
@@ -509,9 +531,11 @@ def format_accounting(report: dict, title: str = "") -> str:
         d = report.get("details", {}).get(mode, {})
         if d.get("attention_path"):
             lines.append(f"  attention path on this machine: {d['attention_path']}"
-                         + (" (model.attention=auto: cuDNN's fused kernel on an NVIDIA GPU for a 16-bit "
+                         + (" (model.attention=auto: cuDNN's fused kernel on an NVIDIA "
+                            "GPU for a 16-bit "
                             "compute dtype; compare "
-                            "--settings)" if s.get("attention") == "auto" and d["attention_path"] != "cudnn"
+                            "--settings)" if s.get("attention") == "auto"
+                            and d["attention_path"] != "cudnn"
                             else ""))
         if d.get("xla_memory"):
             m = d["xla_memory"]
@@ -520,16 +544,17 @@ def format_accounting(report: dict, title: str = "") -> str:
                          f"arguments {_mib(m.get('argument_size_in_bytes', 0))} MiB, outputs "
                          f"{_mib(m.get('output_size_in_bytes', 0))} MiB")
         for b in d.get("breakdown", []):
-            lines.append(f"    {b['bytes']:>19,d} B {b['count']:4d} x {b['dtype']:9s} {b['source']}")
+            lines.append(f"    {b['bytes']:>19,d} B {b['count']:4d} x "
+                         f"{b['dtype']:9s} {b['source']}")
     lines += ["", "activations: residuals the loss's forward pass saves for the backward pass, "
                   "counted from the traced jax.vjp (arguments, literals and constants excluded)."]
     if s["default_backend"] == "cpu":
         lines.append("XLA memory_analysis skipped on CPU: XLA:CPU computes bfloat16 in float32 "
                      "internally, so its buffer sizes would hide the saving.")
-    lines.append("grad reduction: gradient collectives (all-reduce; reduce-scatter under zero1/fsdp) in the "
-                 "HLO after SPMD partitioning (whole buffers: all-reduce and reduce-scatter operands, "
-                 "all-gather results).")
-    lines.append("op dtype rows: every collective of the step by kind and element type (operands of "
-                 "all-reduce/reduce-scatter, results of all-gather/all-to-all); a ring moves (N-1)/N of "
-                 "each buffer per device.")
+    lines.append("grad reduction: gradient collectives (all-reduce; reduce-scatter under "
+                 "zero1/fsdp) in the HLO after SPMD partitioning (whole buffers: all-reduce and "
+                 "reduce-scatter operands, all-gather results).")
+    lines.append("op dtype rows: every collective of the step by kind and element type (operands "
+                 "of all-reduce/reduce-scatter, results of all-gather/all-to-all); a ring moves "
+                 "(N-1)/N of each buffer per device.")
     return "\n".join(lines)

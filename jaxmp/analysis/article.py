@@ -92,7 +92,8 @@ def ring_allreduce_factor(num_devices: int) -> float:
     Raises:
       ValueError: N is not a positive int.
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 1:
+    if (isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral)
+        or num_devices < 1):
         raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
     return 2.0 * (num_devices - 1) / num_devices
 
@@ -165,7 +166,8 @@ def communication_table(num_devices: int = 8) -> List[Row]:
     Raises:
       ValueError: ``num_devices`` is not an int >= 2.
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 2:
+    if (isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral)
+        or num_devices < 2):
         raise ValueError(f"num_devices must be an int >= 2 for an all-reduce, got {num_devices!r}")
     n, p = num_devices, ARTICLE_PARAMS
     ring = ring_allreduce_factor(n)
@@ -234,17 +236,20 @@ def strategy_table(num_devices: int = STRATEGY_DEVICES) -> List[Row]:
     Raises:
       ValueError: ``num_devices`` is not an int >= 1.
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral) or num_devices < 1:
+    if (isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral)
+        or num_devices < 1):
         raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
     n, p = num_devices, ARTICLE_PARAMS
     rows = []
     for name, formula, per_param, note in (
             ("dp", "4 + 8 + 4 B/param (master, moments, float32 gradients), replicated", 16.0,
              "more than any GPU holds (an H200 has 141 GB)"),
-            ("zero1", f"2 + 12 / N B/param (bf16 copy whole; master + moments / N), N = {n}", 2 + 12 / n,
+            ("zero1", f"2 + 12 / N B/param (bf16 copy whole; master + moments / N), N = {n}",
+             2 + 12 / n,
              "the bf16 copy dominates; the sharded float32 state is small"),
             ("fsdp", f"12 / N B/param (master + moments / N), N = {n}", 12 / n,
              "plus one layer's gathered bf16 weights while it runs")):
         rows.append(Row(f"per-GPU state, {name}, {n} GPUs", formula, per_param, per_param * p,
-                        per_param / 16.0, "dp", None, "REF", f"{_gb(per_param * p)} per GPU; {note}"))
+                        per_param / 16.0, "dp", None, "REF",
+                        f"{_gb(per_param * p)} per GPU; {note}"))
     return rows

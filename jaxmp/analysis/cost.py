@@ -211,7 +211,8 @@ def peak_tflops(hardware: str, dtype: str) -> float:
     peak = HARDWARE[hw_key].peak_tflops[key]
     if peak is None:
         supported = [d for d, p in HARDWARE[hw_key].peak_tflops.items() if p is not None]
-        raise ValueError(f"{hw_key} has no {key} mode; supported on {hw_key}: {', '.join(supported)}")
+        raise ValueError(f"{hw_key} has no {key} mode; supported on {hw_key}: "
+                         f"{', '.join(supported)}")
     return peak
 
 

@@ -50,7 +50,8 @@ from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
 
 __all__ = ["GpuTarget", "TARGETS", "CAVEATS", "FIT_MARGIN", "get_target", "plugin_problem",
-           "target_mesh", "full_optimizations", "compile_step", "CompiledStep", "roofline", "gpu_report",
+           "target_mesh", "full_optimizations", "compile_step", "CompiledStep", "roofline",
+           "gpu_report",
            "format_gpu_report"]
 
 CAVEATS = (
@@ -126,7 +127,8 @@ TARGETS: Tuple[str, ...] = tuple(_TARGETS)
 
 
 def _target(name: str, proto: str, nvlink: float, source: str) -> GpuTarget:
-    memory, bandwidth = _proto_field(proto, "device_memory_size"), _proto_field(proto, "memory_bandwidth")
+    memory, bandwidth = (_proto_field(proto, "device_memory_size"),
+                         _proto_field(proto, "memory_bandwidth"))
     if not memory or not bandwidth or "cuda_compute_capability" not in proto:
         raise ValueError(f"GPU target {name!r}: the proto must give gpu_device_info."
                          f"device_memory_size, memory_bandwidth and cuda_compute_capability")
@@ -191,7 +193,8 @@ def target_mesh(gpu: GpuTarget, num_devices: int, expert: int = 1) -> Mesh:
       ValueError: ``num_devices`` < 1, ``expert`` not dividing it, or no plugin
         (:func:`plugin_problem`).
     """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+    if (isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer))
+        or num_devices < 1):
         raise ValueError(f"num_devices={num_devices!r} must be an integer >= 1")
     problem = plugin_problem()
     if problem:
@@ -282,7 +285,8 @@ def compile_step(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices:
             exp = Experiment.create(config, mesh=mesh)
             lowered = exp.train_step.lower(exp.abstract_state, exp.abstract_batch())
             compiled = lowered.compile(compiler_options={"xla_dump_to": tmp, **options})
-            found = sorted(glob.glob(os.path.join(tmp, "*after_optimizations-buffer-assignment.txt")))
+            found = sorted(glob.glob(os.path.join(tmp,
+                                                  "*after_optimizations-buffer-assignment.txt")))
             buffers = _buffers(found[-1]) if found else []
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
@@ -362,7 +366,8 @@ def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: i
            "output_bytes": int(stats.output_size_in_bytes),
            "alias_bytes": int(stats.alias_size_in_bytes),
            "temp_bytes": int(stats.temp_size_in_bytes)}
-    mem["total_bytes"] = mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+    mem["total_bytes"] = (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
+                          + mem["temp_bytes"])
     mem["device_bytes"] = gpu.memory_bytes
     mem["fits"] = mem["total_bytes"] <= FIT_MARGIN * gpu.memory_bytes
     module = hlo.parse_module(step.hlo_text)
@@ -382,14 +387,18 @@ def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: i
     names = {i.name: i.op_name for i in module.instructions}
     return {
         "target": {"name": gpu.name, "memory_bytes": gpu.memory_bytes,
-                   "hbm_bytes_per_s": gpu.hbm_bytes_per_s, "nvlink_bytes_per_s": gpu.nvlink_bytes_per_s,
+                   "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
+                   "nvlink_bytes_per_s": gpu.nvlink_bytes_per_s,
                    "bf16_tflops": gpu.hardware.peak_tflops["bf16"], "source": gpu.source},
         "setup": {"devices": exp.num_devices, "strategy": exp.layout.strategy,
                   "expert": exp.layout.expert, "policy": str(cfg.precision.policy),
-                  "remat": m.remat, "attention": m.attention, "attention_path": _attention_path(exp),
-                  "tokens_per_device": tokens, "params": exp.param_counts[0], "active_params": active},
+                  "remat": m.remat, "attention": m.attention,
+                  "attention_path": _attention_path(exp),
+                  "tokens_per_device": tokens, "params": exp.param_counts[0],
+                  "active_params": active},
         "memory": mem,
-        "largest_buffers": [{"bytes": b, "instruction": n, "shape": s, "op_name": names.get(n, "").replace("\\'", "'")}
+        "largest_buffers": [{"bytes": b, "instruction": n, "shape": s,
+                             "op_name": names.get(n, "").replace("\\'", "'")}
                             for b, n, s in step.buffers[:top]],
         "kernels": hlo.kernel_counts(kernels),
         "flops": {"gemm": bound["gemm_flops"], "attention": bound["attention_flops"],
@@ -415,33 +424,35 @@ def _gb(x: float) -> str:
 
 def format_gpu_report(report: dict, title: str = "") -> str:
     """A readable table of :func:`gpu_report`'s result."""
-    t, s, mem, fl, r = report["target"], report["setup"], report["memory"], report["flops"], report["roofline"]
+    t, s, mem, fl, r = (report["target"], report["setup"], report["memory"], report["flops"],
+                        report["roofline"])
     lines = [f"{title} compiled for {s['devices']} x {t['name']} (deviceless; XLA's GPU compiler)",
              f"  layout {s['strategy']}, expert {s['expert']}, policy {s['policy']}, remat "
              f"{s['remat']}, attention {s['attention']} -> {s['attention_path']}",
              "memory per device:",
-             f"  arguments {_gb(mem['argument_bytes'])}, outputs {_gb(mem['output_bytes'])}, aliased "
-             f"{_gb(mem['alias_bytes'])}, temporaries {_gb(mem['temp_bytes'])}",
+             f"  arguments {_gb(mem['argument_bytes'])}, outputs {_gb(mem['output_bytes'])}, "
+             f"aliased {_gb(mem['alias_bytes'])}, temporaries {_gb(mem['temp_bytes'])}",
              f"  total {_gb(mem['total_bytes'])} of {_gb(mem['device_bytes'])}: "
              + ("fits" if mem["fits"] else "DOES NOT FIT")
              + f" (margin: {FIT_MARGIN:.0%} of the device)",
              "largest buffers:"]
     for b in report["largest_buffers"]:
-        lines.append(f"  {_gb(b['bytes']):>10}  {b['shape']:<28} {b['op_name'] or b['instruction']}")
+        lines.append(f"  {_gb(b['bytes']):>10}  {b['shape']:<28} "
+                     f"{b['op_name'] or b['instruction']}")
     lines.append("kernels (sites in the program / launches per step):")
     for kind in hlo.KERNEL_KINDS:
         if kind in report["kernels"]:
             k = report["kernels"][kind]
             lines.append(f"  {kind:<20} {k['sites']:>6} / {k['launches']}")
-    lines.append(f"GEMM FLOPs per device and step: {fl['gemm']:.3e} = {fl['gemm_ratio']:.2f} x "
-                 f"6 x active params x tokens ({fl['model_6nd']:.3e}); attention {fl['attention']:.3e}")
+    lines.append(f"GEMM FLOPs per device and step: {fl['gemm']:.3e} = {fl['gemm_ratio']:.2f} x 6 x "
+                 f"active params x tokens ({fl['model_6nd']:.3e}); attention {fl['attention']:.3e}")
     lines.append("collectives per device and step:")
     for op, by in sorted(report["collectives"].items()):
         lines.append("  " + op + ": " + ", ".join(f"{d} {_gb(b)}" for d, b in sorted(by.items())))
     mfu = r["mfu_bound"]
-    lines.append(f"roofline bound: {r['bound_s'] * 1e3:.2f} ms per step (GEMMs {r['gemm_s'] * 1e3:.2f}, "
-                 f"attention {r['attention_s'] * 1e3:.2f}, other kernels {r['memory_s'] * 1e3:.2f}, "
-                 f"collectives {r['collective_s'] * 1e3:.2f}); at most "
+    lines.append(f"roofline bound: {r['bound_s'] * 1e3:.2f} ms per step (GEMMs "
+                 f"{r['gemm_s'] * 1e3:.2f}, attention {r['attention_s'] * 1e3:.2f}, other kernels "
+                 f"{r['memory_s'] * 1e3:.2f}, collectives {r['collective_s'] * 1e3:.2f}); at most "
                  f"{r['tokens_per_s_bound']:.0f} tokens/s per device, MFU at most "
                  + (f"{mfu:.1%}" if mfu is not None else "n/a"))
     lines.append("not known without the GPU: " + "; ".join(report["caveats"]))

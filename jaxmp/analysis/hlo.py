@@ -88,7 +88,8 @@ _COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "col
                 "ragged-all-to-all")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*[\s(].*\{\s*$")
-_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEES = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)"
+                      r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -99,11 +100,13 @@ _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 
 
 def _group_size(attrs: str) -> Optional[int]:
-    m = _GROUPS_MESH.search(attrs)  # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: the named axes' product
+    # mesh['axis_0'=8,'axis_1'=1] {'axis_0'}: the named axes' product
+    m = _GROUPS_MESH.search(attrs)
     if m:
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
         named = re.findall(r"'([^']+)'", m.group(2))
-        return int(np.prod([int(sizes[a]) for a in named if a in sizes], dtype=np.int64)) if named else 1
+        return (int(np.prod([int(sizes[a]) for a in named if a in sizes], dtype=np.int64)) if named
+                else 1)
     m = _GROUPS_IOTA.search(attrs)
     if m:
         return int(m.group(2))
@@ -165,7 +168,8 @@ def _tuple_element(instrs: Dict[str, Tuple[str, str, str]], name: str) -> Option
     """(tuple operand, index) of a ``get-tuple-element``, else None."""
     op, args, attrs = instrs.get(name, ("", "", ""))
     index = re.search(r"\bindex=(\d+)", attrs)
-    return (_operand_names(args)[0], int(index.group(1))) if op == "get-tuple-element" and index else None
+    return ((_operand_names(args)[0], int(index.group(1))) if op == "get-tuple-element"
+            and index else None)
 
 
 def _counted_loop_trips(instrs: Dict[str, Tuple[str, str, str]], roots: Dict[str, str],
@@ -191,7 +195,8 @@ def _counted_loop_trips(instrs: Dict[str, Tuple[str, str, str]], roots: Dict[str
     counter, bound = pair if direction.group(1) == "LT" else pair[::-1]
     element, stop = _tuple_element(instrs, counter), _scalar_constant(instrs, bound)
     init = _operand_names(args)
-    if element is None or stop is None or len(init) != 1 or instrs.get(init[0], ("",))[0] != "tuple":
+    if (element is None or stop is None or len(init) != 1
+        or instrs.get(init[0], ("",))[0] != "tuple"):
         return None
     k = element[1]
     starts, nexts = _operand_names(instrs[init[0]][1]), _operand_names(body[1])
@@ -434,7 +439,8 @@ def collective_bytes(collectives: Sequence[Collective]) -> Dict[str, Dict[str, i
 # (xla/service/gpu/cublas_cudnn.h, kCublasLtMatmulF8CallTarget).
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 _FP8_TYPES = ("f8E4M3FN", "f8E5M2", "f8E4M3FNUZ", "f8E5M2FNUZ", "f8e4m3fn", "f8e5m2")
-_SDOT = re.compile(r"stablehlo\.dot_general\b[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)\s*->\s*tensor<([^>]*)>")
+_SDOT = re.compile(r"stablehlo\.dot_general\b[^\n]*?:\s*\(tensor<([^>]*)>,\s*tensor<([^>]*)>\)"
+                   r"\s*->\s*tensor<([^>]*)>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,7 +472,8 @@ def stablehlo_dots(text: str) -> List[Dot]:
     This is the program before XLA optimizes it: what JAX asked for (case FP8-2). A
     quantize-dequantize pattern shows up as a ``bf16``/``f32`` dot here.
     """
-    return [Dot(_element_type(a), _element_type(b), _element_type(c)) for a, b, c in _SDOT.findall(text)]
+    return [Dot(_element_type(a), _element_type(b), _element_type(c))
+            for a, b, c in _SDOT.findall(text)]
 
 
 def count_fp8_dots(text: str) -> Tuple[int, int]:
@@ -735,7 +742,8 @@ def hlo_kernels(hlo_text) -> List[Kernel]:
         elif ins.op == "dot":
             flops, dtype, highest = _dot_flops(module, ins)
             kind = "fp8_gemm" if dtype.startswith("f8") else "gemm"
-        out.append(Kernel(ins.name, kind, ins.runs, flops, dtype, highest, nbytes, ins.op_name, tgt))
+        out.append(Kernel(ins.name, kind, ins.runs, flops, dtype, highest, nbytes, ins.op_name,
+                          tgt))
     return out
 
 

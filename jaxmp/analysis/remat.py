@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxmp.analysis.accounting import (MODES, _lower_step, _micro_batch, _state_bytes, _step_residuals,
+from jaxmp.analysis.accounting import (MODES, _lower_step, _micro_batch, _state_bytes,
+                                       _step_residuals,
                                        data_mesh, mode_config)
 from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.models.attention import Attention, cudnn_support, trace_cudnn_without_gpu
@@ -141,7 +142,8 @@ def activation_settings(config: ml_collections.ConfigDict, mode: str = "mixed_bf
             state = _state_bytes(exp)
             rows.append({"attention": attention, "remat": remat, "activation_bytes": activations,
                          "attention_bytes_per_layer": attention_bytes,
-                         "total_bytes": sum(state.values()) + activations, "traced_only": trace_only})
+                         "total_bytes": sum(state.values()) + activations,
+                         "traced_only": trace_only})
     if flops:
         t = base.train
         none_flops = None
@@ -175,12 +177,13 @@ def format_settings(report: dict) -> str:
     for r in report["rows"]:
         note = "  (traced, not run: no cuDNN here)" if r["traced_only"] else ""
         lines.append(f"  {r['attention']:10s}{r['remat']:15s}{r['activation_bytes'] / 1e9:16,.3f}"
-                     f"{r['attention_bytes_per_layer'] / 1e9:20,.4f}{r['total_bytes'] / 1e9:11,.3f}{note}")
+                     f"{r['attention_bytes_per_layer'] / 1e9:20,.4f}"
+                     f"{r['total_bytes'] / 1e9:11,.3f}{note}")
     if report["flops"]:
         base = report["flops"][0]["step_flops"]
-        lines += ["", f"Train-step FLOPs per device of the lowered program, recomputation included "
-                      f"(attention {report['flops'][0]['attention']}, layers unscanned, one device at "
-                      f"the micro-batch):"]
+        lines += ["", "Train-step FLOPs per device of the lowered program, recomputation included "
+                      f"(attention {report['flops'][0]['attention']}, layers unscanned, one device "
+                      "at the micro-batch):"]
         for f in report["flops"]:
             share = f"{f['recompute_flops'] / base:+.1%}" if base else "-"
             compiled = (f"  compiled {f['compiled_step_flops']:.4g}" if f["compiled_step_flops"]

@@ -8,7 +8,8 @@
     DeepSeek-V3's published GPU-hours beside :func:`jaxmp.analysis.cost.estimate` for the same
     inputs, and the MFU the published hours imply (:mod:`jaxmp.analysis.cost`).
 
-``python -m jaxmp.report --config configs/X.py [--config.KEY=VALUE ...] [--devices N] [--modes a,b] [--breakdown [K]] [--settings [--flops]]``
+``python -m jaxmp.report --config configs/X.py [--config.KEY=VALUE ...] [--devices N]
+[--modes a,b] [--breakdown [K]] [--settings [--flops]]``
     Per-device memory (params, gradients, optimizer state, compute copy, activations)
     and collective bytes (gradient reduction; every all-reduce, reduce-scatter,
     all-gather and all-to-all by dtype) of the config's model for each precision mode of
@@ -30,7 +31,8 @@
     program per remat setting, i.e. what each recomputes (one unscanned compile per
     setting: minutes for the seed config).
 
-``python -m jaxmp.report --config configs/X.py --target H200 [--devices N] [--config.KEY=VALUE ...]``
+``python -m jaxmp.report --config configs/X.py --target H200 [--devices N]
+[--config.KEY=VALUE ...]``
     The trainer's own step compiled by XLA's GPU compiler for N x that GPU without one
     (:mod:`jaxmp.analysis.gpu`; needs ``pip install -e ".[gpu]"``): memory per device
     and whether it fits, the largest buffers, kernels by kind, GEMM FLOPs against
@@ -162,7 +164,8 @@ def cost_report(total_params: float = cost.DEEPSEEK_V3.total_params,
 
 def _fmt_row(r: dict) -> List[str]:
     if r["bytes"] is not None:
-        computed = f"{r['bytes'] / 1e9:,.0f} GB" if r["bytes"] >= 10e9 else f"{r['bytes'] / 1e9:.2f} GB"
+        computed = (f"{r['bytes'] / 1e9:,.0f} "
+                    f"GB" if r["bytes"] >= 10e9 else f"{r['bytes'] / 1e9:.2f} GB")
         if r["bytes_per_param"] is not None:
             computed += f" ({r['bytes_per_param']:.3g} B/param)"
     else:
@@ -255,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "mode; --config.KEY=VALUE overrides a key, as in train.py")
     p.add_argument("--json", metavar="OUT", help="also write the tables as JSON to OUT")
     p.add_argument("--devices", type=int, default=8,
-                   help="devices of the --config mesh (parallel.expert of them along 'expert'), or the "
-                        "data-parallel devices of --article's communication table (default 8)")
+                   help="devices of the --config mesh (parallel.expert of them along 'expert'), or "
+                        "the data-parallel devices of --article's communication table (default 8)")
     g = p.add_argument_group("--config with --target: the step compiled for a GPU without one")
     g.add_argument("--target", metavar="GPU",
                    help="compile the trainer's step with XLA's GPU compiler for --devices x this "
@@ -269,9 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=10, help="with --target: largest buffers listed")
     a = p.add_argument_group("--config options")
     a.add_argument("--modes", default=None,
-                   help="comma-separated precision modes (default: all of jaxmp.analysis.accounting.MODES)")
+                   help="comma-separated precision modes (default: all of "
+                        "jaxmp.analysis.accounting.MODES)")
     a.add_argument("--breakdown", type=int, nargs="?", const=15, default=0, metavar="K",
-                   help="list the K (default 15) largest saved residuals per mode with their source")
+                   help="list the K (default 15) largest saved residuals per mode "
+                        "with their source")
     a.add_argument("--settings", action="store_true",
                    help="also list saved activation bytes per attention path x remat setting "
                         "(first mode)")
@@ -363,7 +368,8 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
 
     if args.flops and not args.settings:
         parser.error("--flops goes with --settings")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None else None
+    modes = ([m.strip() for m in args.modes.split(",") if m.strip()] if args.modes is not None
+             else None)
     if modes == []:
         parser.error(f"--modes {args.modes!r} names no precision mode; allowed: "
                      f"{', '.join(accounting.MODES)}")
@@ -373,11 +379,11 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
         if modes is None:  # the default modes: those that run under the config's layout
             modes, skipped = runnable_modes(config, accounting.MODES)
             if skipped:
-                notes.append(f"note: skipped {', '.join(skipped)}: top-k compression runs only with "
-                             f"parallel.strategy='dp' and parallel.expert=1 (this config: "
+                notes.append(f"note: skipped {', '.join(skipped)}: top-k compression runs only "
+                             "with parallel.strategy='dp' and parallel.expert=1 (this config: "
                              f"{config.parallel.strategy!r}, {config.parallel.expert})")
-        notes.append(f"note: {args.devices} devices (--devices, default 8; train.py uses every local "
-                     f"device unless train.num_devices is set)")
+        notes.append(f"note: {args.devices} devices (--devices, default 8; train.py uses every "
+                     "local device unless train.num_devices is set)")
         if "mixed_fp16" in modes:
             notes.append("note: mode mixed_fp16 starts its dynamic loss scale at 2**15; the "
                          "trainer's precision.loss_scale=dynamic starts at 256 (the seed "
