@@ -25,5 +25,6 @@ from jaxmp.train.state import TrainState
 from jaxmp.train.workdir import WorkdirInUse
 
 __all__ = ["Experiment", "TrainState", "train_and_evaluate", "load_config", "default_config",
-           "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled", "TrainingDiverged",
+           "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled",
+           "TrainingDiverged",
            "Interrupted", "WorkdirInUse", "load", "export"]

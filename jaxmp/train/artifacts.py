@@ -43,11 +43,13 @@ def _saved_config(ckpt: Checkpointer, step: int) -> dict:
             config=ocp.args.JsonRestore()))["config"]
     except Exception as e:  # orbax raises many types for a damaged directory
         raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: its config does not "
-                              f"read ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+                              f"read ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
 
 
 def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
-         num_devices: Optional[int] = None) -> Tuple[MoETransformer, Any, ml_collections.ConfigDict]:
+         num_devices: Optional[int] = None) -> Tuple[MoETransformer, Any,
+                                                     ml_collections.ConfigDict]:
     """The trained model of a run directory, its tokenizer and its config.
 
     The config is the one saved in the checkpoint. With ``num_devices=None`` the model is
@@ -83,10 +85,12 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
             raise ValueError(f"step {step} has no checkpoint in {ckpt.directory}; steps: "
                              f"{', '.join(map(str, steps))}")
         config = complete_config(ml_collections.ConfigDict(_saved_config(ckpt, step)))
-        if num_devices is None:  # one device, every array whole; checkpoints restore onto any layout
+        # one device, every array whole; checkpoints restore onto any layout
+        if num_devices is None:
             config.parallel.strategy, config.parallel.expert = "dp", 1
             config.parallel.dispatch_dtype = "compute"
-            config.train.num_devices, config.train.batch_size, config.train.grad_accum_steps = 1, 1, 1
+            (config.train.num_devices, config.train.batch_size,
+             config.train.grad_accum_steps) = 1, 1, 1
         exp = Experiment.create(config, num_devices=num_devices or 1)
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
@@ -178,7 +182,8 @@ def load_export(directory: str | os.PathLike) -> Tuple[MoETransformer, Any, dict
             raise ValueError(f"{directory / EXPORT_WEIGHTS} has no tensor {name!r}")
         value = tensors.pop(name)
         if value.shape != tuple(var.shape):
-            raise ValueError(f"tensor {name!r} is {value.shape}, the model config needs {var.shape}")
+            raise ValueError(f"tensor {name!r} is {value.shape}, the model config "
+                             f"needs {var.shape}")
         flat.append((path, var.replace(jax.numpy.asarray(value))))
     if tensors:
         raise ValueError(f"{directory / EXPORT_WEIGHTS} has tensors the model lacks: "

@@ -32,12 +32,13 @@ Restoring never adjusts the loss scale or runs a step (case LS-9): the restored 
 is used as it is, after its checksums are recomputed and compared and its floating-point
 leaves checked finite. A checkpoint written for another model or precision setup raises
 :class:`CheckpointError` naming the differences. One that fails to read or to verify is
-corrupt (so is a data-iterator state that the run's data cannot take): when resuming from the newest checkpoint, it is moved to
-``checkpoints/corrupt/STEP`` with a loud warning (:attr:`Checkpointer.warnings`) and the
-next older one is tried; when none is good, :class:`CheckpointError` names each, and
-nothing is moved. A run never continues from garbage, and never silently starts afresh. A save that fails (a full disk, a read-only directory) raises
-:class:`CheckpointError` naming the directory; orbax deletes old checkpoints only after
-a new one is complete, so the earlier ones stay.
+corrupt (so is a data-iterator state that the run's data cannot take): when resuming from the newest
+checkpoint, it is moved to ``checkpoints/corrupt/STEP`` with a loud warning
+(:attr:`Checkpointer.warnings`) and the next older one is tried; when none is good,
+:class:`CheckpointError` names each, and nothing is moved. A run never continues from garbage, and
+never silently starts afresh. A save that fails (a full disk, a read-only directory) raises
+:class:`CheckpointError` naming the directory; orbax deletes old checkpoints only after a new one is
+complete, so the earlier ones stay.
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def config_differences(saved: dict, current: dict) -> list:
     for section in INCOMPATIBLE_KEYS:
         a, b = (flatten_dict({section: _lookup(c, section)}, sep=".") for c in (saved, current))
         for key in sorted(set(a) | set(b)):
-            if key not in MAY_CHANGE_KEYS and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str):
+            if (key not in MAY_CHANGE_KEYS
+                and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):
                 diffs.append((key, a.get(key), b.get(key)))
     return diffs
 
@@ -143,8 +145,10 @@ def _closed_loop_noise(unraisable) -> bool:
     tb = unraisable.exc_traceback
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
-            and tb is not None and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
+    return (unraisable.exc_type is RuntimeError
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and tb is not None
+            and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
 
 
 def _quiet_orbax_tracebacks() -> None:
@@ -183,7 +187,8 @@ def _leaf_hash(x: jax.Array) -> jax.Array:
     bits = bits.reshape(-1)
     i = jnp.arange(bits.size, dtype=jnp.uint32)
     h1 = jnp.sum(bits * (i * _ODD1 | 1), dtype=jnp.uint32)
-    h2 = jnp.sum((bits ^ (bits >> 13)) * ((i + np.uint32(0x9E3779B9)) * _ODD2 | 1), dtype=jnp.uint32)
+    h2 = jnp.sum((bits ^ (bits >> 13)) * ((i + np.uint32(0x9E3779B9)) * _ODD2 | 1),
+                 dtype=jnp.uint32)
     return jnp.stack([h1, h2])
 
 
@@ -200,7 +205,8 @@ def state_checksums(state: Any) -> dict:
     names = leaf_names(state)
     leaves = jax.tree.leaves(state)
     hashes = jax.device_get(_hash_leaves(leaves)) if leaves else []
-    return {f"{i}:{n}": f"{int(h[0]):08x}{int(h[1]):08x}" for i, (n, h) in enumerate(zip(names, hashes))}
+    return {f"{i}:{n}": f"{int(h[0]):08x}{int(h[1]):08x}"
+            for i, (n, h) in enumerate(zip(names, hashes))}
 
 
 def json_digest(item: Any) -> str:
@@ -341,7 +347,8 @@ class Checkpointer:
             f"checkpoints ({', '.join(map(str, kept)) or 'none'}) are intact. Free disk space or "
             f"make the directory writable, then rerun to resume")
 
-    def save(self, step: int, state: Any, data_state: dict, config: dict, meta: Optional[dict] = None,
+    def save(self, step: int, state: Any, data_state: dict, config: dict,
+             meta: Optional[dict] = None,
              healthy: bool = True) -> None:
         """Starts an asynchronous save of a checkpoint at ``step``.
 
@@ -481,21 +488,22 @@ class Checkpointer:
             try:
                 check_data(data_state)
             except ValueError as e:
-                raise _Corrupt(f"its data-iterator state does not fit this run's data ({e})") from None
+                raise _Corrupt(f"its data-iterator state does not fit this run's data "
+                               f"({e})") from None
         sums = state_checksums(state)
         bad = [k.split(":", 1)[1] for k in sums if meta["checksums"].get(k) != sums[k]]
         if bad or set(sums) != set(meta["checksums"]):
-            raise _Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was saved "
-                           f"({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+            raise _Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was "
+                           f"saved ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
         # One jitted program: eager per-leaf reductions over a sharded state are dozens of
         # small collective programs in flight at once, which XLA:CPU can deadlock on.
         if not bool(jax.device_get(jax.jit(all_finite)(state))):
             raise _Corrupt("it holds NaN or inf values")
         self.saved_config, self.saved_meta = saved_config, meta
         if not digests:
-            self.warnings.append(f"checkpoint step {step} in {self.directory} predates checksums of "
-                                 f"its data-iterator state and config (format {meta.get('format')}): "
-                                 f"only its arrays were verified")
+            self.warnings.append(f"checkpoint step {step} in {self.directory} predates checksums "
+                                 "of its data-iterator state and config (format "
+                                 f"{meta.get('format')}): only its arrays were verified")
         return step, state, data_state
 
     def _set_aside(self, step: int, why: str, good: int) -> None:
@@ -507,8 +515,8 @@ class Checkpointer:
                 shutil.rmtree(target)
             (self.directory / str(step)).rename(target)
         self.manager.reload()
-        self.warnings.append(f"checkpoint step {step} in {self.directory} is corrupt: {why}. It was "
-                             f"moved to {target}; resuming from step {good} instead")
+        self.warnings.append(f"checkpoint step {step} in {self.directory} is corrupt: {why}. It "
+                             f"was moved to {target}; resuming from step {good} instead")
 
     def close(self, raise_errors: bool = True) -> None:
         """Waits for the pending save and releases the manager (idempotent).

@@ -84,7 +84,8 @@ def closest_key(key: str, valid: Iterable[str]) -> Optional[str]:
     if not match:  # compare the last component within the same section
         section, _, leaf = key.rpartition(".")
         same = [v for v in valid if v.rpartition(".")[0] == section]
-        leaves = difflib.get_close_matches(leaf, [v.rpartition(".")[2] for v in same], n=1, cutoff=0.5)
+        leaves = difflib.get_close_matches(leaf, [v.rpartition(".")[2] for v in same], n=1,
+                                           cutoff=0.5)
         match = [f"{section}.{leaves[0]}" if section else leaves[0]] if leaves else []
     return match[0] if match else None
 
@@ -229,7 +230,8 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
-        raise ValueError(f"config file {name} has a syntax error at line {e.lineno}: {e.msg}") from None
+        raise ValueError(f"config file {name} has a syntax error at line {e.lineno}: "
+                         f"{e.msg}") from None
     except Exception as e:  # the file is the user's code: any error is reported as its own
         raise ValueError(f"config file {name} fails to run: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
@@ -429,23 +431,28 @@ def _check_parallel(config, model: ModelConfig, num_devices: int):
     layout = sharding.layout(par.strategy, par.expert, par.dispatch_dtype)  # names a bad value
     x = layout.expert
     if num_devices % x:
-        raise ValueError(f"parallel.expert={x} does not divide the {num_devices} devices; allowed: "
-                         f"{', '.join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)}")
+        raise ValueError(
+            f"parallel.expert={x} does not divide the {num_devices} devices; allowed: "
+            f"{', '.join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)}")
     if layout.dispatch_dtype != "compute" and x == 1:
         raise ValueError(f"parallel.dispatch_dtype={layout.dispatch_dtype!r} sets the dtype of the "
                          f"expert-parallel all-to-all; it needs parallel.expert > 1")
     data = num_devices // x
     if x > 1:
         if model.num_moe_layers == 0:
-            raise ValueError(f"parallel.expert={x}: the model has no MoE layer (model.num_experts=0)")
+            raise ValueError(f"parallel.expert={x}: the model has no MoE layer "
+                             f"(model.num_experts=0)")
         if model.num_experts % x:
-            raise ValueError(f"parallel.expert={x} does not divide model.num_experts={model.num_experts}")
+            raise ValueError(f"parallel.expert={x} does not divide "
+                             f"model.num_experts={model.num_experts}")
         if not model.capacity_factor:
-            raise ValueError(f"parallel.expert={x}: expert parallelism exchanges fixed-size slots; set "
-                             f"model.capacity_factor > 0 (e.g. 2.0), or parallel.expert=1 for dropless")
+            raise ValueError(f"parallel.expert={x}: expert parallelism exchanges fixed-size slots; "
+                             "set model.capacity_factor > 0 (e.g. 2.0), or parallel.expert=1 for "
+                             "dropless")
     if layout.strategy != "dp" and model.d_model % data:
-        raise ValueError(f"parallel.strategy={layout.strategy!r} splits every parameter's d_model axis over "
-                         f"the {data} devices of the data axis, which do not divide model.d_model={model.d_model}")
+        raise ValueError(f"parallel.strategy={layout.strategy!r} splits every parameter's d_model "
+                         f"axis over the {data} devices of the data axis, which do not divide "
+                         f"model.d_model={model.d_model}")
     if config.precision.grad_compression == "topk" and (layout.strategy != "dp" or x > 1):
         raise ValueError(f"precision.grad_compression='topk' runs with parallel.strategy='dp' and "
                          f"parallel.expert=1, not {layout.strategy!r} and {x}")

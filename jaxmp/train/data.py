@@ -187,8 +187,8 @@ def load_documents(path: str | None, text_field: str = "text",
       Documents in a deterministic order.
 
     Raises:
-      ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid JSON or lacks a string ``text_field`` (names the
-        file and line number).
+      ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid
+        JSON or lacks a string ``text_field`` (names the file and line number).
     """
     if not path:
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -203,7 +203,8 @@ def load_documents(path: str | None, text_field: str = "text",
     if not files:
         if not glob.has_magic(expanded):
             raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
-                             f"such as 'corpus/**/*.txt', or '' for the standard library's sources)")
+                             "such as 'corpus/**/*.txt', or '' for the standard library's "
+                             "sources)")
         raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
                          f"'corpus/**/*.txt', or '' for the standard library's sources)")
     files = _unique_text_files(path, files, warnings if warnings is not None else [])
@@ -432,7 +433,8 @@ class _EvalBatches(Sequence):
         if not -self._count <= k < self._count:
             raise IndexError(f"eval batch {k} out of range for {self._count}")
         k %= self._count
-        ids = (np.arange(k * self._batch + self._lo, k * self._batch + self._hi)) % len(self._stream)
+        ids = (np.arange(k * self._batch + self._lo,
+                         k * self._batch + self._hi)) % len(self._stream)
         return self._stream.batch(ids)
 
 
@@ -554,10 +556,11 @@ def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need
         moved = ("the document whose name hashes closest to eval" if len(taken) == 1 else
                  f"the {len(taken)} documents whose names hash closest to eval")
         if count >= window and tokens(left) >= window:
-            notes.append(f"data.eval_fraction={eval_fraction} put {_count(len(eval_docs), 'document')} "
-                         f"in eval and {_count(len(train_docs), 'document')} in train, leaving {short} "
-                         f"shorter than one sequence of {window} tokens; so eval now holds "
-                         f"{moved} and train the other {len(left)}")
+            notes.append(f"data.eval_fraction={eval_fraction} put "
+                         f"{_count(len(eval_docs), 'document')} in eval and "
+                         f"{_count(len(train_docs), 'document')} in train, leaving {short} shorter "
+                         f"than one sequence of {window} tokens; so eval now holds {moved} and "
+                         f"train the other {len(left)}")
             train_docs, eval_docs = left, [d for d in docs if d[0] in taken]
         else:
             stream = TokenStream.from_token_documents(docs, seq_len)
@@ -664,9 +667,9 @@ def _shard_streams(files, data_config, tokenizer, eod: int, seq_len: int, eval_f
         last = arrays[-1]
         if last.size - held < 0 or total - held < window:
             raise ValueError(f"eval is the last {held} tokens of the last shard {files[-1]}, which "
-                             f"holds {last.size} of the {total} tokens; train needs {window} more. Add "
-                             f"tokens, lower data.seq_len or data.eval_fraction, or set "
-                             f"data.num_eval_batches=0")
+                             f"holds {last.size} of the {total} tokens; train needs {window} more. "
+                             "Add tokens, lower data.seq_len or data.eval_fraction, or set "
+                             "data.num_eval_batches=0")
         arrays = arrays[:-1] + [last[:last.size - held]]
         eval_array = last[last.size - held:]
         if max_tokens:
@@ -783,7 +786,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     shards = token_files(path)
     if shards:
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
-                                   train_texts=None if not spec.startswith("bpe:") else _no_text(path))
+                                   train_texts=(None if not spec.startswith("bpe:")
+                                                else _no_text(path)))
         eod = tokenizer.eos_id
         train, evals, notes, num_documents = _shard_streams(
             shards, data_config, tokenizer, eod, seq_len, eval_fraction, max_tokens, num_eval > 0)
@@ -795,7 +799,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
                                    train_texts=lambda: (d for _, d in split[0] or docs))
         tokenized = _tokenize(docs, tokenizer)
         names = {name for name, _ in split[1]}
-        tok_split = ([d for d in tokenized if d[0] not in names], [d for d in tokenized if d[0] in names])
+        tok_split = ([d for d in tokenized if d[0] not in names],
+                     [d for d in tokenized if d[0] in names])
         train, evals, notes = _split_streams(tokenized, eval_fraction, seq_len, max_tokens,
                                              need_eval=num_eval > 0, split=tok_split)
         num_documents = len(docs)
@@ -809,7 +814,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         table = getattr(tokenizer, "token_bytes", None)
         if table is not None:
             eval_bytes = tuple(
-                int(table[evals.batch(np.arange(k * batch, (k + 1) * batch) % len(evals))["targets"]].sum())
+                int(table[evals.batch(
+                    np.arange(k * batch, (k + 1) * batch) % len(evals))["targets"]].sum())
                 for k in range(num_eval))
     prompt_source = evals if num_eval else train
     if hasattr(prompt_source, "parts"):
@@ -836,7 +842,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
 def _no_text(path):
     def fail():
         raise ValueError(f"data.tokenizer='bpe:...' trains on text, but data.path {path!r} holds "
-                         f"pre-tokenized shards; set data.tokenizer to the tokenizer that wrote them")
+                         "pre-tokenized shards; set data.tokenizer to the tokenizer that wrote "
+                         "them")
     return fail
 
 

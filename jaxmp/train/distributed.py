@@ -12,10 +12,12 @@ lock and the sample.
 
 Two processes on one machine, four CPU devices each, over loopback only::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python train.py --config configs/tiny_moe.py \\
-        --workdir runs/two --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0 &
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python train.py --config configs/tiny_moe.py \\
-        --workdir runs/two --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python train.py \\
+        --config configs/tiny_moe.py --workdir runs/two \\
+        --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0 &
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python train.py \\
+        --config configs/tiny_moe.py --workdir runs/two \\
+        --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1
 
 JAX's CPU collectives (gloo, ``jax_cpu_collectives_implementation``) carry the
 cross-process reductions on CPU; on GPUs NCCL does.

@@ -191,7 +191,8 @@ class Experiment:
                               in_shardings=(state_sh, batch_sh)),
             plan=plan,
             _init=jax.jit(init, out_shardings=state_sh.replace(compute_params=None)),
-            _copy=jax.jit(copy_fn, out_shardings=state_sh.compute_params) if layout.compute_copy else None)
+            _copy=(jax.jit(copy_fn, out_shardings=state_sh.compute_params)
+                   if layout.compute_copy else None))
 
     @property
     def checkpoint_template(self) -> TrainState:
@@ -270,7 +271,8 @@ class Experiment:
     def abstract_batch(self, global_batch: Optional[int] = None) -> dict:
         """``jax.ShapeDtypeStruct`` s of a token batch (for ``train_step.lower``)."""
         b = global_batch or self.config.train.batch_size
-        spec = jax.ShapeDtypeStruct((b, self.config.data.seq_len), np.int32, sharding=self.batch_sharding)
+        spec = jax.ShapeDtypeStruct((b, self.config.data.seq_len), np.int32,
+                                    sharding=self.batch_sharding)
         return {"inputs": spec, "targets": spec}
 
     def evaluate_metrics(self, state: TrainState) -> Optional[dict]:

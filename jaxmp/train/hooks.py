@@ -130,19 +130,21 @@ class ReportMetrics(PeriodicAction):
         record.update({k: bool(m[k]) for k in flags}, **{k: int(m[k]) for k in counts},
                       tokens_per_s=tps, **expert_load_stats(m["expert_counts"]))
         if record["divergent_steps"]:
-            _say(self.bar, f"step {step}: the last {steps_text(record['divergent_steps'])} applied looked "
-                           f"divergent (loss {record['loss']:.4g} vs a running mean of "
+            _say(self.bar, f"step {step}: the last {steps_text(record['divergent_steps'])} applied "
+                           f"looked divergent (loss {record['loss']:.4g} vs a running mean of "
                            f"{record['loss_ema']:.4g}, gradient norm {record['grad_norm']:.4g})")
         newly = record["skipped_steps"] - self.last_skipped
         if newly:
-            _say(self.bar, f"step {step}: {newly} of the last {steps_text(step - self.last_step_reported)} "
-                           f"skipped (non-finite gradients or update); loss scale now "
+            _say(self.bar, f"step {step}: {newly} of the last "
+                           f"{steps_text(step - self.last_step_reported)} skipped (non-finite "
+                           "gradients or update); loss scale now "
                            f"{float(jax.device_get(state.loss_scale.loss_scale)):g}")
         self.last_skipped, self.last_step_reported = record["skipped_steps"], step
         self.writer.write(step, "train", record)
         self.losses.append(record["loss"])
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", scale=f"{record['loss_scale']:g}",
-                             tok_s="-" if tps is None else f"{tps:,.0f}", skipped=record["skipped_steps"])
+                             tok_s="-" if tps is None else f"{tps:,.0f}",
+                             skipped=record["skipped_steps"])
 
 
 @dataclasses.dataclass

@@ -22,8 +22,8 @@ class Key(NamedTuple):
 KEYS: Tuple[Key, ...] = (
     Key("seed", 0, "seed of the initialisation, the data order and the sample, in [0, 2**31 - 1)"),
     # model: jaxmp.models.ModelConfig
-    Key("model.vocab_size", 257, "embedding rows; at least the tokenizer's vocabulary (257 = bytes + "
-                                 "end-of-document), a multiple of 128 suits GPUs"),
+    Key("model.vocab_size", 257, "embedding rows; at least the tokenizer's vocabulary (257 = bytes "
+                                 "+ end-of-document), a multiple of 128 suits GPUs"),
     Key("model.num_layers", 2, "Transformer blocks"),
     Key("model.d_model", 64, "model width"),
     Key("model.num_heads", 4, "attention heads (divide d_model; head_dim even)"),
@@ -41,8 +41,8 @@ KEYS: Tuple[Key, ...] = (
     Key("model.bias_update_rate", 0.001, "gamma of auxiliary-loss-free balancing (DeepSeek-V3)"),
     Key("model.capacity_factor", 0.0, "0 = dropless dispatch; > 0 = GShard slots per expert "
                                       "(expert parallelism needs it)"),
-    Key("model.moe_kernel", "auto", "auto | ragged_dot | pallas (the Mosaic GPU grouped GEMM; auto: "
-                                    "on Hopper and newer GPUs)"),
+    Key("model.moe_kernel", "auto", "auto | ragged_dot | pallas (the Mosaic GPU grouped GEMM; "
+                                    "auto: on Hopper and newer GPUs)"),
     Key("model.attention", "auto", "reference | xla | cudnn | auto (cuDNN where it runs, else "
                                    "reference)"),
     Key("model.scan_layers", False, "stack the blocks and run them with jax.lax.scan"),
@@ -55,7 +55,8 @@ KEYS: Tuple[Key, ...] = (
         "(dynamic starts at 256)"),
     Key("precision.grad_reduce_dtype", "float32", "dtype of the cross-device gradient sum: "
                                                   "float32, bfloat16 or float16"),
-    Key("precision.grad_compression", "none", "none | topk (top-k values + indices, error feedback)"),
+    Key("precision.grad_compression", "none",
+        "none | topk (top-k values + indices, error feedback)"),
     Key("precision.topk_ratio", 0.3, "fraction of each leaf sent per step under topk, in (0, 1]"),
     # optim
     Key("optim.learning_rate", 3e-3, "peak learning rate"),
@@ -68,7 +69,8 @@ KEYS: Tuple[Key, ...] = (
     Key("optim.eps", 1e-8, "Adam epsilon"),
     Key("optim.weight_decay", 0.01, "decoupled weight decay (AdamW)"),
     Key("optim.grad_clip", 1.0, "global-norm clip of the unscaled gradients (0 = off)"),
-    Key("optim.mu_dtype", "", "Adam first moment dtype ('' = master dtype; bfloat16 as DeepSeek-V3)"),
+    Key("optim.mu_dtype", "", "Adam first moment dtype ('' = master dtype; bfloat16 "
+                              "as DeepSeek-V3)"),
     Key("optim.nu_dtype", "", "Adam second moment dtype ('' = master dtype)"),
     # data
     Key("data.path", "", "'' = the Python standard library's .py files; a directory, a glob, "
@@ -95,8 +97,8 @@ KEYS: Tuple[Key, ...] = (
     Key("train.max_consecutive_skips", 100, "stop when this many steps in a row were skipped"),
     Key("train.loss_spike_factor", 3.0, "a loss above this x its running mean looks divergent "
                                         "(0 = off)"),
-    Key("train.grad_norm_spike_factor", 100.0, "a gradient norm above this x its running mean looks "
-                                               "divergent (0 = off)"),
+    Key("train.grad_norm_spike_factor", 100.0, "a gradient norm above this x its running mean "
+                                               "looks divergent (0 = off)"),
     Key("train.max_divergent_steps", 10, "stop after this many divergent-looking steps in a row"),
     Key("train.sample_prompt", "", "prompt of the final sample ('' = the start of the first eval "
                                    "document)"),
@@ -104,8 +106,10 @@ KEYS: Tuple[Key, ...] = (
     Key("train.sample_temperature", 0.8, "sampling temperature (0 = greedy)"),
     # parallel
     Key("parallel.strategy", "dp", "dp | zero1 | fsdp (how the state is split over 'data')"),
-    Key("parallel.expert", 1, "devices along 'expert' (expert parallelism; needs capacity_factor > 0)"),
-    Key("parallel.dispatch_dtype", "compute", "compute | e4m3: dtype of the expert-parallel all-to-all"),
+    Key("parallel.expert", 1, "devices along 'expert' (expert parallelism; needs "
+                              "capacity_factor > 0)"),
+    Key("parallel.dispatch_dtype", "compute",
+        "compute | e4m3: dtype of the expert-parallel all-to-all"),
 )
 
 
@@ -125,7 +129,8 @@ def help_text() -> str:
 def markdown() -> str:
     """``docs/CONFIG.md``: the table as Markdown."""
     rows = ["# Run-config keys", "",
-            "Generated from `jaxmp.train.keys.KEYS` (`python -m jaxmp.train.keys > docs/CONFIG.md`);",
+            "Generated from `jaxmp.train.keys.KEYS` (`python -m jaxmp.train.keys > "
+            "docs/CONFIG.md`);",
             "`python train.py --help` prints the same table.", "",
             "| key | default | meaning |", "| --- | --- | --- |"]
     for k in KEYS:

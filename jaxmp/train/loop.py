@@ -46,7 +46,8 @@ from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveChe
 from jaxmp.train.metrics import MetricsWriter
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
-__all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "TrainingDiverged", "WorkdirInUse",
+__all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "TrainingDiverged",
+           "WorkdirInUse",
            "describe_loss_scale", "banner", "check_memory", "check_sample_memory",
            "compile_in_progress"]
 
@@ -78,13 +79,15 @@ class Interrupted(Exception):
         name = signal.Signals(signum).name
         if startup:
             resumable = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
-            what = (f"{name} during start-up: stopped before training; nothing was trained or saved "
-                    f"in this run; rerun the same command to {'resume' if resumable else 'start'}")
+            what = (f"{name} during start-up: stopped before training; nothing was trained or "
+                    "saved in this run; rerun the same command to "
+                    f"{'resume' if resumable else 'start'}")
         elif saved:
-            what = f"{name} at step {step}: checkpoint saved in {directory}; rerun the same command to resume"
+            what = (f"{name} at step {step}: checkpoint saved in {directory}; rerun the same "
+                    "command to resume")
         else:
-            what = (f"{name} before the first step finished: nothing was trained or saved in this run; "
-                    f"rerun the same command to {'resume' if step else 'start'}")
+            what = (f"{name} before the first step finished: nothing was trained or saved in this "
+                    f"run; rerun the same command to {'resume' if step else 'start'}")
         super().__init__(what)
 
 
@@ -107,8 +110,8 @@ class _SignalCatcher:
             os._exit(128 + signum)
         self.signum = signum
         if self.training:
-            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and saving "
-                             f"a checkpoint (send it again to exit at once)\n")
+            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and "
+                             "saving a checkpoint (send it again to exit at once)\n")
             sys.stderr.flush()
 
     def __enter__(self):
@@ -131,7 +134,8 @@ class _Compilation:
 
         def work():
             try:
-                self.result["step"] = exp.train_step.lower(exp.abstract_state, exp.abstract_batch()).compile()
+                self.result["step"] = exp.train_step.lower(exp.abstract_state,
+                                                           exp.abstract_batch()).compile()
             except BaseException as e:  # re-raised in the main thread
                 self.result["error"] = e
 
@@ -223,7 +227,8 @@ def check_sample_memory(exp: Experiment) -> None:
     if not t.sample_tokens:
         return
     pad = m.num_moe_layers == 0 or not m.capacity_factor
-    tokens = m.max_len if pad else min(m.max_len, len(t.sample_prompt.encode("utf-8")) + t.sample_tokens)
+    tokens = (m.max_len if pad else min(m.max_len,
+                                        len(t.sample_prompt.encode("utf-8")) + t.sample_tokens))
     need = tokens * (4 + 2 * m.vocab_size)
     have, source = _device_memory(jax.local_devices()[0])
     if have is not None and need > have:
@@ -247,7 +252,8 @@ def describe_loss_scale(loss_scale) -> str:
         ls = loss_scale
         return (f"dynamic, now {num(ls.loss_scale)}; x{num(ls.growth_factor)} after "
                 f"{int(ls.growth_interval)} finite steps, x{num(ls.backoff_factor)} on overflow "
-                f"(hysteresis {int(ls.hysteresis)}); min {num(ls.min_loss_scale)}, max {num(ls.max_loss_scale)}")
+                f"(hysteresis {int(ls.hysteresis)}); min {num(ls.min_loss_scale)}, max "
+                f"{num(ls.max_loss_scale)}")
     return repr(loss_scale)
 
 
@@ -285,8 +291,8 @@ def banner(exp: Experiment, data) -> str:
     docs = data.num_documents
     lines = [
         "jaxmp trainer",
-        f"  devices     : {n} x {exp.mesh.devices.flat[0].platform} "
-        f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}); mesh {dict(exp.mesh.shape)}",
+        f"  devices     : {n} x {exp.mesh.devices.flat[0].platform} ({jax.process_count()} "
+        f"process{'es' if jax.process_count() > 1 else ''}); mesh {dict(exp.mesh.shape)}",
         f"  parallel    : {layout}",
         f"  model       : {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
         f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}",
@@ -294,13 +300,14 @@ def banner(exp: Experiment, data) -> str:
         f"  policy      : {exp.rules}",
         f"  loss scale  : {describe_loss_scale(exp.settings.loss_scale)}",
         f"  grad comm   : {c['grad_reduce_dtype']} reduce" + (
-            f", top-k {c['topk_ratio']:g} with error feedback" if c["grad_compression"] == "topk" else ""),
+            f", top-k {c['topk_ratio']:g} with error feedback"
+            if c["grad_compression"] == "topk" else ""),
         f"  memory/dev  : train state {state_bytes / 2**20:.2f} MiB + gradients "
         f"{_device_bytes(state.params) / 2**20:.2f} MiB under {exp.layout.strategy} "
         f"(activations not included; see python -m jaxmp.report)",
         f"  data        : {docs} document{'' if docs == 1 else 's'}, {data.train_tokens:,} train / "
-        f"{data.eval_tokens:,} eval tokens (tokenizer {data.tokenizer.name}), seq_len {cfg.data.seq_len}, "
-        f"global batch {cfg.train.batch_size}",
+        f"{data.eval_tokens:,} eval tokens (tokenizer {data.tokenizer.name}), seq_len "
+        f"{cfg.data.seq_len}, global batch {cfg.train.batch_size}",
     ]
     return "\n".join(lines)
 
@@ -310,9 +317,10 @@ def _precision_warnings(exp: Experiment) -> list:
     rules = exp.rules
     policies = [rules.default] + [p for _, p in rules.rules]
     lines = []
-    if any(p.needs_loss_scale for p in policies) and isinstance(exp.settings.loss_scale, NoOpLossScale):
-        lines.append("float16 compute without a loss scale: gradients below 2**-24 flush to zero and "
-                     "large ones overflow (Micikevicius et al. 2018, section 3.2); set "
+    if (any(p.needs_loss_scale for p in policies)
+        and isinstance(exp.settings.loss_scale, NoOpLossScale)):
+        lines.append("float16 compute without a loss scale: gradients below 2**-24 flush to zero "
+                     "and large ones overflow (Micikevicius et al. 2018, section 3.2); set "
                      "precision.loss_scale=dynamic")
     return lines + unmatched_rules(exp.settings.rules, exp.module_paths)
 
@@ -321,7 +329,8 @@ def _resume_warnings(saved: Optional[dict], config, start: int) -> list:
     """What changed on resume that the user may not expect."""
     lines = []
     saved_steps = (saved or {}).get("train", {}).get("steps")
-    if saved_steps is not None and saved_steps != config.train.steps and not config.optim.decay_steps:
+    if (saved_steps is not None and saved_steps != config.train.steps
+        and not config.optim.decay_steps):
         lines.append(f"train.steps changed from {saved_steps} to {config.train.steps} with "
                      f"optim.decay_steps=0: the learning-rate schedule now decays over "
                      f"{config.train.steps} steps (set optim.decay_steps to choose the horizon)")
@@ -353,9 +362,10 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dic
              ckpt.saved_meta.get("num_devices"))
     now = (exp.layout.strategy, exp.layout.expert, exp.num_devices)
     if saved[2] is not None and saved != now:
-        notes.append(f"the checkpoint was saved with parallel.strategy={saved[0]}, parallel.expert={saved[1]} "
-                     f"on {saved[2]} devices and is resharded onto parallel.strategy={now[0]}, "
-                     f"parallel.expert={now[1]} on {now[2]} devices (the same global arrays)")
+        notes.append(f"the checkpoint was saved with parallel.strategy={saved[0]}, "
+                     f"parallel.expert={saved[1]} on {saved[2]} devices and is resharded onto "
+                     f"parallel.strategy={now[0]}, parallel.expert={now[1]} on {now[2]} devices "
+                     "(the same global arrays)")
     data.set_state(data_state)  # checked by restore (check_data)
     if ckpt.saved_meta.get("healthy") is False:
         healthy = ckpt.healthy_step()
@@ -375,8 +385,8 @@ def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int, notes, lock
         print(f"note: {line}")
     if lock is not None and lock.taken_over:
         held = lock.taken_over
-        print(f"note: took over the workdir lock of process {held.get('pid')} on {held.get('host')}, "
-              f"which is no longer running")
+        print(f"note: took over the workdir lock of process {held.get('pid')} on "
+              f"{held.get('host')}, which is no longer running")
     for line in ckpt.warnings:
         print(f"WARNING: {line}")
     if start:

@@ -129,12 +129,13 @@ class MetricsWriter:
             with self.path.open("a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
             for k, v in record.items():
-                if k not in ("step", "split") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                if (k not in ("step", "split") and isinstance(v, (int, float))
+                    and not isinstance(v, bool)):
                     self._tb.add_scalar(f"{split}/{k}", v, step)
             self._tb.flush()
         except OSError as e:
-            raise OSError(e.errno, f"writing the metrics of step {step} to {self.path.parent} failed: "
-                                   f"{e.strerror or e}") from None
+            raise OSError(e.errno, f"writing the metrics of step {step} to {self.path.parent} "
+                                   f"failed: {e.strerror or e}") from None
 
     def _truncate_after(self, step: int) -> None:
         """Drops records past ``step`` (a resumed run rewrites the steps after its
@@ -165,5 +166,5 @@ class MetricsWriter:
             tb.close()
         except OSError as e:
             if raise_errors:
-                raise OSError(e.errno, f"closing the TensorBoard files in {self.path.parent} failed: "
-                                       f"{e.strerror or e}") from None
+                raise OSError(e.errno, f"closing the TensorBoard files in {self.path.parent} "
+                                       f"failed: {e.strerror or e}") from None

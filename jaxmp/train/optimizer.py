@@ -82,6 +82,7 @@ def make_optimizer(optim_config, lr_schedule: optax.Schedule) -> optax.GradientT
     parts.append(optim.adamw(
         lr_schedule, b1=optim_config.b1, b2=optim_config.b2,
         eps=optim_config.eps, weight_decay=optim_config.weight_decay,
-        mu_dtype=dtype_or_none(optim_config.mu_dtype), nu_dtype=dtype_or_none(optim_config.nu_dtype),
+        mu_dtype=dtype_or_none(optim_config.mu_dtype),
+                             nu_dtype=dtype_or_none(optim_config.nu_dtype),
         mask=decay_mask))
     return optax.chain(*parts)

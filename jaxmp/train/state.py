@@ -132,11 +132,13 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules) -> TrainState:
     """
     state_rules = getattr(rules, "state_rules", rules)
     compute_rules = getattr(rules, "compute_rules", rules)
-    shardings = sharding.state_shardings(state.replace(comm_state=None, compute_params=None), mesh, state_rules)
+    shardings = sharding.state_shardings(state.replace(comm_state=None, compute_params=None), mesh,
+                                         state_rules)
     comm = state.comm_state
     if comm is not None:
         comm = jax.tree.map(
-            lambda x: sharding.logical_to_sharding(("batch",) + (None,) * (jnp.ndim(x) - 1), mesh, state_rules),
+            lambda x: sharding.logical_to_sharding(("batch",) + (None,) * (jnp.ndim(x) - 1), mesh,
+                                                   state_rules),
             comm)
     compute = None
     if state.compute_params is not None:

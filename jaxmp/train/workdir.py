@@ -89,8 +89,8 @@ class WorkdirLock:
                 raise
             raise WorkdirInUse(
                 f"--workdir {self.path.parent} is in use by process {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')} (running since {holder.get('started', '?')}); wait for it "
-                f"to finish or stop it, or use another --workdir") from None
+                f"{holder.get('host', '?')} (running since {holder.get('started', '?')}); wait for "
+                "it to finish or stop it, or use another --workdir") from None
         self.taken_over = self._holder(fd)
         record = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv}
