@@ -152,7 +152,8 @@ def resolve_attention(name: str, dtype, head_dim: int) -> str:
         gives the reason and the alternatives).
     """
     if name not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"model.attention={name!r}; allowed: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        raise ValueError(f"model.attention={name!r}; allowed: "
+                         f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     xla_ok, xla_reason = xla_support(dtype)
     if name == "auto":  # where cuDNN is absent, the reference keeps 2 bytes per score, xla 11
         return "cudnn" if cudnn_support(dtype, head_dim)[0] else "reference"
@@ -298,7 +299,8 @@ class Attention(nnx.Module):
         for name in ("wq", "wk", "wv"):
             setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std), (d, h, k), dt,
                                            ("embed", "heads", "head_dim")))
-        self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt, ("heads", "head_dim", "embed"))
+        self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt,
+                             ("heads", "head_dim", "embed"))
         add_fp8_states(self, ("wq", "wk", "wv", "wo"))
 
     def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:

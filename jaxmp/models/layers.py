@@ -122,7 +122,8 @@ def make_param(rngs: nnx.Rngs, init, shape: Sequence[int], dtype, axes: Sequence
       axes: one logical axis name (or None) per dimension.
     """
     if len(axes) != len(shape):
-        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for a parameter of shape {tuple(shape)}")
+        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for a parameter of shape "
+                         f"{tuple(shape)}")
     initializer = nnx.with_partitioning(init, tuple(axes), eager_sharding=False)
     return nnx.Param(initializer(rngs.params(), tuple(shape), dtype))
 
@@ -139,7 +140,8 @@ class RMSNorm(nnx.Module):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.eps = eps
-        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), self.policy.param_dtype, ("embed",))
+        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), self.policy.param_dtype,
+                                ("embed",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., dim] -> [..., dim] in ``policy.output_dtype``."""
@@ -161,7 +163,8 @@ class Embed(nnx.Module):
     to the compute, then the output dtype.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, d_model: int, *, path: str, rules: PolicyRules,
+                 rngs: nnx.Rngs):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.table = make_param(rngs, nnx.initializers.normal(0.02), (vocab_size, d_model),
@@ -169,7 +172,8 @@ class Embed(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int [B, T] -> [B, T, d_model] in ``policy.output_dtype``."""
-        return self.policy.cast_to_output(self.policy.cast_to_compute(jnp.take(self.table[...], tokens, axis=0)))
+        return self.policy.cast_to_output(
+            self.policy.cast_to_compute(jnp.take(self.table[...], tokens, axis=0)))
 
 
 class Head(nnx.Module):
@@ -177,13 +181,14 @@ class Head(nnx.Module):
 
     Returns the logits in ``policy.compute_dtype``; ``policy.output_dtype`` is not used
     (as for the router). Under an ``fp8_*`` default policy the head stays in bfloat16
-    (:data:`jaxmp.models.transformer.FP8_EXCLUDED`) unless a rule names it. The loss, :func:`jaxmp.ops.cross_entropy`, upcasts them to
-    float32 inside its island, so the values and gradients are those of a float32 cast
-    here, but the ``[B, T, vocab]`` array kept for the backward pass is not a float32
-    copy.
+    (:data:`jaxmp.models.transformer.FP8_EXCLUDED`) unless a rule names it. The loss,
+    :func:`jaxmp.ops.cross_entropy`, upcasts them to float32 inside its island, so the values and
+    gradients are those of a float32 cast here, but the ``[B, T, vocab]`` array kept for the
+    backward pass is not a float32 copy.
     """
 
-    def __init__(self, d_model: int, vocab_size: int, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, vocab_size: int, *, path: str, rules: PolicyRules,
+                 rngs: nnx.Rngs):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.kernel = make_param(rngs, nnx.initializers.normal(0.02), (d_model, vocab_size),
@@ -228,9 +233,12 @@ class SwiGLU(nnx.Module):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         dt = self.policy.param_dtype
-        self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
-        self.w_up = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt, ("embed", "mlp"))
-        self.w_down = make_param(rngs, nnx.initializers.normal(out_std), (d_hidden, d_model), dt, ("mlp", "embed"))
+        self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt,
+                                 ("embed", "mlp"))
+        self.w_up = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt,
+                               ("embed", "mlp"))
+        self.w_down = make_param(rngs, nnx.initializers.normal(out_std), (d_hidden, d_model), dt,
+                                 ("mlp", "embed"))
         add_fp8_states(self, ("w_gate", "w_up", "w_down"))
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -232,7 +232,8 @@ class Router(nnx.Module):
         self.score_fn = score_fn
         self.kernel = make_param(rngs, nnx.initializers.normal(init_std), (d_model, num_experts),
                                  self.policy.param_dtype, ("embed", "expert_logit"))
-        self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32), out_sharding=("expert_logit",),
+        self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32),
+                               out_sharding=("expert_logit",),
                                eager_sharding=False)
 
     def __call__(self, x: jax.Array) -> Routing:
@@ -317,7 +318,8 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
     keep = slot < capacity
     if valid_length is not None:
         keep = keep & (slot < capacities[valid_length]) & real[None, :, None]
-    slots = jax.nn.one_hot(jnp.where(keep, slot, capacity), capacity, dtype=jnp.float32)  # dropped -> 0 row
+    # dropped -> 0 row
+    slots = jax.nn.one_hot(jnp.where(keep, slot, capacity), capacity, dtype=jnp.float32)
     expert = onehot.astype(jnp.float32)
     dispatch = jnp.einsum("btke,btkc->btec", expert, slots)
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
@@ -423,11 +425,13 @@ class RoutedExperts(nnx.Module):
             capacities = None if n is None else jnp.asarray(
                 [expert_capacity(self.capacity_factor, max(m, 1), k, self.num_experts)
                  for m in range(t + 1)], jnp.int32)
-            y, dropped = _with_capacity(self, x, expert_ids, gates, capacity, self.num_experts, axis,
+            y, dropped = _with_capacity(self, x, expert_ids, gates, capacity, self.num_experts,
+                                        axis,
                                         dispatch_dtype(), n, capacities)
         elif axis is not None:
-            raise ValueError("expert parallelism exchanges fixed-size slots: set model.capacity_factor > 0 "
-                             "(dropless dispatch runs with parallel.expert=1)")
+            raise ValueError("expert parallelism exchanges fixed-size slots: set "
+                             "model.capacity_factor > 0 (dropless dispatch runs with "
+                             "parallel.expert=1)")
         else:
             k = expert_ids.shape[-1]
             grouped = (functools.partial(grouped_gemm.grouped_matmul, num_sms=self.num_sms)
@@ -521,7 +525,8 @@ class MoE(nnx.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).astype(jnp.float32)
         num_experts = routing.scores.shape[-1]
-        counts = jax.nn.one_hot(routing.expert_ids, num_experts, dtype=jnp.float32).sum(axis=(0, 1, 2))
+        counts = jax.nn.one_hot(routing.expert_ids, num_experts,
+                                dtype=jnp.float32).sum(axis=(0, 1, 2))
         stats = MoEStats(balance_loss(routing.scores, routing.expert_ids, self.router.score_fn),
                          counts, dropped)
         return self.policy.cast_to_output(y), stats

@@ -27,7 +27,8 @@ def _next_token(graphdef, state, buffer, n, key, temperature):
     last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False).astype(jnp.float32)
     key, sub = jax.random.split(key)
     greedy = jnp.argmax(last, axis=-1)
-    sampled = jax.random.categorical(sub, last / jnp.where(temperature > 0, temperature, 1.0), axis=-1)
+    sampled = jax.random.categorical(sub, last / jnp.where(temperature > 0, temperature, 1.0),
+                                     axis=-1)
     return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32), key
 
 

@@ -212,22 +212,27 @@ class ModelConfig:
         need(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
         need(self.num_experts >= 0, f"num_experts={self.num_experts} must be >= 0 (0 = all dense)")
         need(0 <= self.first_dense_layers <= self.num_layers,
-             f"first_dense_layers={self.first_dense_layers} must be in [0, num_layers={self.num_layers}]")
+             f"first_dense_layers={self.first_dense_layers} must be in [0, "
+             f"num_layers={self.num_layers}]")
         need(self.aux_loss_weight >= 0, f"aux_loss_weight={self.aux_loss_weight} must be >= 0")
         need(self.bias_update_rate >= 0, f"bias_update_rate={self.bias_update_rate} must be >= 0")
         need(self.attention in ATTENTION_IMPLEMENTATIONS,
              f"attention={self.attention!r}; allowed: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
         need(isinstance(self.scan_layers, (bool, np.bool_)),
              f"scan_layers={self.scan_layers!r} must be True or False")
-        need(self.remat in REMAT_POLICIES, f"remat={self.remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
+        need(self.remat in REMAT_POLICIES,
+             f"remat={self.remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
         if self.num_dense_layers > 0:
-            need(self.d_ff >= 1, f"d_ff={self.d_ff} must be >= 1 with {self.num_dense_layers} dense layers")
+            need(self.d_ff >= 1, f"d_ff={self.d_ff} must be >= 1 with "
+                                 f"{self.num_dense_layers} dense layers")
         if self.num_experts > 0:
             need(1 <= self.top_k <= self.num_experts,
                  f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
             need(self.d_expert >= 1, f"d_expert={self.d_expert} must be >= 1 with num_experts > 0")
-            need(self.num_shared_experts >= 0, f"num_shared_experts={self.num_shared_experts} must be >= 0")
-            need(self.score_fn in SCORE_FNS, f"score_fn={self.score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
+            need(self.num_shared_experts >= 0,
+                 f"num_shared_experts={self.num_shared_experts} must be >= 0")
+            need(self.score_fn in SCORE_FNS,
+                 f"score_fn={self.score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
             need(self.capacity_factor is None or self.capacity_factor >= 0,
                  f"capacity_factor={self.capacity_factor} must be None, 0 (dropless) or > 0")
             need(self.moe_kernel in MOE_KERNELS,
@@ -296,7 +301,8 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
     """
     def signature(i):
         return (config.is_moe_layer(i),
-                tuple(rules.resolve(f"blocks/{i}/{sub}") for sub in _block_module_suffixes(config, i)))
+                tuple(rules.resolve(f"blocks/{i}/{sub}")
+                      for sub in _block_module_suffixes(config, i)))
 
     stacks, current = [], [0]
     for i in range(1, config.num_layers):
@@ -321,19 +327,25 @@ class Block(nnx.Module):
         path = f"blocks/{index}"
         self.layers = (index,)
         std, out_std = _std(config)
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/attn_norm", rules=rules, rngs=rngs)
-        self.attn = Attention(config.d_model, config.num_heads, config.rope_theta, path=f"{path}/attn",
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/attn_norm",
+                                 rules=rules, rngs=rngs)
+        self.attn = Attention(config.d_model, config.num_heads, config.rope_theta,
+                              path=f"{path}/attn",
                               rules=rules, rngs=rngs, init_std=std, out_std=out_std,
                               implementation=config.attention,
                               recompute_core=config.remat == "attention")
-        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm", rules=rules, rngs=rngs)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm",
+                                rules=rules, rngs=rngs)
         if config.is_moe_layer(index):
-            self.moe = MoE(config.d_model, config.num_experts, config.num_shared_experts, config.top_k,
-                           config.d_expert, config.score_fn, config.capacity_factor, path=f"{path}/moe",
+            self.moe = MoE(config.d_model, config.num_experts, config.num_shared_experts,
+                           config.top_k,
+                           config.d_expert, config.score_fn, config.capacity_factor,
+                           path=f"{path}/moe",
                            rules=rules, rngs=rngs, init_std=std, out_std=out_std,
                            moe_kernel=config.moe_kernel)
         else:
-            self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules, rngs=rngs,
+            self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
+                              rngs=rngs,
                               init_std=std, out_std=out_std)
 
     def __call__(self, h: jax.Array):
@@ -434,7 +446,8 @@ class MoETransformer(nnx.Module):
     Args:
       config: the :class:`ModelConfig`.
       rules: per-module precision (a :class:`~jaxmp.precision.policy.PolicyRules` or anything
-        :func:`~jaxmp.precision.policy.get_policy_rules` parses, e.g. ``"mixed_bf16; router: fp32"``).
+        :func:`~jaxmp.precision.policy.get_policy_rules` parses, e.g.
+        ``"mixed_bf16; router: fp32"``).
       rngs: NNX rngs (stream ``params``).
 
     Attributes: ``embed``, ``final_norm``, ``head``, and ``blocks`` (a list of
@@ -448,7 +461,8 @@ class MoETransformer(nnx.Module):
     def __init__(self, config: ModelConfig, rules: PolicyRules, *, rngs: nnx.Rngs):
         # Routers and norms are float32 islands, and an FP8 default leaves the embedding and
         # head alone, unless one of the user's rules says otherwise.
-        rules = without_fp8(with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS), FP8_EXCLUDED)
+        rules = without_fp8(with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS),
+                            FP8_EXCLUDED)
         self.rules = rules
         self.config = config
         self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs)
@@ -458,7 +472,8 @@ class MoETransformer(nnx.Module):
                                     for layers in layer_stacks(config, rules)])
         else:
             self.blocks = nnx.List(blocks)
-        self.final_norm = RMSNorm(config.d_model, config.norm_eps, path="final_norm", rules=rules, rngs=rngs)
+        self.final_norm = RMSNorm(config.d_model, config.norm_eps, path="final_norm", rules=rules,
+                                  rngs=rngs)
         self.head = Head(config.d_model, config.vocab_size, path="head", rules=rules, rngs=rngs)
 
     def layer_blocks(self):
@@ -506,8 +521,8 @@ class MoETransformer(nnx.Module):
         """
         cfg = self.config
         if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-            raise ValueError(f"tokens must be an integer [B, T] array, got shape {jnp.shape(tokens)} "
-                             f"dtype {jnp.result_type(tokens)}")
+            raise ValueError("tokens must be an integer [B, T] array, got shape "
+                             f"{jnp.shape(tokens)} dtype {jnp.result_type(tokens)}")
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={cfg.max_len}")
         gather = param_gather()  # FSDP inside the train step: each layer gathers its own weights
@@ -515,7 +530,8 @@ class MoETransformer(nnx.Module):
         stats = []  # MoEStats with a leading layer axis, in layer order
         for block in self.layer_blocks():
             graphdef, state = nnx.split(block)
-            run = _run_block(graphdef, cfg.remat, prevent_cse=not cfg.scan_layers,  # scan needs no CSE guard
+            # scan needs no CSE guard
+            run = _run_block(graphdef, cfg.remat, prevent_cse=not cfg.scan_layers,
                              gather=gather, dtypes=param_compute_dtypes(block) if gather else None)
             if cfg.scan_layers:
                 def body(h, layer_state, run=run):
