@@ -75,7 +75,8 @@ def _reduce_dtype(value: Any) -> jnp.dtype:
     except ValueError:
         dtype = None
     if dtype is None or dtype.name not in REDUCE_DTYPES:
-        raise ValueError(f"unknown grad_reduce_dtype {value!r}; allowed: {', '.join(REDUCE_DTYPES)}")
+        raise ValueError(f"unknown grad_reduce_dtype {value!r}; allowed: "
+                         f"{', '.join(REDUCE_DTYPES)}")
     return dtype
 
 
@@ -126,8 +127,8 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
       None for ``"none"``. For ``"topk"``: ``{"residual": tree}``, the error-feedback
       memory as a plain nested dict with ``params``' keys (``nnx.to_pure_dict`` layout),
       each leaf NumPy float32 zeros of shape ``[N, *param.shape]``: row i belongs to device i
-      (the trainer shards it over the data axis: :func:`jaxmp.train.state.train_state_shardings`). The residual is
-      in unscaled gradient units, so a changing loss scale does not corrupt it.
+      (the trainer shards it over the data axis: :func:`jaxmp.train.state.train_state_shardings`).
+      The residual is in unscaled gradient units, so a changing loss scale does not corrupt it.
 
     Raises:
       ValueError: unknown ``compression`` or ``num_devices`` < 1.
@@ -190,7 +191,8 @@ def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = 
     def one(g, layout):
         x = (g.astype(jnp.float32) / (1 if layout.divided else total_devices)).astype(dtype)
         if layout.scatter_axis is not None:
-            x = jax.lax.psum_scatter(x, layout.scatter_axis, scatter_dimension=layout.scatter_dim, tiled=True)
+            x = jax.lax.psum_scatter(x, layout.scatter_axis, scatter_dimension=layout.scatter_dim,
+                                     tiled=True)
         if layout.sum_axes:
             x = jax.lax.psum(x, tuple(layout.sum_axes))
         return x.astype(jnp.float32)
@@ -198,7 +200,8 @@ def reduce_gradients(grads: Any, layouts: Any, total_devices: int, dtype: Any = 
     return jax.tree.map(one, grads, layouts, is_leaf=lambda x: isinstance(x, LeafReduce))
 
 
-def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any, reduce_dtype: Any = jnp.float32,
+def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any,
+                 reduce_dtype: Any = jnp.float32,
                  total_devices: int = 1) -> jax.Array:
     """FSDP: the whole parameter from this device's slice, in ``dtype``; inside ``shard_map``.
 
@@ -217,7 +220,8 @@ def gather_param(x: jax.Array, axis_name: str, dim: int, dtype: Any, reduce_dtyp
       reduce_dtype: the dtype of the reduce-scatter.
       total_devices: the devices whose mean loss is differentiated.
     """
-    return _gather_param(x, axis_name, int(dim), jnp.dtype(dtype), jnp.dtype(reduce_dtype), int(total_devices))
+    return _gather_param(x, axis_name, int(dim), jnp.dtype(dtype), jnp.dtype(reduce_dtype),
+                         int(total_devices))
 
 
 # A custom JVP: the tangent rule is linear and its transpose is the backward pass: cast
@@ -290,7 +294,8 @@ def topk_compress(grads: Any, residual: Any, ratio: float, dtype: Any = jnp.floa
     out_v, out_i, out_r = [], [], []
     for g, r in zip(g_leaves, r_leaves):
         if jnp.shape(g) != jnp.shape(r):
-            raise ValueError(f"gradient of shape {jnp.shape(g)} for a residual of shape {jnp.shape(r)}")
+            raise ValueError(f"gradient of shape {jnp.shape(g)} for a residual of shape "
+                             f"{jnp.shape(r)}")
         v, i, nr = _topk_leaf(r.astype(jnp.float32) + g.astype(jnp.float32), ratio, dtype)
         out_v.append(v)
         out_i.append(i)
@@ -316,7 +321,8 @@ def topk_allgather_mean(values: list, indices: list, like: Any, axis_name: str =
     n = jax.lax.axis_size(axis_name)
     all_v = jax.lax.all_gather(values, axis_name, to="invarying")
     all_i = jax.lax.all_gather(indices, axis_name, to="invarying")
-    dense = [jnp.zeros(jnp.size(x), jnp.float32).at[i.reshape(-1)].add(v.reshape(-1).astype(jnp.float32))
+    dense = [jnp.zeros(jnp.size(x), jnp.float32)
+             .at[i.reshape(-1)].add(v.reshape(-1).astype(jnp.float32))
              .reshape(jnp.shape(x)) / n for x, v, i in zip(leaves, all_v, all_i)]
     return jax.tree.unflatten(treedef, dense)
 
@@ -356,8 +362,8 @@ def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[d
         mean = reduce_gradients(grads, whole, jax.lax.axis_size(axes), dtype)
         return loss_scale.unscale(mean), comm_state
     if comm_state is None:
-        raise ValueError("grad_compression='topk' needs the residual of init_comm_state(...) in the "
-                         "train state (comm_state is None)")
+        raise ValueError("grad_compression='topk' needs the residual of init_comm_state(...) in "
+                         "the train state (comm_state is None)")
     values, indices, residual = topk_compress(loss_scale.unscale(grads), comm_state["residual"],
                                               topk_ratio, dtype)
     return topk_allgather_mean(values, indices, grads, axis_name), {"residual": residual}
@@ -406,7 +412,8 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int) ->
 
 
 def _quantize_rows(x):
-    """E4M3 values and 1x128 tile scales of ``x [..., D]``: ``(q [..., D], s [..., ceil(D/128)])``."""
+    """E4M3 values and 1x128 tile scales of ``x [..., D]``:
+    ``(q [..., D], s [..., ceil(D/128)])``."""
     d = x.shape[-1]
     q, s = _quantize_blocks(x.reshape(-1, d), 1, BLOCK, E4M3)
     return q.reshape(x.shape), s.reshape(x.shape[:-1] + s.shape[-1:])

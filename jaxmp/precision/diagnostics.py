@@ -240,7 +240,8 @@ def format_report(report: Dict[str, LeafReport], top: Optional[int] = 10) -> str
     rows = sorted(report.items(), key=lambda kv: (-kv[1].underflow, -kv[1].overflow, kv[0]))
     shown = rows if top is None else rows[:top]
     width = max([len("leaf"), len("TOTAL")] + [len(p) for p, _ in shown])
-    header = f"{'leaf':<{width}}  {'nonzero':>10}  {'underflow':>9}  {'subnormal':>9}  {'overflow':>9}"
+    header = (f"{'leaf':<{width}}  {'nonzero':>10}  {'underflow':>9}  {'subnormal':>9}  "
+              f"{'overflow':>9}")
 
     def line(name, r):
         return (f"{name:<{width}}  {r.nonzero:>10d}  {100 * r.underflow:>8.2f}%  "
@@ -343,7 +344,8 @@ def _fp8_scales(x: jax.Array, recipe: "_fp8.Recipe", role: str, amax: Optional[A
         return x2, jnp.broadcast_to(_fp8.scale_from_amax(a, dtype, recipe.margin), x2.shape), dtype
     if recipe.name == "rowwise":  # activations and gradients by row, weights by output column
         axis = 0 if role == "w" else 1
-        s = _fp8.scale_from_amax(jnp.max(jnp.abs(x2), axis=axis, keepdims=True), dtype, recipe.margin)
+        s = _fp8.scale_from_amax(jnp.max(jnp.abs(x2), axis=axis, keepdims=True), dtype,
+                                 recipe.margin)
         return x2, jnp.broadcast_to(s, x2.shape), dtype
     block = (_fp8.BLOCK, _fp8.BLOCK) if role == "w" else (1, _fp8.BLOCK)
     _, s = _fp8.quantize_blocks(x2, block, dtype)
@@ -396,12 +398,14 @@ def fp8_quantization(x: Any, recipe: "_fp8.Recipe", role: str = "x",
     if not isinstance(recipe, _fp8.Recipe):
         raise ValueError(f"recipe must be a jaxmp.fp8.Recipe, got {recipe!r}")
     if role not in FP8_ROLES:
-        raise ValueError(f"role={role!r}; allowed: {', '.join(f'{k} ({v})' for k, v in FP8_ROLES.items())}")
+        raise ValueError(f"role={role!r}; allowed: "
+                         f"{', '.join(f'{k} ({v})' for k, v in FP8_ROLES.items())}")
     if not _is_float_leaf(x) or jnp.ndim(x) < 1:
-        raise ValueError(f"x must be a floating-point array of rank >= 1, got {getattr(x, 'dtype', type(x))} "
-                         f"{jnp.shape(x)}")
+        raise ValueError("x must be a floating-point array of rank >= 1, got "
+                         f"{getattr(x, 'dtype', type(x))} {jnp.shape(x)}")
     x2, scales, dtype = _fp8_scales(jnp.asarray(x), recipe, role, amax)
-    nz, under, sub, sat, err2, sq = (np.asarray(v) for v in jax.device_get(_fp8_counts(x2, scales, dtype)))
+    nz, under, sub, sat, err2, sq = (np.asarray(v)
+                                     for v in jax.device_get(_fp8_counts(x2, scales, dtype)))
     n = max(int(nz), 1)
     return FP8Report(int(nz), int(under) / n, int(sub) / n, int(sat) / n,
                      float(np.sqrt(err2 / sq)) if sq > 0 else 0.0)
@@ -426,7 +430,8 @@ def fp8_report(operands: Mapping[str, Mapping[str, Any]],
     out: Dict[str, Dict[str, Dict[str, FP8Report]]] = {}
     for name, tensors in operands.items():
         roles = {r: tensors[r] for r in FP8_ROLES if r in tensors and tensors[r] is not None}
-        out[name] = {str(r): {role: fp8_quantization(t, r, role) for role, t in roles.items()} for r in recipes}
+        out[name] = {str(r): {role: fp8_quantization(t, r, role) for role, t in roles.items()}
+                     for r in recipes}
     return out
 
 
@@ -438,6 +443,7 @@ def format_fp8_report(report: Mapping[str, Mapping[str, Mapping[str, FP8Report]]
     for name, by_recipe in report.items():
         for recipe, by_role in by_recipe.items():
             for role, r in by_role.items():
-                lines.append(f"{name:<32} {role:<2} {recipe:<12} {r.nonzero:>9d} {100 * r.underflow:>7.3f}% "
-                             f"{100 * r.subnormal:>7.2f}% {100 * r.saturated:>8.3f}% {100 * r.rel_error:>7.3f}%")
+                lines.append(f"{name:<32} {role:<2} {recipe:<12} {r.nonzero:>9d} "
+                             f"{100 * r.underflow:>7.3f}% {100 * r.subnormal:>7.2f}% "
+                             f"{100 * r.saturated:>8.3f}% {100 * r.rel_error:>7.3f}%")
     return "\n".join(lines)

@@ -184,7 +184,8 @@ def _zero_past_end(y, group_sizes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _grouped(x, w, group_sizes, num_sms):
-    return _zero_past_end(match_varying(_forward(x, w, group_sizes, False, "fwd"), x, w, group_sizes),
+    return _zero_past_end(match_varying(_forward(x, w, group_sizes, False, "fwd"), x, w,
+                                        group_sizes),
                           group_sizes)
 
 
@@ -228,7 +229,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"grouped_matmul needs x [M, K] and w [G, K, N], got {x.shape} and {w.shape}")
+        raise ValueError(f"grouped_matmul needs x [M, K] and w [G, K, N], got "
+                         f"{x.shape} and {w.shape}")
     if x.dtype != w.dtype:
         raise ValueError(f"grouped_matmul needs x and w in one dtype, got {x.dtype} and {w.dtype}")
     ok, reason = support(x.dtype, w.shape[1], w.shape[2])
@@ -316,7 +318,8 @@ def _interpret_wgmma(*, token, device_id, grid_point_coords, thread_id,
     a = read(a_allocation_key_as_array, a_transforms)
     b = read(b_allocation_key_as_array, b_transforms)
     acc_key = cb.HostAllocationKey.from_array(acc_allocation_key_as_array)
-    acc_range = interpret_utils.to_range(jax.tree.map(int, cb._remove_noop_transforms(acc_transforms)))
+    acc_range = interpret_utils.to_range(
+        jax.tree.map(int, cb._remove_noop_transforms(acc_transforms)))
     acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, global_thread_id,
                                                  logging_info=info)
     shared_memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype),

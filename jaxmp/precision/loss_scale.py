@@ -63,7 +63,8 @@ def _is_float_array(x) -> bool:
 
 
 def _scale_leaf(x, factor):
-    """Multiplies in (at least) float32 and casts back, so the scale itself never overflows ``x.dtype``."""
+    """Multiplies in (at least) float32 and casts back, so the scale itself never overflows
+    ``x.dtype``."""
     if not _is_float_array(x):
         return x
     wide = jnp.promote_types(x.dtype, jnp.float32)
@@ -108,7 +109,8 @@ class _PytreeMixin:
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_pytree_with_keys(
             cls,
-            lambda obj: (tuple((jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in cls._fields), None),
+            lambda obj: (tuple((jax.tree_util.GetAttrKey(f), getattr(obj, f)) for f in cls._fields),
+                         None),
             lambda _, leaves: cls._from_leaves(leaves),
             flatten_func=lambda obj: (tuple(getattr(obj, f) for f in cls._fields), None),
         )
@@ -122,7 +124,8 @@ class _PytreeMixin:
         return obj
 
     def __setattr__(self, name, value):
-        raise AttributeError(f"{type(self).__name__} is immutable; use .replace(...) or .adjust(...)")
+        raise AttributeError(f"{type(self).__name__} is immutable; use .replace(...) "
+                             f"or .adjust(...)")
 
     def replace(self, **changes):
         """Returns a copy with some fields replaced (no validation: for advanced use)."""
@@ -236,12 +239,11 @@ class DynamicLossScale(LossScale):
     With ``backoff_factor = 1 / growth_factor``, ``hysteresis = 1`` and
     ``min_loss_scale = 1`` this is exactly ``jmp.DynamicLossScale``.
 
-    Defaults: initial scale 256 (the DeepSeek mixed-precision article's stated default; it advises 1024 or
-    4096 when training is unstable); ``growth_interval`` 2000 (PyTorch GradScaler, jmp);
-    ``growth_factor`` 2 and ``backoff_factor`` 0.5 (PyTorch); ``hysteresis`` 1 (back off
-    at once, PyTorch; Megatron-LM uses 2); ``min_loss_scale`` 1 (jmp, Megatron-LM), which
-    may be set below 1 (case LS-3); ``max_loss_scale`` the largest float32, so growth
-    never produces ``inf``.
+    Defaults: initial scale 256 (the DeepSeek mixed-precision article's stated default; it advises
+    1024 or 4096 when training is unstable); ``growth_interval`` 2000 (PyTorch GradScaler, jmp);
+    ``growth_factor`` 2 and ``backoff_factor`` 0.5 (PyTorch); ``hysteresis`` 1 (back off at once,
+    PyTorch; Megatron-LM uses 2); ``min_loss_scale`` 1 (jmp, Megatron-LM), which may be set below 1
+    (case LS-3); ``max_loss_scale`` the largest float32, so growth never produces ``inf``.
 
     All arguments are keyword-only; ``counter`` and ``hysteresis_counter`` (default
     ``hysteresis``) set a mid-training state. Every field is a pytree leaf: ``loss_scale``,
@@ -289,7 +291,8 @@ class DynamicLossScale(LossScale):
         if None not in (lo, s, hi) and not lo <= s <= hi:
             raise ValueError(f"loss_scale={s!r} must lie in [min_loss_scale={lo!r}, "
                              f"max_loss_scale={hi!r}]")
-        if None not in (c["hysteresis"], c["hysteresis_counter"]) and c["hysteresis_counter"] > c["hysteresis"]:
+        if (None not in (c["hysteresis"], c["hysteresis_counter"])
+            and c["hysteresis_counter"] > c["hysteresis"]):
             raise ValueError(f"hysteresis_counter={c['hysteresis_counter']!r} must not exceed "
                              f"hysteresis={c['hysteresis']!r}")
         f32, i32 = jnp.float32, jnp.int32
@@ -321,7 +324,8 @@ class DynamicLossScale(LossScale):
         counter = self.counter + 1
         grow = counter >= self.growth_interval
         grown = self.loss_scale * self.growth_factor
-        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale), self.loss_scale)
+        grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, self.max_loss_scale),
+                          self.loss_scale)
         scale_if_finite = jnp.where(grow, grown, self.loss_scale)
         counter_if_finite = jnp.where(grow, 0, counter)
         hyst_if_finite = jnp.where(grow, self.hysteresis, self.hysteresis_counter)
@@ -382,7 +386,8 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     def select(a, b):
         a, b = jnp.asarray(a), jnp.asarray(b)
         if a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(f"select_tree leaves differ: {a.shape} {a.dtype} vs {b.shape} {b.dtype}")
+            raise ValueError(f"select_tree leaves differ: {a.shape} {a.dtype} vs "
+                             f"{b.shape} {b.dtype}")
         return jax.lax.select(pred.astype(jnp.bool_), a, b)
 
     return jax.tree.map(select, on_true, on_false)
@@ -474,7 +479,8 @@ def get_loss_scale(spec: Union[str, LossScale]) -> LossScale:
     def number(token):
         token = token.strip()
         m = re.fullmatch(r"2\s*\*\*\s*(-?\d+)", token)
-        out_of_range = ValueError(f"loss scale value {token!r} in {spec!r} is outside float32's range")
+        out_of_range = ValueError(f"loss scale value {token!r} in {spec!r} is outside "
+                                  f"float32's range")
         if m and not -149 <= int(m.group(1)) <= 127:  # float32's powers of two
             raise out_of_range
         try:
@@ -498,9 +504,11 @@ def get_loss_scale(spec: Union[str, LossScale]) -> LossScale:
             raise ValueError(f"static loss scale needs a value, e.g. 'static:1024', got {spec!r}")
         return StaticLossScale(number(args))
     if kind == "dynamic":
-        keys = {"init": "loss_scale", "loss_scale": "loss_scale", "growth_interval": "growth_interval",
+        keys = {"init": "loss_scale", "loss_scale": "loss_scale",
+                "growth_interval": "growth_interval",
                 "growth_factor": "growth_factor", "backoff_factor": "backoff_factor",
-                "hysteresis": "hysteresis", "min": "min_loss_scale", "min_loss_scale": "min_loss_scale",
+                "hysteresis": "hysteresis", "min": "min_loss_scale",
+                "min_loss_scale": "min_loss_scale",
                 "max": "max_loss_scale", "max_loss_scale": "max_loss_scale"}
         kwargs = {}
         for item in filter(None, (s.strip() for s in args.split(","))):

@@ -224,7 +224,8 @@ def _layer_norm_fwd(x, scale, bias, eps, out):
     x32 = x.astype(_F32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
     centered = x32 - mean
-    inv = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True) + jnp.asarray(eps, _F32))
+    inv = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+                        + jnp.asarray(eps, _F32))
     y = centered * inv
     if scale is not None:
         y = y * scale.astype(_F32)
@@ -439,7 +440,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
                          f"{jnp.shape(logits)} without its last (class) axis, "
                          f"{jnp.shape(logits)[:-1]}")
     if mask is not None and jnp.shape(mask) != jnp.shape(labels):
-        raise ValueError(f"mask shape {jnp.shape(mask)} must equal labels shape {jnp.shape(labels)}")
+        raise ValueError(f"mask shape {jnp.shape(mask)} must equal labels shape "
+                         f"{jnp.shape(labels)}")
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if mask is None:
         return jnp.mean(_token_nll(logits, labels, None))

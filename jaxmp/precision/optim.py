@@ -140,8 +140,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def init_fn(params):
         def zeros(dtype):
-            return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.asarray(p).dtype), params)
-        return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(mu_dtype), nu=zeros(nu_dtype))
+            return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.asarray(p).dtype),
+                                params)
+        return ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros(mu_dtype),
+                                nu=zeros(nu_dtype))
 
     def update_fn(updates, state, params=None):
         del params
@@ -154,7 +156,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             return x.astype(jnp.float32)
 
         mu = jax.tree.map(lambda g, m: (1 - b1) * f32(g) + b1 * f32(m), updates, state.mu)
-        nu = jax.tree.map(lambda g, v: (1 - b2) * (f32(g) * f32(g)) + b2 * f32(v), updates, state.nu)
+        nu = jax.tree.map(lambda g, v: (1 - b2) * (f32(g) * f32(g)) + b2 * f32(v), updates,
+                          state.nu)
         u = jax.tree.map(
             lambda g, m, v: ((m / c1) / (jnp.sqrt(v / c2 + eps_root) + eps)).astype(g.dtype),
             updates, mu, nu)
@@ -245,13 +248,15 @@ def _check_like(grads: Any, like: Any, what: str) -> None:
         raise ValueError(f"grads and {what} must have one tree structure, got {g_def} and {l_def}")
     for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(like)):
         if jnp.shape(g) != jnp.shape(p):
-            raise ValueError(f"gradient of shape {jnp.shape(g)} for a {what} leaf of shape {jnp.shape(p)}")
+            raise ValueError(f"gradient of shape {jnp.shape(g)} for a {what} leaf of shape "
+                             f"{jnp.shape(p)}")
 
 
 def _cast_like(grads: Any, like: Any) -> Any:
     """Casts each float gradient leaf to the dtype of the matching leaf of ``like``."""
     return jax.tree.map(
-        lambda g, p: g.astype(jnp.asarray(p).dtype) if _is_float(g) and _is_float(jnp.asarray(p)) else g,
+        lambda g, p: (g.astype(jnp.asarray(p).dtype)
+                      if _is_float(g) and _is_float(jnp.asarray(p)) else g),
         grads, like)
 
 
@@ -402,8 +407,10 @@ def accumulated_mean(acc: GradAccumulator) -> tuple:
       ValueError: ``acc.count`` is concretely 0 (nothing was accumulated).
     """
     if not isinstance(acc.count, jax.core.Tracer) and int(acc.count) == 0:
-        raise ValueError("accumulated_mean of an empty accumulator (count=0); call accumulate first")
+        raise ValueError("accumulated_mean of an empty accumulator (count=0); call "
+                         "accumulate first")
     n = jnp.maximum(acc.count, 1).astype(jnp.float32)
-    mean = jax.tree.map(lambda s: (s.astype(jnp.float32) / n).astype(s.dtype) if _is_float(s) else s,
+    mean = jax.tree.map(lambda s: ((s.astype(jnp.float32) / n).astype(s.dtype)
+                                   if _is_float(s) else s),
                         acc.grad_sum)
     return mean, acc.finite

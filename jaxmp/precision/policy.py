@@ -102,7 +102,8 @@ def canonical_dtype(name: Any) -> jnp.dtype:
     try:
         dtype = jnp.dtype(name)
     except TypeError as e:
-        raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(DTYPE_NAMES))}") from e
+        raise ValueError(f"unknown dtype {name!r}; allowed: "
+                         f"{', '.join(sorted(DTYPE_NAMES))}") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype {dtype} is not a floating-point dtype; a policy needs one of "
                          f"{', '.join(sorted(set(DTYPE_NAMES.values())))}")
@@ -113,7 +114,8 @@ def _cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
     """Casts the floating-point array leaves of ``tree`` to ``dtype``; others pass through."""
 
     def cast(x):
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating):
+        if (isinstance(x, (jax.Array, np.ndarray, np.generic))
+            and jnp.issubdtype(x.dtype, jnp.floating)):
             return x.astype(dtype)
         if isinstance(x, float):  # Python floats become arrays of the target dtype.
             return jnp.asarray(x, dtype)
@@ -152,7 +154,8 @@ class Policy:
             object.__setattr__(self, field, canonical_dtype(getattr(self, field)))
             if getattr(self, field) == jnp.float64 and not jax.config.read("jax_enable_x64"):
                 raise ValueError(f"{field}=float64 needs jax_enable_x64 (JAX would silently use "
-                                 f"float32); enable it with jax.config.update('jax_enable_x64', True)")
+                                 "float32); enable it with jax.config.update('jax_enable_x64', "
+                                 "True)")
         if isinstance(self.fp8, str):
             object.__setattr__(self, "fp8", None if self.fp8.strip().lower() == "none"
                                else Recipe.parse(self.fp8))
@@ -164,7 +167,8 @@ class Policy:
         return _cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
-        """Casts floating-point leaves of ``tree`` to ``compute_dtype``; ints, bools pass through."""
+        """Casts floating-point leaves of ``tree`` to ``compute_dtype``; ints, bools pass
+        through."""
         return _cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:
@@ -244,10 +248,12 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
     fields = {}
     for pair in text.split(","):
         if pair.count("=") != 1:
-            raise ValueError(f"malformed policy item {pair.strip()!r} in {spec!r}; expected key=dtype")
+            raise ValueError(f"malformed policy item {pair.strip()!r} in {spec!r}; "
+                             f"expected key=dtype")
         key, value = (s.strip().lower() for s in pair.split("="))
         if key not in _KEYS:
-            raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: {', '.join(sorted(_KEYS))}")
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; allowed: "
+                             f"{', '.join(sorted(_KEYS))}")
         if _KEYS[key] in fields:
             raise ValueError(f"policy key {key!r} in {spec!r} sets {_KEYS[key]} twice")
         try:
@@ -296,7 +302,8 @@ class PolicyRules:
         items = self.rules.items() if isinstance(self.rules, Mapping) else self.rules
         rules = []
         for item in items:
-            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            if not (isinstance(item, (tuple, list)) and len(item) == 2
+                    and isinstance(item[0], str)):
                 raise ValueError(f"a policy rule must be a (pattern, policy) pair with a string "
                                  f"pattern, got {item!r}")
             pattern, policy = item
@@ -308,7 +315,8 @@ class PolicyRules:
         object.__setattr__(self, "rules", tuple(rules))
 
     def resolve(self, path: Union[str, Sequence[Any]]) -> Policy:
-        """Returns the policy of the module at ``path`` (a ``/``-joined string or a sequence of keys)."""
+        """Returns the policy of the module at ``path`` (a ``/``-joined string or a sequence
+        of keys)."""
         if not isinstance(path, str):
             path = "/".join(str(p) for p in path)
         for pattern, policy in self.rules:
@@ -380,7 +388,8 @@ def with_float32_islands(rules: PolicyRules, patterns: Sequence[str]) -> PolicyR
       The extended :class:`PolicyRules`. The islands' policy has no FP8 recipe, even when
       the default has one.
     """
-    return _append_rules(rules, patterns, rules.default.with_compute_dtype(jnp.float32).with_fp8(None))
+    return _append_rules(rules, patterns,
+                         rules.default.with_compute_dtype(jnp.float32).with_fp8(None))
 
 
 def without_fp8(rules: PolicyRules, patterns: Sequence[str]) -> PolicyRules:
