@@ -25,11 +25,13 @@ _DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "tin
 # --config PATH names the file; --config.KEY=VALUE items override its keys. Both are read
 # by jaxmp.train.config.load_config (not ml_collections.config_flags), which completes the
 # file's config with every default first, so a key the file leaves out can be overridden.
-flags.DEFINE_string("config", _DEFAULT_CONFIG, "Path to a config file; --config.KEY=VALUE overrides a key.")
+flags.DEFINE_string("config", _DEFAULT_CONFIG,
+                    "Path to a config file; --config.KEY=VALUE overrides a key.")
 _LOADED = {}
 _WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Directory for checkpoints and logs.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a "
-                                   "multi-process run (jax.distributed); with --num_processes, --process_id.")
+                                   "multi-process run (jax.distributed); with --num_processes, "
+                                   "--process_id.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process, in [0, num_processes).")
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a heartbeat after "

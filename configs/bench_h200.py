@@ -24,8 +24,10 @@ import pathlib
 
 import ml_collections
 
-# Loaded by path: config files are run by path (jaxmp.train.config.load_config), not imported as a package.
-_spec = importlib.util.spec_from_file_location("tiny_moe", pathlib.Path(__file__).with_name("tiny_moe.py"))
+# Loaded by path: config files are run by path (jaxmp.train.config.load_config), not imported as a
+# package.
+_spec = importlib.util.spec_from_file_location("tiny_moe",
+                                               pathlib.Path(__file__).with_name("tiny_moe.py"))
 tiny_moe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny_moe)
 
@@ -36,7 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
         vocab_size=32768, num_layers=12, d_model=1024, num_heads=16, d_ff=4096, max_len=1024,
         num_experts=8, num_shared_experts=1, top_k=2, d_expert=1024, first_dense_layers=1,
         score_fn="softmax", aux_loss_weight=0.01, bias_update_rate=0.001,
-        capacity_factor=0.0,       # dropless (exact); the GPU default awaits the suite's dispatch timing
+        # dropless (exact); the GPU default awaits the suite's dispatch timing
+        capacity_factor=0.0,
         moe_kernel="auto",         # the Mosaic GPU grouped GEMM on Hopper, ragged_dot elsewhere
         attention="auto",          # cuDNN's fused kernel on the GPU, the reference path elsewhere
         scan_layers=True,          # a dense and a MoE stack, each compiled once

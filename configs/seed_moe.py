@@ -10,8 +10,10 @@ import pathlib
 
 import ml_collections
 
-# Loaded by path: config files are run by path (jaxmp.train.config.load_config), not imported as a package.
-_spec = importlib.util.spec_from_file_location("tiny_moe", pathlib.Path(__file__).with_name("tiny_moe.py"))
+# Loaded by path: config files are run by path (jaxmp.train.config.load_config), not imported as a
+# package.
+_spec = importlib.util.spec_from_file_location("tiny_moe",
+                                               pathlib.Path(__file__).with_name("tiny_moe.py"))
 tiny_moe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tiny_moe)
 

@@ -34,7 +34,8 @@ def get_config() -> ml_collections.ConfigDict:
         aux_loss_weight=0.01,      # alpha of the load-balancing loss
         bias_update_rate=0.001,    # gamma of auxiliary-loss-free balancing (DeepSeek-V3)
         capacity_factor=0.0,       # 0: dropless dispatch
-        attention="auto",          # reference | xla | cudnn | auto (cuDNN where it runs, else reference)
+        # reference | xla | cudnn | auto (cuDNN where it runs, else reference)
+        attention="auto",
         scan_layers=False,         # True: stack the layers and run them with jax.lax.scan
         remat="none",              # none | attention | dots_saveable | full (per block)
     ))
@@ -58,7 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
         learning_rate=3e-3, warmup_steps=5, schedule="cosine", final_lr_fraction=0.1,
         decay_steps=0,             # 0 = train.steps; fix it to extend a run later
         b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01, grad_clip=1.0,
-        mu_dtype="", nu_dtype="",  # "" keeps the moments in the master dtype; "bfloat16" as DeepSeek-V3
+        # "" keeps the moments in the master dtype; "bfloat16" as DeepSeek-V3
+        mu_dtype="", nu_dtype="",
     ))
 
     config.data = ml_collections.ConfigDict(dict(

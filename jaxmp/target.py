@@ -62,7 +62,8 @@ class Target:
         """One line for error messages: ``"gpu NVIDIA H200 (sm 9.0)"``, ``"cpu"``."""
         cc = self.compute_capability
         sm = f" (sm {cc[0]}.{cc[1]})" if cc else ""
-        kind = f" {self.device_kind}" if self.device_kind and self.device_kind != self.platform else ""
+        kind = (f" {self.device_kind}" if self.device_kind
+                and self.device_kind != self.platform else "")
         return f"{self.platform}{kind}{sm}"
 
 

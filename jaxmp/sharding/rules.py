@@ -95,19 +95,22 @@ class Layout:
           ValueError: expert parallelism on a mesh without an ``"expert"`` axis.
         """
         if self.expert > 1 and mesh.shape.get(EXPERT_AXIS) != self.expert:
-            raise ValueError(f"parallel.expert={self.expert} needs a mesh with an {EXPERT_AXIS!r} axis of "
-                             f"{self.expert} devices, got {dict(mesh.shape)}")
+            raise ValueError(f"parallel.expert={self.expert} needs a mesh with an {EXPERT_AXIS!r} "
+                             f"axis of {self.expert} devices, got {dict(mesh.shape)}")
 
         def fit(rules):
             out = []
             for name, target in rules:
-                axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+                axes = (() if target is None else (target,) if isinstance(target, str)
+                        else tuple(target))
                 kept = tuple(a for a in axes if a in mesh.axis_names)
                 out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
             return tuple(out)
 
-        return dataclasses.replace(self, state_rules=fit(self.state_rules), compute_rules=fit(self.compute_rules),
-                                   batch_axes=tuple(a for a in self.batch_axes if a in mesh.axis_names))
+        return dataclasses.replace(self, state_rules=fit(self.state_rules),
+                                   compute_rules=fit(self.compute_rules),
+                                   batch_axes=tuple(a for a in self.batch_axes
+                                                    if a in mesh.axis_names))
 
 
 def layout(strategy: str = "dp", expert: int = 1, dispatch_dtype: str = "compute") -> Layout:
@@ -163,7 +166,8 @@ def make_mesh(num_devices: Optional[int] = None, axis_name: str = "data", *,
     return Mesh(np.asarray(devices[:n]).reshape(n // expert, expert), (DATA_AXIS, EXPERT_AXIS))
 
 
-def logical_to_sharding(logical_axes: Sequence[Optional[str]], mesh: Mesh, rules: Rules) -> NamedSharding:
+def logical_to_sharding(logical_axes: Sequence[Optional[str]], mesh: Mesh,
+                        rules: Rules) -> NamedSharding:
     """Maps one array's logical axis names to a ``NamedSharding`` on ``mesh``.
 
     Args:
@@ -241,7 +245,8 @@ def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     return logical_to_sharding(("batch", None), mesh, rules)
 
 
-def check_batch_divisible(global_batch: int, mesh: Mesh, rules: Rules = DATA_PARALLEL_RULES) -> None:
+def check_batch_divisible(global_batch: int, mesh: Mesh,
+                          rules: Rules = DATA_PARALLEL_RULES) -> None:
     """Checks that the global batch splits evenly over the mesh axes of ``batch``.
 
     Raises:
