@@ -295,9 +295,9 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
 
     Under ``fsdp`` the loss runs as in the step: inside ``shard_map`` (over one device)
     with every module gathering its weights (the step's :class:`jaxmp.sharding.StepPlan`
-    gather, here over an axis of one) under :func:`jaxmp.sharding.fsdp_checkpoint_policy`, so the count is
-    what that policy saves with the model's remat policy, not what plain autodiff of
-    whole parameters would save.
+    gather, here over an axis of one) under :func:`jaxmp.sharding.fsdp_checkpoint_policy`, so the
+    count is what that policy saves with the model's remat policy, not what plain autodiff of whole
+    parameters would save.
     """
     state, micro = exp.abstract_state, _micro_batch(exp)
 
