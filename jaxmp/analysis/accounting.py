@@ -78,6 +78,7 @@ from jaxmp.analysis.hlo import Collective, collective_bytes, hlo_collectives
 from jaxmp.analysis.residuals import Residual, residual_breakdown, saved_residuals
 from jaxmp.models.attention import resolve_attention
 from jaxmp import sharding
+from jaxmp._checks import check_int
 from jaxmp.precision import comm
 from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
@@ -218,9 +219,7 @@ def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
       ValueError: ``num_devices`` < 1 or more than either backend has, or ``expert``
         not dividing it.
     """
-    if (isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer))
-        or num_devices < 1):
-        raise ValueError(f"num_devices={num_devices!r} must be an integer >= 1")
+    check_int("num_devices", num_devices, 1)
     devices = jax.devices()
     if len(devices) < num_devices:
         devices = jax.devices("cpu")
@@ -492,12 +491,14 @@ def _mib(x: int) -> str:
 def format_accounting(report: dict, title: str = "") -> str:
     """Formats :func:`accounting_report` for the terminal: one table per mode."""
     s, params = report["setup"], report["model"]["params"]
+    accum = (f", {s['grad_accum_steps']} micro-batches per step"
+             if s["grad_accum_steps"] > 1 else "")
     lines = [f"Per-device memory and gradient traffic{': ' + title if title else ''}",
              f"  model: {params:,} parameters ({report['model']['active_params']:,} active per "
              f"token); {s['devices']} devices, parallel.strategy={s.get('strategy', 'dp')}, "
              f"parallel.expert={s.get('expert', 1)}; per-device micro-batch "
              f"{s['micro_batch_per_device']} x {s['seq_len']} tokens"
-             f"{', ' + str(s['grad_accum_steps']) + ' micro-batches per step' if s['grad_accum_steps'] > 1 else ''}",
+             f"{accum}",
              f"  model.attention={s.get('attention')}, model.remat={s.get('remat')}, "
              f"model.scan_layers={s.get('scan_layers')}",
              "  bytes per device (MiB = 2**20 bytes); 'vs fp32' divides by the fp32 mode's figure"]

@@ -22,8 +22,9 @@ GB means 1e9 bytes, as in the article.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import List, Optional, Tuple
+
+from jaxmp._checks import check_int
 
 __all__ = ["ARTICLE_PARAMS", "TOLERANCE", "Row", "ring_allreduce_factor", "memory_table",
            "communication_table", "STRATEGY_DEVICES", "strategy_table"]
@@ -92,9 +93,7 @@ def ring_allreduce_factor(num_devices: int) -> float:
     Raises:
       ValueError: N is not a positive int.
     """
-    if (isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral)
-        or num_devices < 1):
-        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    check_int("num_devices", num_devices, 1)
     return 2.0 * (num_devices - 1) / num_devices
 
 
@@ -166,9 +165,7 @@ def communication_table(num_devices: int = 8) -> List[Row]:
     Raises:
       ValueError: ``num_devices`` is not an int >= 2.
     """
-    if (isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral)
-        or num_devices < 2):
-        raise ValueError(f"num_devices must be an int >= 2 for an all-reduce, got {num_devices!r}")
+    check_int("num_devices", num_devices, 2)
     n, p = num_devices, ARTICLE_PARAMS
     ring = ring_allreduce_factor(n)
     dense32, dense16 = 4.0, 2.0
@@ -236,9 +233,7 @@ def strategy_table(num_devices: int = STRATEGY_DEVICES) -> List[Row]:
     Raises:
       ValueError: ``num_devices`` is not an int >= 1.
     """
-    if (isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral)
-        or num_devices < 1):
-        raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
+    check_int("num_devices", num_devices, 1)
     n, p = num_devices, ARTICLE_PARAMS
     rows = []
     for name, formula, per_param, note in (

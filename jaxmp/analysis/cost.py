@@ -17,10 +17,10 @@ MFU those figures imply.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import types
 from typing import Mapping, Optional
+
+from jaxmp._checks import Kind, Real, check, check_int, check_real
 
 __all__ = [
     "DTYPES",
@@ -180,12 +180,9 @@ DEEPSEEK_V3 = PublishedRun(
 
 
 def _check_positive(name: str, value, integer: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    if integer and value != int(value):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check(name, value, Real(0, lo_open=True, text="a positive finite number"))
+    if integer:
+        check(name, value, Kind(lambda v: v == int(v), "a positive integer"))
 
 
 def peak_tflops(hardware: str, dtype: str) -> float:
@@ -245,8 +242,7 @@ def training_flops(active_params: float, tokens: float, *, num_layers: int = 0,
     _check_positive("tokens", tokens)
     attn = {"num_layers": num_layers, "seq_len": seq_len, "d_model": d_model}
     for name, value in attn.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        check_int(name, value, 0)
     given = [name for name, value in attn.items() if value > 0]
     if given and len(given) != 3:
         raise ValueError(f"the attention term needs num_layers, seq_len and d_model together; "
@@ -288,8 +284,7 @@ def estimate(total_params: float, active_params: float, tokens: float, *,
     if active_params > total_params:
         raise ValueError(f"active_params={active_params!r} exceeds total_params={total_params!r}")
     _check_positive("num_gpus", num_gpus, integer=True)
-    if isinstance(mfu, bool) or not isinstance(mfu, numbers.Real) or not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    check_real("mfu", mfu, 0, 1, lo_open=True)
     peak = peak_tflops(hardware, dtype)
     hw = next(h for h in HARDWARE.values() if h.name.lower() == str(hardware).lower())
     watts = hw.tdp_watts if watts_per_gpu is None else watts_per_gpu

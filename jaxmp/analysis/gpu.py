@@ -40,10 +40,10 @@ from typing import Dict, List, Optional, Tuple
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh
 
 from jaxmp import sharding, target as compile_target
+from jaxmp._checks import check_int
 from jaxmp.analysis import cost, hlo
 from jaxmp.models.attention import resolve_attention
 from jaxmp.train.config import complete_config
@@ -193,9 +193,7 @@ def target_mesh(gpu: GpuTarget, num_devices: int, expert: int = 1) -> Mesh:
       ValueError: ``num_devices`` < 1, ``expert`` not dividing it, or no plugin
         (:func:`plugin_problem`).
     """
-    if (isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer))
-        or num_devices < 1):
-        raise ValueError(f"num_devices={num_devices!r} must be an integer >= 1")
+    check_int("num_devices", num_devices, 1)
     problem = plugin_problem()
     if problem:
         raise ValueError(problem)

@@ -59,6 +59,7 @@ import orbax.checkpoint as ocp
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmp._checks import check_int
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import all_finite
 
@@ -267,8 +268,7 @@ class Checkpointer:
     """
 
     def __init__(self, workdir: str | pathlib.Path, keep: int = 2):
-        if keep < 1:
-            raise ValueError(f"train.keep_checkpoints must be >= 1, got {keep}")
+        check_int("train.keep_checkpoints", keep, 1)
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
         self.saved_config: Optional[dict] = None  # the config of the last restored checkpoint
         self.saved_meta: dict = {}  # what the last restored checkpoint was saved for

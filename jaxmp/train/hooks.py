@@ -305,9 +305,10 @@ class SaveCheckpoint(PeriodicAction):
         m = jax.device_get({k: metrics[k] for k in ("consecutive_skips", "divergent_steps")})
         if int(m["consecutive_skips"]) or int(m["divergent_steps"]):
             if not self.pending and self.bar is not None:
+                last = (f"step {self.last_saved}" if self.last_saved
+                        else "the one resumed from")
                 _say(self.bar, f"step {step}: checkpoint put off: the latest steps were skipped or "
-                               f"looked divergent; the last checkpoint is "
-                               f"{'step ' + str(self.last_saved) if self.last_saved else 'the one resumed from'}")
+                               f"looked divergent; the last checkpoint is {last}")
             self.pending = True
             return
         self.pending = False
