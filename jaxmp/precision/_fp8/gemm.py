@@ -386,15 +386,14 @@ class _Blockwise:
 
     @staticmethod
     def grouped_bwd(recipe, qx, sx, sw, w, g, group_sizes, rows, state, amaxes):
-        f8, b8 = recipe.fwd_dtype, recipe.bwd_dtype
+        f8 = recipe.fwd_dtype
         k = qx.shape[1]
-        qg, sg = _q_tiles(g, b8)                                       # [M, Nb]
+        # 128x1 tiles along the sorted rows (a tile may span two groups): dense's tiles.
+        qg, sg, qgt, sgt, qxt, sxt = _blockwise_bwd_tiles(recipe, qx, sx, g)
         qw, sw_b = jax.vmap(lambda v: _quantize_blocks(v, BLOCK, BLOCK, f8))(w)  # [G, Kb, Nb]
         dx = _grouped_blockwise_mm(recipe, qg, sg, jnp.swapaxes(qw, 1, 2),
                                    _cols(jnp.swapaxes(sw_b, 1, 2), k), group_sizes, rows, g.dtype)
-        xd = _dequantize_tiles(qx, sx)
-        qxt, sxt = _q_tiles(xd.T, f8)                                  # [K, Mb]
-        qgt, sgt = _q_tiles(g.T, b8)                                   # [N, Mb]
+
         def pallas(interpret):
             return _grouped_kernel.grouped_wgrad(qxt, sxt, qgt, sgt, group_sizes,
                                                  interpret=interpret)
