@@ -304,16 +304,17 @@ def _blockwise_mm(recipe, qa, sa, qb, sb_cols, out_dtype):
 
 
 def _blockwise_bwd_tiles(recipe, qx, sx, g):
-    """The backward operands of a dense blockwise matmul: ``(qg, sg)`` the 1x128 tiles of
-    ``g [M, N]`` along N (``dx``); ``(qgt, sgt)`` and ``(qxt, sxt)`` the 128x1 tiles of
-    ``g`` and of the saved activation (dequantized from its 1x128 tiles ``qx [M, K]``,
+    """The backward operands of a blockwise matmul, dense or grouped: ``(qg, sg)`` the 1x128
+    tiles of ``g [M, N]`` along N (``dx``); ``(qgt, sgt)`` and ``(qxt, sxt)`` the 128x1 tiles
+    of ``g`` and of the saved activation (dequantized from its 1x128 tiles ``qx [M, K]``,
     ``sx``) along M, transposed: ``[N, M]``, ``[N, Mb]``, ``[K, M]``, ``[K, Mb]`` (``dw``;
-    DeepSeek-V3 3.3.3).
+    DeepSeek-V3 3.3.3). Grouped, M is the sorted rows and a 128x1 tile may span two groups
+    (the weight-gradient GEMMs split it: :func:`_tiled_wgrad`, ``grouped_wgrad``).
 
     ``xla``: :func:`_q_tiles` of each layout (XLA fuses them into several passes over
     ``g``: benchmarks/README.md). ``pallas`` (:func:`_kernel.select`; M, N and K
-    multiples of 128): :func:`jaxmp.precision._fp8.kernel.quantize_both`, one read of
-    ``g`` for both of its layouts and one of ``qx``; the same bits.
+    multiples of 128, else ``xla``): :func:`jaxmp.precision._fp8.kernel.quantize_both`,
+    one read of ``g`` for both of its layouts and one of ``qx``; the same bits.
     """
     f8, b8 = recipe.fwd_dtype, recipe.bwd_dtype
 
