@@ -148,6 +148,57 @@ def test_grouped_dot_pallas_matches_xla_and_float64_values_and_gradients():
     assert not got[2][1].any()  # the empty group's weight gradient
 
 
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "xla"])
+def test_grouped_backward_quantizes_as_the_xla_tiles_bitwise(kernel, monkeypatch):
+    """The grouped backward's FP8 operands with M, K, N multiples of 128 (M = 256 sorted
+    rows in groups of 100, 0 and 156: the first 128x1 tile spans two groups): under
+    "pallas" from kernel.quantize_both (interpreted; 2 calls: g, the saved activation),
+    under "xla" from XLA; both the bits of quant._q_tiles of g (1x128, dx), of g.T and
+    of the dequantized saved activation's transpose (128x1 along the sorted rows, dw)."""
+    from jaxmp.precision._fp8 import gemm, kernel as fp8_kernel
+    from jaxmp.precision._fp8.quant import _dequantize_tiles, _q_tiles
+
+    m, k, n, sizes = 256, 256, 128, jnp.asarray([100, 0, 156], jnp.int32)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-8, 9, (m, 1)),
+                    jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, k, n)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((m, n)) * 2.0 ** rng.integers(-8, 9, (1, n)),
+                    jnp.bfloat16)
+    qx, sx = _q_tiles(x, fp8.E4M3)
+    seen, calls = {}, []
+    real = fp8_kernel.quantize_both
+    monkeypatch.setattr(fp8_kernel, "quantize_both",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def dx_operands(recipe, qa, sa, *rest):
+        seen["dx"] = (qa, sa)
+        return jnp.zeros((m, k), jnp.bfloat16)
+
+    def dw_operands(*args, **kw):
+        seen["dw"] = args[:4]
+        return jnp.zeros((3, k, n), jnp.float32)
+
+    monkeypatch.setattr(gemm, "_grouped_blockwise_mm", dx_operands)
+    monkeypatch.setattr(gemm._grouped_kernel, "grouped_wgrad", dw_operands)
+    monkeypatch.setattr(gemm, "_tiled_wgrad", dw_operands)
+    recipe = fp8.Recipe.blockwise(kernel)
+    gemm._Blockwise.grouped_bwd(recipe, qx, sx, None, w, g, sizes,
+                                gemm._row_groups(sizes, m), None, None)
+    assert len(calls) == (2 if kernel == "pallas" else 0)
+    want = (*_q_tiles(g, recipe.bwd_dtype),
+            *_q_tiles(_dequantize_tiles(qx, sx).T, recipe.fwd_dtype),
+            *_q_tiles(g.T, recipe.bwd_dtype))
+    for got, ref in zip((*seen["dx"], *seen["dw"]), want):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(_bits(got), _bits(ref))
+
+
 def test_bad_operands_are_named():
     a = jnp.zeros((8, 128), fp8.E4M3)
     with pytest.raises(ValueError, match=r"bt must be \[G, N, K=128\]"):

@@ -59,7 +59,9 @@ def test_fp8_blockwise_routed_experts_are_the_grouped_fp8_kernels(fp8_step):
     these sizes, compiled the same way), so that copy goes with them; and no array is the
     size of the reference's float32 [G, M/128, K, N] weight-gradient partials (its largest
     array at these sizes). The masked copy itself cannot be told apart by shape here: the
-    1x128 tiles of x, [M, K/128, 128], have its shape, as K/128 = G."""
+    1x128 tiles of x, [M, K/128, 128], have its shape, as K/128 = G. Their backward
+    quantizes g and the saved activation by kernel.quantize_both: 2 more Mosaic kernels
+    per grouped matmul, told by the float32 [M/128, N] 128x1 scales they write."""
     from jaxmp.analysis import hlo
 
     module, _ = fp8_step
@@ -77,6 +79,13 @@ def test_fp8_blockwise_routed_experts_are_the_grouped_fp8_kernels(fp8_step):
     assert len(moe) == 9 and all(k.runs == 11 for k in moe), [(k.name, k.runs) for k in moe]
     assert [k.flops for k in moe] == [2.0 * slots * 128 * d * d] * 9
     assert not [k for k in kernels if k.kind == "fp8_gemm"]
+    # Their backward's quantization: kernel.quantize_both of g and of the saved activation
+    # (rows=False), each writing the 128x1 scales of the sorted rows, float32 [M/128, N].
+    quant = [k for k in kernels if k.kind == "mosaic_gpu" and not grouped(k)
+             and any(tuple(a.shape) == (m // 128, d) and a.dtype == "f32"
+                     for a in module.by_name[k.name].results)]
+    assert len(quant) == 2 * 3 and all(k.runs == 11 for k in quant), \
+        [(k.name, k.runs) for k in quant]
     shapes = [(a.dtype, tuple(a.shape)) for ins in module.instructions for a in ins.results]
     partials = g * (m // 128) * d * d
     assert max(int(np.prod(s)) for _, s in shapes) < partials

@@ -304,16 +304,17 @@ def _blockwise_mm(recipe, qa, sa, qb, sb_cols, out_dtype):
 
 
 def _blockwise_bwd_tiles(recipe, qx, sx, g):
-    """The backward operands of a dense blockwise matmul: ``(qg, sg)`` the 1x128 tiles of
-    ``g [M, N]`` along N (``dx``); ``(qgt, sgt)`` and ``(qxt, sxt)`` the 128x1 tiles of
-    ``g`` and of the saved activation (dequantized from its 1x128 tiles ``qx [M, K]``,
+    """The backward operands of a blockwise matmul, dense or grouped: ``(qg, sg)`` the 1x128
+    tiles of ``g [M, N]`` along N (``dx``); ``(qgt, sgt)`` and ``(qxt, sxt)`` the 128x1 tiles
+    of ``g`` and of the saved activation (dequantized from its 1x128 tiles ``qx [M, K]``,
     ``sx``) along M, transposed: ``[N, M]``, ``[N, Mb]``, ``[K, M]``, ``[K, Mb]`` (``dw``;
-    DeepSeek-V3 3.3.3).
+    DeepSeek-V3 3.3.3). Grouped, M is the sorted rows and a 128x1 tile may span two groups
+    (the weight-gradient GEMMs split it: :func:`_tiled_wgrad`, ``grouped_wgrad``).
 
     ``xla``: :func:`_q_tiles` of each layout (XLA fuses them into several passes over
     ``g``: benchmarks/README.md). ``pallas`` (:func:`_kernel.select`; M, N and K
-    multiples of 128): :func:`jaxmp.precision._fp8.kernel.quantize_both`, one read of
-    ``g`` for both of its layouts and one of ``qx``; the same bits.
+    multiples of 128, else ``xla``): :func:`jaxmp.precision._fp8.kernel.quantize_both`,
+    one read of ``g`` for both of its layouts and one of ``qx``; the same bits.
     """
     f8, b8 = recipe.fwd_dtype, recipe.bwd_dtype
 
@@ -386,15 +387,14 @@ class _Blockwise:
 
     @staticmethod
     def grouped_bwd(recipe, qx, sx, sw, w, g, group_sizes, rows, state, amaxes):
-        f8, b8 = recipe.fwd_dtype, recipe.bwd_dtype
+        f8 = recipe.fwd_dtype
         k = qx.shape[1]
-        qg, sg = _q_tiles(g, b8)                                       # [M, Nb]
+        # 128x1 tiles along the sorted rows (a tile may span two groups): dense's tiles.
+        qg, sg, qgt, sgt, qxt, sxt = _blockwise_bwd_tiles(recipe, qx, sx, g)
         qw, sw_b = jax.vmap(lambda v: _quantize_blocks(v, BLOCK, BLOCK, f8))(w)  # [G, Kb, Nb]
         dx = _grouped_blockwise_mm(recipe, qg, sg, jnp.swapaxes(qw, 1, 2),
                                    _cols(jnp.swapaxes(sw_b, 1, 2), k), group_sizes, rows, g.dtype)
-        xd = _dequantize_tiles(qx, sx)
-        qxt, sxt = _q_tiles(xd.T, f8)                                  # [K, Mb]
-        qgt, sgt = _q_tiles(g.T, b8)                                   # [N, Mb]
+
         def pallas(interpret):
             return _grouped_kernel.grouped_wgrad(qxt, sxt, qgt, sgt, group_sizes,
                                                  interpret=interpret)
