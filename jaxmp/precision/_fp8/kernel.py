@@ -30,9 +30,9 @@ as WGMMA's), and scales are read with ``ref[...]`` instead of ``plgpu.load``.
 128 x 128 tile of the gradient (or of the saved FP8 activation, dequantized) is read once
 and written as its 1x128 tiles and, transposed, its 128x1 tiles, where XLA's fusions read
 it four or five times (``benchmarks/README.md``). ``cols=False`` writes the 1x128 tiles
-alone; the forward does not use it: its activation's producer (RMSNorm, the SwiGLU
-product) fuses into XLA's amax and cast passes, which a kernel's operand would have to
-be written out for (measured: ``benchmarks/README.md``).
+alone; the forward does not use it for its activation's tiles: compiled for dense_1b,
+that step's roofline bound and temporaries were higher than with XLA's two passes
+(``benchmarks/README.md``).
 On a GPU, the kernel's float32 reciprocal and FP8 cast are Mosaic GPU's (``arith.divf``,
 ``arith.truncf``), not XLA's: their bits against XLA's await a GPU
 (``benchmarks/gpu_suite.py``); the interpreter checks the algorithm bit for bit.
