@@ -126,6 +126,12 @@ def test_quantize_both_equals_the_xla_tiles_bitwise(dtype, fmt):
     for got, want in ((q, rq), (s_t, rs.T), (qt, tq), (st, ts.T)):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(_bits(got), _bits(want))
+    q1, s1_t, none_q, none_s = fp8_kernel.quantize_both(
+        x, fmt, cols=False, interpret=fp8_kernel._interpret_params())  # 1x128 tiles alone
+    assert none_q is None and none_s is None
+    for got, want in ((q1, rq), (s1_t, rs.T)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 def test_quantize_both_dequantizes_the_saved_tiles_first():
@@ -141,6 +147,8 @@ def test_quantize_both_dequantizes_the_saved_tiles_first():
     np.testing.assert_array_equal(_bits(st), _bits(ts.T))
     with pytest.raises(ValueError, match="multiples of 128"):
         fp8_kernel.quantize_both(x[:130], fp8.E4M3)
+    with pytest.raises(ValueError, match="rows=True or cols=True"):
+        fp8_kernel.quantize_both(x, fp8.E4M3, rows=False, cols=False)
 
 
 def test_dot_pallas_matches_xla_values_and_gradients():

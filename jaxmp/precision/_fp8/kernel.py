@@ -26,13 +26,16 @@ kernel's, but the interpreter's WGMMA does not take a transposed operand, so the
 128 x 128 x 128 tile product is ``lax.dot_general`` on the SMEM tiles (float32 output,
 as WGMMA's), and scales are read with ``ref[...]`` instead of ``plgpu.load``.
 
-:func:`quantize_both` is the backward's quantization as one Mosaic GPU kernel: each
+:func:`quantize_both` is the blockwise quantization as one Mosaic GPU kernel: each
 128 x 128 tile of the gradient (or of the saved FP8 activation, dequantized) is read once
 and written as its 1x128 tiles and, transposed, its 128x1 tiles, where XLA's fusions read
-it four or five times (``benchmarks/README.md``). On a GPU, the kernel's float32
-reciprocal and FP8 cast are Mosaic GPU's (``arith.divf``, ``arith.truncf``), not XLA's:
-their bits against XLA's await a GPU (``benchmarks/gpu_suite.py``); the interpreter
-checks the algorithm bit for bit.
+it four or five times (``benchmarks/README.md``). ``cols=False`` writes the 1x128 tiles
+alone; the forward does not use it for its activation's tiles: compiled for dense_1b,
+that step's roofline bound and temporaries were higher than with XLA's two passes
+(``benchmarks/README.md``).
+On a GPU, the kernel's float32 reciprocal and FP8 cast are Mosaic GPU's (``arith.divf``,
+``arith.truncf``), not XLA's: their bits against XLA's await a GPU
+(``benchmarks/gpu_suite.py``); the interpreter checks the algorithm bit for bit.
 """
 from __future__ import annotations
 
@@ -229,7 +232,8 @@ def _tile_transforms(dtype):
 
 
 def quantize_both(x: jax.Array, dtype: Any, *, row_scales_t: Optional[jax.Array] = None,
-                  rows: bool = True, interpret: Optional[Any] = None) -> tuple:
+                  rows: bool = True, cols: bool = True,
+                  interpret: Optional[Any] = None) -> tuple:
     """1x128 and 128x1 tiles of ``x [M, N]`` from one read of it, one Mosaic GPU kernel.
 
     Each 128 x 128 tile of ``x`` arrives in SMEM by TMA and is read once into registers;
@@ -257,16 +261,19 @@ def quantize_both(x: jax.Array, dtype: Any, *, row_scales_t: Optional[jax.Array]
       dtype: E4M3 or E5M2, the quantized format.
       row_scales_t: None, or float32 ``[N / 128, M]``, the transposed 1x128 scales of
         an FP8 ``x``.
-      rows: also write the 1x128 copy (False: only the transposed 128x1 one).
+      rows: write the 1x128 copy (False: only the transposed 128x1 one).
+      cols: write the transposed 128x1 copy (False: only the 1x128 one, no WGMMA).
       interpret: None to compile for the GPU, or ``InterpretGPUParams()``.
 
     Returns:
       ``(q [M, N], s_t [N/128, M], qt [N, M], st [M/128, N])`` (the first two None when
-      ``rows`` is False): ``q`` the 1x128 tiles with their scales transposed, ``qt``
-      the 128x1 tiles transposed with their scales ``st[mb, n]``.
+      ``rows`` is False, the last two when ``cols`` is False): ``q`` the 1x128 tiles
+      with their scales transposed, ``qt`` the 128x1 tiles transposed with their scales
+      ``st[mb, n]``.
 
     Raises:
-      ValueError: a shape that is not a multiple of 128, or scales of the wrong shape.
+      ValueError: a shape that is not a multiple of 128, scales of the wrong shape, or
+        neither ``rows`` nor ``cols``.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -275,6 +282,8 @@ def quantize_both(x: jax.Array, dtype: Any, *, row_scales_t: Optional[jax.Array]
     m, n = x.shape
     if m % t or n % t:
         raise ValueError(f"quantize_both needs M and N multiples of {t}, got {x.shape}")
+    if not (rows or cols):
+        raise ValueError("quantize_both needs rows=True or cols=True, got both False")
     if row_scales_t is not None and row_scales_t.shape != (n // t, m):
         raise ValueError(f"row_scales_t must be [{n // t}, {m}], got {row_scales_t.shape}")
     dtype = jnp.dtype(dtype)
@@ -295,17 +304,21 @@ def quantize_both(x: jax.Array, dtype: Any, *, row_scales_t: Optional[jax.Array]
 
     def kernel(*refs):
         refs = list(refs)
-        x_gmem, eye_gmem = refs.pop(0), refs.pop(0)
+        x_gmem = refs.pop(0)
+        eye_gmem = refs.pop(0) if cols else None
         rs_gmem = refs.pop(0) if dequant else None
         q_gmem, sr_gmem = (refs.pop(0), refs.pop(0)) if rows else (None, None)
-        qt_gmem, sc_gmem = refs.pop(0), refs.pop(0)
-        x_smem, eye_smem, c_smem, qt_smem, sc_smem = [refs.pop(0) for _ in range(5)]
+        qt_gmem, sc_gmem = (refs.pop(0), refs.pop(0)) if cols else (None, None)
+        x_smem = refs.pop(0)
+        eye_smem, c_smem, qt_smem, sc_smem = ([refs.pop(0) for _ in range(4)] if cols
+                                              else (None,) * 4)
         rs_smem = refs.pop(0) if dequant else None
         q_smem, sr_smem = (refs.pop(0), refs.pop(0)) if rows else (None, None)
         bar = refs.pop(0)
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
         plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)], x_smem, bar)
-        plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, bar)
+        if cols:
+            plgpu.copy_gmem_to_smem(eye_gmem, eye_smem, bar)
         if dequant:
             plgpu.copy_gmem_to_smem(rs_gmem.at[ni, pl.ds(mi * t, t)], rs_smem, bar)
         plgpu.barrier_wait(bar)
@@ -325,48 +338,50 @@ def quantize_both(x: jax.Array, dtype: Any, *, row_scales_t: Optional[jax.Array]
             s_r = scale(jnp.max(a, axis=1))
             q_smem[...] = quant(v, lax.broadcast_in_dim(1.0 / s_r, (t, t), [0]), finite)
             sr_smem[...] = s_r
-        s_c = scale(jnp.max(a, axis=0))
-        c_smem[...] = lax.bitcast_convert_type(
-            quant(v, lax.broadcast_in_dim(1.0 / s_c, (t, t), [1]), finite), jnp.int8)
-        sc_smem[...] = s_c
-        plgpu.commit_smem()
-        if compiled:
-            def product(acc_ref):
-                plgpu.wgmma(acc_ref, eye_smem, plgpu.transpose_ref(c_smem, (1, 0)))
-                return acc_ref[...]
-            bits = pl.run_scoped(product, plgpu.ACC((t, t), jnp.int32))
-        else:
-            bits = lax.dot_general(eye_smem[...], c_smem[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.int32)
-        qt_smem[...] = bits.astype(jnp.int8)
+        if cols:
+            s_c = scale(jnp.max(a, axis=0))
+            c_smem[...] = lax.bitcast_convert_type(
+                quant(v, lax.broadcast_in_dim(1.0 / s_c, (t, t), [1]), finite), jnp.int8)
+            sc_smem[...] = s_c
+            plgpu.commit_smem()
+            if compiled:
+                def product(acc_ref):
+                    plgpu.wgmma(acc_ref, eye_smem, plgpu.transpose_ref(c_smem, (1, 0)))
+                    return acc_ref[...]
+                bits = pl.run_scoped(product, plgpu.ACC((t, t), jnp.int32))
+            else:
+                bits = lax.dot_general(eye_smem[...], c_smem[...], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.int32)
+            qt_smem[...] = bits.astype(jnp.int8)
         plgpu.commit_smem()
         if rows:
             plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[pl.ds(mi * t, t), pl.ds(ni * t, t)])
             plgpu.copy_smem_to_gmem(sr_smem, sr_gmem.at[ni, pl.ds(mi * t, t)])
-        plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[pl.ds(ni * t, t), pl.ds(mi * t, t)])
-        plgpu.copy_smem_to_gmem(sc_smem, sc_gmem.at[mi, pl.ds(ni * t, t)])
+        if cols:
+            plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[pl.ds(ni * t, t), pl.ds(mi * t, t)])
+            plgpu.copy_smem_to_gmem(sc_smem, sc_gmem.at[mi, pl.ds(ni * t, t)])
         plgpu.wait_smem_to_gmem(0)
 
     f32 = jnp.float32
     out_type = ([jax.ShapeDtypeStruct((m, n), dtype), jax.ShapeDtypeStruct((n // t, m), f32)]
                 if rows else [])
-    out_type += [jax.ShapeDtypeStruct((n, m), jnp.int8), jax.ShapeDtypeStruct((m // t, n), f32)]
+    out_type += ([jax.ShapeDtypeStruct((n, m), jnp.int8), jax.ShapeDtypeStruct((m // t, n), f32)]
+                 if cols else [])
     i8 = _tile_transforms(jnp.int8)
-    scratch = [plgpu.SMEM((t, t), x.dtype, transforms=_tile_transforms(x.dtype)),
-               plgpu.SMEM((t, t), jnp.int8, transforms=i8),
-               plgpu.SMEM((t, t), jnp.int8, transforms=i8),
-               plgpu.SMEM((t, t), jnp.int8, transforms=i8),
-               plgpu.SMEM((t,), f32)]
+    scratch = [plgpu.SMEM((t, t), x.dtype, transforms=_tile_transforms(x.dtype))]
+    scratch += [plgpu.SMEM((t, t), jnp.int8, transforms=i8) for _ in range(3)] if cols else []
+    scratch += [plgpu.SMEM((t,), f32)] if cols else []
     scratch += [plgpu.SMEM((t,), f32)] if dequant else []
     scratch += [plgpu.SMEM((t, t), dtype, transforms=_tile_transforms(dtype)),
                 plgpu.SMEM((t,), f32)] if rows else []
-    scratch += [plgpu.Barrier(num_arrivals=3 if dequant else 2)]
+    scratch += [plgpu.Barrier(num_arrivals=1 + int(cols) + int(dequant))]
     extra = {} if compiled else {"interpret": interpret}
-    operands = (x, jnp.eye(t, dtype=jnp.int8)) + ((row_scales_t.astype(f32),) if dequant else ())
+    operands = ((x,) + ((jnp.eye(t, dtype=jnp.int8),) if cols else ())
+                + ((row_scales_t.astype(f32),) if dequant else ()))
     outs = plgpu.kernel(kernel, out_type=tuple(out_type), scratch_types=scratch,
                         grid=(m // t, n // t), grid_names=("m", "n"), **extra)(*operands)
     outs = list(outs)
-    qt, st = lax.bitcast_convert_type(outs[-2], dtype), outs[-1]
+    qt, st = (lax.bitcast_convert_type(outs[-2], dtype), outs[-1]) if cols else (None, None)
     q, s_t = (outs[0], outs[1]) if rows else (None, None)
     like = (x,) + ((row_scales_t,) if dequant else ())
     vary = lambda v: None if v is None else match_varying(v, *like)  # noqa: E731
