@@ -21,10 +21,12 @@ def _parse_spec(spec: str, x_ndim: int, w_ndim: int):
     except ValueError:
         raise ValueError(f"einsum spec {spec!r} must look like 'btd,dhk->bthk'") from None
     ok = (len(xs) == x_ndim and len(ws) == w_ndim and len(set(xs)) == len(xs)
-          and len(set(ws)) == len(ws) and len(set(out)) == len(out) and set(out) <= set(xs) | set(ws))
+          and len(set(ws)) == len(ws) and len(set(out)) == len(out)
+          and set(out) <= set(xs) | set(ws))
     contracted = [c for c in xs if c in ws and c not in out]
     group = [c for c in xs if c in ws and c in out]
-    if not ok or not contracted or len(group) > 1 or set(out) != (set(xs) | set(ws)) - set(contracted):
+    if (not ok or not contracted or len(group) > 1
+        or set(out) != (set(xs) | set(ws)) - set(contracted)):
         raise ValueError(f"einsum spec {spec!r} (x rank {x_ndim}, w rank {w_ndim}) is not a matmul "
                          f"jaxmp.fp8.matmul takes: contract shared axes, keep every other axis, "
                          f"at most one axis in x, w and the output (the group)")

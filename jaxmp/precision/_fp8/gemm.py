@@ -91,7 +91,8 @@ def _per_tensor(recipe, x, w, state):
 def _per_tensor_grad(recipe, g, state):
     """The output gradient with one scale: ``(qg, sg, amax_g)``."""
     amax_g = _amax(g)
-    sg = _state_scales(recipe, state)[2] if recipe.has_state else _scale(amax_g, recipe.bwd_dtype, recipe)
+    sg = (_state_scales(recipe, state)[2] if recipe.has_state
+          else _scale(amax_g, recipe.bwd_dtype, recipe))
     return _quantize(g, sg, recipe.bwd_dtype), sg, amax_g
 
 
@@ -102,7 +103,8 @@ def _new_state(state, amax_x, amax_w, amax_g):
 def _row_groups(group_sizes, m):
     """The group of each of ``m`` sorted rows (rows past the last group: the last group)."""
     ends = jnp.cumsum(group_sizes)
-    return jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right"), group_sizes.shape[0] - 1)
+    return jnp.minimum(jnp.searchsorted(ends, jnp.arange(m), side="right"),
+                       group_sizes.shape[0] - 1)
 
 
 def _as_matrix(w, layout):
@@ -164,7 +166,8 @@ def _tile_group_sizes(group_sizes, tiles):
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     lo = jnp.arange(tiles, dtype=ends.dtype)[:, None] * BLOCK
-    return jnp.clip(jnp.minimum(ends[None], lo + BLOCK) - jnp.maximum(starts[None], lo), 0).astype(jnp.int32)
+    return jnp.clip(jnp.minimum(ends[None], lo + BLOCK) - jnp.maximum(starts[None], lo),
+                    0).astype(jnp.int32)
 
 
 def _tiled_wgrad(qxt, sxt, qgt, sgt, group_sizes):
@@ -297,9 +300,11 @@ def _blockwise_mm(recipe, qa, sa, qb, sb_cols, out_dtype):
     then a cast. ``pallas``: :func:`jaxmp.precision._fp8.kernel.scaled_mm`, one kernel
     (its B operand is ``qb.T``, K-major as FP8 WGMMA needs).
     """
-    xla = lambda: _scaled_mm(qa, sa, qb, sb_cols).astype(out_dtype)
-    pallas = lambda interpret: _kernel.scaled_mm(qa, sa.T, qb.T, sb_cols, out_dtype,
-                                                 interpret=interpret)
+    def xla():
+        return _scaled_mm(qa, sa, qb, sb_cols).astype(out_dtype)
+
+    def pallas(interpret):
+        return _kernel.scaled_mm(qa, sa.T, qb.T, sb_cols, out_dtype, interpret=interpret)
     return _kernel.select(recipe.kernel, pallas, xla, qa, qb)
 
 
@@ -547,5 +552,6 @@ def grouped_dot(x: Any, w: Any, group_sizes: Any, recipe: Recipe,
         raise ValueError(f"group_sizes must be an integer [G] = [{jnp.shape(w)[0]}] array, got "
                          f"{jnp.result_type(group_sizes)} {jnp.shape(group_sizes)}")
     state = _check_state(recipe, state)
-    return _grouped(recipe, None, jnp.asarray(x), jnp.asarray(w), jnp.asarray(group_sizes, jnp.int32),
+    return _grouped(recipe, None, jnp.asarray(x), jnp.asarray(w),
+                    jnp.asarray(group_sizes, jnp.int32),
                     state)

@@ -91,9 +91,9 @@ def quantize(x: Any, scale: Any, dtype: Any = E4M3) -> jax.Array:
     DeepSeek-V3's kernels multiply by the reciprocal too). Results of finite inputs beyond
     the format's maximum (an overflow of the product included) are clipped to
     ``+-finfo(dtype).max`` (448 for E4M3, 57344 for E5M2) before the round-to-nearest-even
-    cast, because a plain cast turns them into NaN (E4M3, which has no inf) or inf (E5M2). Non-finite inputs stay
-    non-finite: +-inf becomes +-inf in E5M2 and NaN in E4M3, NaN stays NaN. So an
-    overflow upstream (a float16 gradient under too large a loss scale) still reaches the
+    cast, because a plain cast turns them into NaN (E4M3, which has no inf) or inf (E5M2).
+    Non-finite inputs stay non-finite: +-inf becomes +-inf in E5M2 and NaN in E4M3, NaN stays NaN.
+    So an overflow upstream (a float16 gradient under too large a loss scale) still reaches the
     train step's finiteness check instead of being clipped into a finite gradient.
 
     Args:
@@ -164,7 +164,8 @@ def _check_2d(name: str, x: Any) -> None:
         raise ValueError(f"{name} must be a 2-D [M, K] array, got shape {jnp.shape(x)}")
 
 
-def quantize_blocks(x: Any, block_shape: Sequence[int], dtype: Any = E4M3) -> Tuple[jax.Array, jax.Array]:
+def quantize_blocks(x: Any, block_shape: Sequence[int],
+                    dtype: Any = E4M3) -> Tuple[jax.Array, jax.Array]:
     """Quantizes a 2-D array with one float32 scale per ``block_shape`` block.
 
     ``x [M, K]`` is cut into ``bm x bk`` blocks (DeepSeek-V3, section 3.3.2: ``(1, 128)``

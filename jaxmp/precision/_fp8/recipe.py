@@ -75,7 +75,8 @@ class Recipe:
         if self.name == "delayed" and h < 1:
             raise ValueError(f"a delayed recipe needs history_length >= 1, got {h}")
         if self.name != "delayed" and h != 0:
-            raise ValueError(f"history_length={h} is only for the delayed recipe, not {self.name!r}")
+            raise ValueError(f"history_length={h} is only for the delayed recipe, "
+                             f"not {self.name!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel={self.kernel!r}; allowed: {', '.join(KERNELS)}")
         if self.name != "blockwise" and self.kernel != "auto":
@@ -165,7 +166,8 @@ class Recipe:
 
 def _check_recipe(recipe: Any) -> Recipe:
     if not isinstance(recipe, Recipe):
-        raise ValueError(f"recipe must be a jaxmp.fp8.Recipe (e.g. Recipe.blockwise()), got {recipe!r}")
+        raise ValueError(f"recipe must be a jaxmp.fp8.Recipe (e.g. Recipe.blockwise()), "
+                         f"got {recipe!r}")
     return recipe
 
 
