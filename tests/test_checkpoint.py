@@ -105,3 +105,22 @@ def test_a_topk_residual_saved_on_8_devices_resumes_on_4_keeping_its_mean(tmp_pa
     longer.train.steps = 3
     summary = train_and_evaluate(longer, str(tmp_path), num_devices=4)
     assert summary["step"] == 3 and "each device now holds the mean of the saved rows" in capsys.readouterr().out
+
+
+def test_a_step_set_aside_twice_keeps_both_copies(tmp_path):
+    """A step directory found corrupt again (rewritten after the first was set aside) goes
+    to corrupt/STEP.1: the first copy is not deleted, and the warning names where each went."""
+    ckpt = Checkpointer(tmp_path)
+    try:
+        for i in range(2):
+            (ckpt.directory / "7").mkdir()
+            (ckpt.directory / "7" / "f").write_text(str(i))
+            ckpt._set_aside(7, "unreadable", 5)
+        corrupt = ckpt.directory / "corrupt"
+        assert (corrupt / "7" / "f").read_text() == "0"
+        assert (corrupt / "7.1" / "f").read_text() == "1"
+        assert not (ckpt.directory / "7").exists()
+        assert [w.split("moved to ")[1].split(";")[0] for w in ckpt.warnings] == [
+            str(corrupt / "7"), str(corrupt / "7.1")]
+    finally:
+        ckpt.close()

@@ -368,3 +368,22 @@ def test_a_max_len_whose_sample_cannot_fit_is_refused_before_any_work(tmp_path, 
                                          rf"has 0.06 GiB \(a 64 MiB test device\); lower model.max_len"):
         train_and_evaluate(config, str(tmp_path))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.path=/no/such/corpus", "data.path '/no/such/corpus' does not exist"),
+    ("train.steps=-1", "train.steps=-1 is not allowed"),
+    ("parallel.strategy=zero9", "parallel.strategy='zero9' is not allowed"),
+])
+def test_bad_input_fails_before_the_step_compiles_or_the_workdir_is_made(
+        tmp_path, monkeypatch, override, message):
+    from jaxmp.train import loop
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("the step started compiling")
+
+    monkeypatch.setattr(loop, "_Compilation", no_compile)
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        train_and_evaluate(load_config("tiny_moe", [f"--config.{override}"]), str(workdir))
+    assert not workdir.exists()

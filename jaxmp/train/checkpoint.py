@@ -48,7 +48,6 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 import sys
 from typing import Any, Callable, Optional, Tuple
 
@@ -509,10 +508,11 @@ class Checkpointer:
     def _set_aside(self, step: int, why: str, good: int) -> None:
         """Moves a corrupt step directory out of orbax's sight and records a warning."""
         target = self.directory / "corrupt" / str(step)
+        n = 1
+        while target.exists():  # a step set aside before keeps its copy: STEP.1, STEP.2, ...
+            target, n = self.directory / "corrupt" / f"{step}.{n}", n + 1
         if jax.process_index() == 0:
             target.parent.mkdir(exist_ok=True)
-            if target.exists():  # set aside before: keep the newest copy
-                shutil.rmtree(target)
             (self.directory / str(step)).rename(target)
         self.manager.reload()
         self.warnings.append(f"checkpoint step {step} in {self.directory} is corrupt: {why}. It "

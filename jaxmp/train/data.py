@@ -164,6 +164,29 @@ def _unique_text_files(path: str, files: Sequence[str], warnings: list) -> list[
     return text
 
 
+def data_files(path: str) -> list[str]:
+    """The files ``data.path`` names (a directory's text files, recursively; or a glob's),
+    sorted: what :func:`load_documents` reads, found before it reads them.
+
+    Raises:
+      ValueError: ``path`` does not exist, is a directory of no text file (each file's
+        first 8 KiB are read for a NUL byte), or is a glob that matches no file.
+    """
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        files = _directory_files(expanded)
+    else:
+        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+    if not files:
+        if not glob.has_magic(expanded):
+            raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
+                             "such as 'corpus/**/*.txt', or '' for the standard library's "
+                             "sources)")
+        raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
+                         f"'corpus/**/*.txt', or '' for the standard library's sources)")
+    return files
+
+
 def load_documents(path: str | None, text_field: str = "text",
                    warnings: list | None = None) -> list[tuple[str, bytes]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
@@ -195,19 +218,7 @@ def load_documents(path: str | None, text_field: str = "text",
         docs = [(p.relative_to(root).as_posix(), p.read_bytes())
                 for p in default_corpus_files()]
         return [d for d in docs if d[1]]
-    expanded = os.path.expanduser(path)
-    if os.path.isdir(expanded):
-        files = _directory_files(expanded)
-    else:
-        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
-    if not files:
-        if not glob.has_magic(expanded):
-            raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
-                             "such as 'corpus/**/*.txt', or '' for the standard library's "
-                             "sources)")
-        raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
-                         f"'corpus/**/*.txt', or '' for the standard library's sources)")
-    files = _unique_text_files(path, files, warnings if warnings is not None else [])
+    files = _unique_text_files(path, data_files(path), warnings if warnings is not None else [])
     docs = []
     for file in files:
         if file.lower().endswith(".jsonl"):

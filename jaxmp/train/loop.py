@@ -39,6 +39,7 @@ from jaxmp.models import generate
 from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
 from jaxmp.train.config import config_to_dict
+from jaxmp.train.data import data_files
 from jaxmp.train.experiment import Experiment, unmatched_rules
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
@@ -424,8 +425,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         divergent (a subclass of TrainingStalled).
       Interrupted: SIGINT or SIGTERM (after saving a checkpoint when a step had run).
     """
+    exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
+    if exp.config.data.path:  # before the step compiles: a data.path that names nothing
+        data_files(exp.config.data.path)
     workdir = prepare_workdir(workdir)
-    exp = Experiment.create(config, num_devices=num_devices)
     exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
     t, main_process = exp.config.train, jax.process_index() == 0
     config_dict = config_to_dict(exp.config)
