@@ -187,6 +187,18 @@ def data_files(path: str) -> list[str]:
     return files
 
 
+def check_data_path(path: str) -> None:
+    """Fails fast for a ``data.path`` that names nothing, reading no file: a path that
+    does not exist, or a glob that matches no file (as :func:`data_files` says it). A
+    directory is walked, and its files tested for text, only when it is read.
+
+    Raises:
+      ValueError: as :func:`data_files`.
+    """
+    if path and not os.path.isdir(os.path.expanduser(path)):
+        data_files(path)
+
+
 def load_documents(path: str | None, text_field: str = "text",
                    warnings: list | None = None) -> list[tuple[str, bytes]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.

@@ -187,6 +187,23 @@ def _coordinator_closed() -> None:
           "exited before this process")
 
 
+def _serve(server: socket.socket, handle: Callable[[socket.socket], None], name: str,
+           thread_each: bool = False) -> None:
+    """Accepts connections on ``server`` in a daemon thread until it is closed, passing each
+    to ``handle`` (in a daemon thread of its own when ``thread_each``)."""
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            if thread_each:
+                threading.Thread(target=handle, args=(conn,), name=name, daemon=True).start()
+            else:
+                handle(conn)
+    threading.Thread(target=accept, name=name, daemon=True).start()
+
+
 class CoordinatorRelay:
     """A loopback TCP relay between JAX's client in this process and the coordination
     service of process 0, which reports a connection closed from process 0's end
@@ -214,27 +231,22 @@ class CoordinatorRelay:
         self._upstream, self._on_close = (host.strip("[]"), int(port)), on_close
         self._server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="jaxmp-relay", daemon=True).start()
+        _serve(self._server, self._relay, "jaxmp-relay")
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self._server.accept()
-            except OSError:
-                return
-            try:
-                up = socket.create_connection(self._upstream, timeout=30)
-            except OSError:
-                down.close()  # not listening yet (or unreachable): the client retries
-                continue
-            up.settimeout(None)
-            for conn in (up, down):
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_closed = threading.Event()
-            threading.Thread(target=self._copy, args=(down, up, client_closed),
-                             name="jaxmp-relay", daemon=True).start()
-            threading.Thread(target=self._copy, args=(up, down, None, client_closed),
-                             name="jaxmp-relay", daemon=True).start()
+    def _relay(self, down: socket.socket) -> None:
+        try:
+            up = socket.create_connection(self._upstream, timeout=30)
+        except OSError:
+            down.close()  # not listening yet (or unreachable): the client retries
+            return
+        up.settimeout(None)
+        for conn in (up, down):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_closed = threading.Event()
+        threading.Thread(target=self._copy, args=(down, up, client_closed),
+                         name="jaxmp-relay", daemon=True).start()
+        threading.Thread(target=self._copy, args=(up, down, None, client_closed),
+                         name="jaxmp-relay", daemon=True).start()
 
     def _copy(self, src: socket.socket, dst: socket.socket,
               closes: Optional[threading.Event] = None,
@@ -328,7 +340,7 @@ class PeerWatchdog:
         if process_id == 0:
             self._server = socket.create_server((host, 0))
             set_value(_KEY, str(self._server.getsockname()[1]))
-            threading.Thread(target=self._accept, name="jaxmp-watchdog", daemon=True).start()
+            _serve(self._server, self._greet, "jaxmp-watchdog", thread_each=True)
             self._hello_deadline = time.monotonic() + silence_s
             timer = threading.Timer(silence_s, self._check_hellos)
             timer.daemon = True
@@ -362,15 +374,6 @@ class PeerWatchdog:
         if missing:
             self._peer_lost(missing[0],
                             "died during start-up (it never reached process 0's watchdog)")
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._greet, args=(conn,), name="jaxmp-watchdog",
-                             daemon=True).start()
 
     def _greet(self, conn: socket.socket) -> None:
         conn.settimeout(self.silence_s)

@@ -39,7 +39,7 @@ from jaxmp.models import generate
 from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
 from jaxmp.train.config import config_to_dict
-from jaxmp.train.data import data_files
+from jaxmp.train.data import check_data_path
 from jaxmp.train.experiment import Experiment, unmatched_rules
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
@@ -426,8 +426,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       Interrupted: SIGINT or SIGTERM (after saving a checkpoint when a step had run).
     """
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
-    if exp.config.data.path:  # before the step compiles: a data.path that names nothing
-        data_files(exp.config.data.path)
+    check_data_path(exp.config.data.path)  # before the step compiles
     workdir = prepare_workdir(workdir)
     exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
     t, main_process = exp.config.train, jax.process_index() == 0
