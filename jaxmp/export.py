@@ -1,9 +1,11 @@
-"""``python -m jaxmp.export --workdir DIR --out DIR [--step N]``.
+"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--force]``.
 
 Writes a training run's checkpoint as ``model.safetensors`` (every array of the model by
 its dotted path), ``config.json`` (model config, precision policy, tokenizer, step) and
 the tokenizer file, with :func:`jaxmp.train.artifacts.export`;
-:func:`jaxmp.train.artifacts.load_export` reads it back into a fresh model.
+:func:`jaxmp.train.artifacts.load_export` reads it back into a fresh model. The workdir is
+only read (a trainer may be writing into it); a corrupt newest checkpoint is passed over
+with a warning. ``--out`` must be empty unless ``--force``.
 """
 from __future__ import annotations
 
@@ -17,15 +19,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxmp.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="the --workdir of a training run")
-    p.add_argument("--out", required=True, help="the export directory (created)")
+    p.add_argument("--out", required=True, help="the export directory (created; must be empty "
+                   "unless --force)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--force", action="store_true", help="overwrite the export's files in a "
+                   "directory that is not empty")
     args = p.parse_args(argv)
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import export
+    notes = []
     try:
-        meta = export(args.workdir, args.out, args.step)
+        meta = export(args.workdir, args.out, args.step, force=args.force, notes=notes)
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
     tok = meta["tokenizer"]
     print(f"exported step {meta['step']} of {args.workdir} to {args.out}: model.safetensors, "
           f"config.json{', ' + tok['file'] if tok['file'] else ''} (tokenizer {tok['kind']}, "

@@ -1,9 +1,11 @@
 """``python -m jaxmp.sample --workdir DIR [--prompt TEXT] [--tokens N] [--temperature T]``.
 
-Samples from the newest (or ``--step``) checkpoint of a training run: the model and its
-tokenizer come from :func:`jaxmp.train.load`, the tokens from
-:func:`jaxmp.models.generate` (one compiled step for every token, a progress bar on
-stderr). The prompt followed by the sample is printed to stdout. An empty prompt starts
+Samples from the newest good (or ``--step``) checkpoint of a training run: the model and
+its tokenizer come from :func:`jaxmp.train.load` (read-only: a trainer writing into the
+same workdir is not disturbed; a corrupt newest checkpoint is passed over with a warning),
+the tokens from :func:`jaxmp.models.generate` (one compiled step for every token, a
+progress bar on stderr; only ids the tokenizer has, when the model's vocabulary is
+padded). The prompt followed by the sample is printed to stdout. An empty prompt starts
 a new document (the end-of-document token).
 """
 from __future__ import annotations
@@ -36,15 +38,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     import numpy as np
     from jaxmp.models import generate
-    from jaxmp.train import CheckpointError, load
+    from jaxmp.train import CheckpointError
+    from jaxmp.train.artifacts import _load
     try:
-        model, tokenizer, _ = load(args.workdir, args.step)
+        model, tokenizer, _, _, notes = _load(args.workdir, args.step)
     except (ValueError, CheckpointError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
     prompt = (tokenizer.encode(args.prompt, add_eos=False) if args.prompt
               else np.asarray([tokenizer.eos_id], np.int32))
     ids = generate(model, prompt, args.tokens, temperature=args.temperature, rng=args.seed,
-                   progress=True)
+                   progress=True, vocab_limit=tokenizer.vocab_size)
     print(tokenizer.decode(ids))
     return 0
 

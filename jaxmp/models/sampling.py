@@ -17,14 +17,17 @@ from jaxmp.models.transformer import MoETransformer
 __all__ = ["generate"]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _next_token(graphdef, state, buffer, n, key, temperature):
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _next_token(graphdef, state, buffer, n, key, temperature, vocab_limit):
     """One sampling step on a fixed ``[B, max_len]`` buffer whose first ``n`` tokens are
-    the context: the next token of each row (int32 [B]) and the next key."""
+    the context: the next token of each row (int32 [B]) and the next key. Ids at or above
+    ``vocab_limit`` (padding rows of the embedding) get a logit of -inf."""
     model = nnx.merge(graphdef, state)
     with valid_tokens(n):
         logits, _ = model(buffer)
     last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False).astype(jnp.float32)
+    if vocab_limit < last.shape[-1]:
+        last = jnp.where(jnp.arange(last.shape[-1]) < vocab_limit, last, -jnp.inf)
     key, sub = jax.random.split(key)
     greedy = jnp.argmax(last, axis=-1)
     sampled = jax.random.categorical(sub, last / jnp.where(temperature > 0, temperature, 1.0),
@@ -33,7 +36,8 @@ def _next_token(graphdef, state, buffer, n, key, temperature):
 
 
 def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
-             temperature: float = 1.0, rng: Any = 0, *, progress: bool = False) -> np.ndarray:
+             temperature: float = 1.0, rng: Any = 0, *, progress: bool = False,
+             vocab_limit: Any = None) -> np.ndarray:
     """Samples continuations, recomputing the whole (truncated) context each step.
 
     The context is its last ``max_len`` tokens, right-padded into a fixed ``[B, max_len]``
@@ -50,6 +54,9 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
       temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
       rng: a ``jax.random`` key or an int seed.
       progress: show a progress bar (tqdm, on stderr) over the new tokens.
+      vocab_limit: sample only ids below it: the tokenizer's vocabulary size when the
+        model's ``vocab_size`` is padded beyond it (e.g. to a multiple of 128), so that
+        no id the tokenizer lacks is ever emitted; None = ``vocab_size``.
 
     Returns:
       int32 array shaped like ``prompt_ids`` with ``max_new_tokens`` more tokens on the
@@ -57,7 +64,7 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
 
     Raises:
       ValueError: empty prompt, out-of-range ids, negative ``max_new_tokens`` or
-        ``temperature``.
+        ``temperature``, a ``vocab_limit`` outside ``[1, vocab_size]``.
     """
     cfg = model.config
     ids = np.asarray(prompt_ids)
@@ -73,6 +80,11 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    limit = cfg.vocab_size if vocab_limit is None else vocab_limit
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or not (
+            1 <= limit <= cfg.vocab_size):
+        raise ValueError(f"vocab_limit={vocab_limit!r} must be an int in [1, "
+                         f"vocab_size={cfg.vocab_size}]")
     key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
     graphdef, state = nnx.split(model)
     temp = jnp.float32(temperature)
@@ -84,6 +96,7 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
         n = ctx.shape[1]
         buffer[:, :n] = ctx
         buffer[:, n:] = 0
-        nxt, key = _next_token(graphdef, state, jnp.asarray(buffer), jnp.int32(n), key, temp)
+        nxt, key = _next_token(graphdef, state, jnp.asarray(buffer), jnp.int32(n), key, temp,
+                               int(limit))
         ids = np.concatenate([ids, np.asarray(nxt)[:, None]], axis=1)
     return ids[0] if squeeze else ids

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import warnings
 from typing import Any, Optional, Tuple
 
 import jax
@@ -56,11 +57,14 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
     restored onto one device and brought to the host (NumPy-backed, plain data
     parallelism); with ``num_devices=N`` it stays on a mesh of N devices under the run's
     own ``parallel`` settings. The checkpoint is verified (checksums, finite values) as on
-    resume; nothing in ``workdir`` is changed.
+    resume; with ``step=None``, a corrupt newest checkpoint is passed over for the next
+    older good one, as a resuming trainer does, with a ``RuntimeWarning`` naming it.
+    Nothing in ``workdir`` is changed (orbax is opened read-only, so a trainer writing
+    into the same workdir is never disturbed).
 
     Args:
       workdir: the ``--workdir`` of a training run.
-      step: the checkpoint step; the newest when None.
+      step: the checkpoint step (an int); the newest good one when None.
       num_devices: see above.
 
     Returns:
@@ -68,23 +72,46 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
       run's tokenizer (:mod:`jaxmp.train.tokenizer`), the completed config.
 
     Raises:
-      ValueError: ``workdir`` holds no checkpoint, or ``step`` is not one of its steps
-        (the steps are listed); the tokenizer cannot be found.
-      CheckpointError: the checkpoint does not read or verify.
+      ValueError: ``workdir`` holds no checkpoint, or ``step`` is not an int or not one
+        of its steps (the steps are listed); the tokenizer cannot be found.
+      CheckpointError: no checkpoint reads and verifies (``step`` given: that one).
     """
+    model, tokenizer, config, _, notes = _load(workdir, step, num_devices)
+    for note in notes:
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    return model, tokenizer, config
+
+
+def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None):
+    """:func:`load`, returning ``(model, tokenizer, config, step, warnings)``: the step
+    that was read and the corrupt checkpoints passed over."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+        raise ValueError(f"step={step!r} ({type(step).__name__}) is not allowed; give a "
+                         f"checkpoint step as an int, or None for the newest")
     workdir = pathlib.Path(workdir).expanduser()
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"{str(workdir)!r} holds no checkpoints directory; give the --workdir "
                          f"of a training run")
-    with Checkpointer(workdir) as ckpt:
+    with Checkpointer(workdir, read_only=True) as ckpt:
         steps = ckpt.all_steps()
         if not steps:
             raise ValueError(f"{ckpt.directory} holds no checkpoint")
-        step = steps[-1] if step is None else step
-        if step not in steps:
+        if step is not None and int(step) not in steps:
             raise ValueError(f"step {step} has no checkpoint in {ckpt.directory}; steps: "
                              f"{', '.join(map(str, steps))}")
-        config = complete_config(ml_collections.ConfigDict(_saved_config(ckpt, step)))
+        # The model is built from the newest config that reads; restore() then verifies
+        # each checkpoint, newest first, and passes over the corrupt ones.
+        faults = []
+        for s in ([int(step)] if step is not None else reversed(steps)):
+            try:
+                saved_config = _saved_config(ckpt, s)
+                break
+            except CheckpointError as e:
+                faults.append(str(e))
+        else:
+            raise CheckpointError(f"no checkpoint in {ckpt.directory} can be read: "
+                                  f"{'; '.join(faults)}")
+        config = complete_config(ml_collections.ConfigDict(saved_config))
         # one device, every array whole; checkpoints restore onto any layout
         if num_devices is None:
             config.parallel.strategy, config.parallel.expert = "dp", 1
@@ -94,9 +121,10 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
         exp = Experiment.create(config, num_devices=num_devices or 1)
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
-            saved[key] = _saved_config(ckpt, step)[key]
-        _, state, _ = ckpt.restore(exp.checkpoint_template, saved, step=step,
-                                   adapt=residual_adapter(exp.num_devices, exp.mesh))
+            saved[key] = saved_config[key]
+        read, state, _ = ckpt.restore(exp.checkpoint_template, saved, step=step,
+                                      adapt=residual_adapter(exp.num_devices, exp.mesh))
+        notes = list(ckpt.warnings)
     if num_devices is None:
         model = exp.host_model(state)
     else:
@@ -105,7 +133,7 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
     if d.tokenizer.startswith("bpe:") and not (workdir / "tokenizer.json").is_file():
         raise ValueError(f"data.tokenizer={d.tokenizer!r} but {workdir} holds no tokenizer.json")
     tokenizer = load_tokenizer(d.tokenizer, workdir=workdir, eod_id=d.eod_id, save=False)
-    return model, tokenizer, exp.config
+    return model, tokenizer, exp.config, int(read), notes
 
 
 def _flat_arrays(model: nnx.Module) -> dict:
@@ -119,13 +147,46 @@ def _flat_arrays(model: nnx.Module) -> dict:
     return out
 
 
-def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[int] = None) -> dict:
+def _writable_out(out: pathlib.Path, force: bool) -> None:
+    """Checks the export directory before any work: it is created when missing; an
+    existing one must be empty (unless ``force``) and writable.
+
+    Raises:
+      ValueError: ``out`` is a file, holds files (without ``force``), or cannot be
+        created or written; the message names it.
+    """
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and not force:
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            raise ValueError(f"--out {out} is not empty ({', '.join(held[:4])}"
+                             f"{', ...' if len(held) > 4 else ''}); choose a new directory, or "
+                             f"pass --force (force=True) to overwrite the files an export writes")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".jaxmp-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out} is not writable: {e.strerror or e}; choose a writable "
+                         f"directory") from None
+
+
+def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[int] = None,
+           force: bool = False, notes: Optional[list] = None) -> dict:
     """Writes a checkpoint as safetensors weights, a ``config.json`` and the tokenizer.
+
+    The step written into ``config.json`` is the one whose weights were read (one
+    checkpoint, read once).
 
     Args:
       workdir: the training run.
-      out: the export directory (created; files in it are overwritten).
-      step: the checkpoint step; the newest when None.
+      out: the export directory (created; it must be empty unless ``force``).
+      step: the checkpoint step; the newest good one when None.
+      force: overwrite the export's files in a directory that is not empty.
+      notes: a list that gets a sentence for each corrupt checkpoint passed over (else
+        each is a ``RuntimeWarning``).
 
     Returns:
       The ``config.json`` contents: ``model`` (the model config keys), ``policy``,
@@ -133,19 +194,29 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
       ``vocab_size``, ``eos_id``), ``step``, ``format``.
 
     Raises:
-      ValueError, CheckpointError: as :func:`load`.
+      ValueError: as :func:`load`; ``out`` not empty (without ``force``), or not
+        writable (before the checkpoint is read), or a write into it failed.
+      CheckpointError: as :func:`load`.
     """
     import safetensors.numpy
-    model, tokenizer, config = load(workdir, step)
     out = pathlib.Path(out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
+    _writable_out(out, force)  # cheap checks first
+    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
+    if notes is not None:
+        notes.extend(passed_over)
+    else:
+        for note in passed_over:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     tensors = _flat_arrays(model)
-    safetensors.numpy.save_file(tensors, str(out / EXPORT_WEIGHTS), metadata={"format": "jaxmp"})
+    try:
+        safetensors.numpy.save_file(tensors, str(out / EXPORT_WEIGHTS),
+                                    metadata={"format": "jaxmp"})
+    except Exception as e:  # safetensors raises its own SafetensorError for an OS failure
+        raise ValueError(f"writing {out / EXPORT_WEIGHTS} failed: {type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}") from None
     kind = ("bytes" if isinstance(tokenizer, ByteTokenizer) else
             "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
     file = tokenizer.save(out)
-    with Checkpointer(workdir) as ckpt:
-        saved_step = ckpt.all_steps()[-1] if step is None else step
     meta = {"format": "jaxmp-export-1", "step": int(saved_step),
             "model": config.model.to_dict(), "policy": config.precision.policy,
             "tokenizer": {"kind": kind, "file": None if file is None else file.name,

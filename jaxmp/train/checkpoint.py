@@ -18,8 +18,17 @@ A checkpoint step directory holds four items, written by one
 
 Rotation keeps the ``keep`` newest checkpoints and, outside that count, the newest healthy
 one: checkpoints saved while a run stalls or diverges (a SIGTERM then) never push out the
-last healthy state (:meth:`Checkpointer.healthy_step`). Older ones are deleted once a
-newer save is complete.
+last healthy state (:meth:`Checkpointer.healthy_step`). It also keeps the checkpoint of the
+lowest eval loss (:meth:`Checkpointer.best_step`; the eval loss is saved with each
+checkpoint evaluated at its step), so that a slow divergence, whose every step looks
+healthy, never rotates out the best state: the equivalent of orbax's ``LatestN`` together
+with ``BestN(n=1)`` preservation policies. Older ones are deleted once a newer save is
+complete.
+
+A reader (``Checkpointer(workdir, read_only=True)``: :func:`jaxmp.train.load`,
+``python -m jaxmp.sample``, ``python -m jaxmp.export``) changes nothing in the workdir: orbax
+is opened read-only (no directory created, no temporary directory of an in-flight save
+removed), and a corrupt checkpoint is skipped, not moved.
 
 Saves are asynchronous (orbax's default): :meth:`Checkpointer.save` returns once the
 arrays are copied off the devices, and the files are written in a background thread
@@ -120,9 +129,13 @@ def _os_cause(error: BaseException) -> str:
 class _DropOrbaxTracebacks(logging.Filter):
     """Drops the tracebacks orbax (and asyncio, for orbax's tasks) log for a failed
     write: :class:`Checkpointer` raises each failure as a :class:`CheckpointError` with
-    the cause in one line."""
+    the cause in one line; and orbax's warning that a reader opened a directory
+    read-only, which is what the reader asked for."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if f"{os.sep}orbax{os.sep}" in record.pathname and str(record.msg).startswith(
+                "Given directory is read only"):
+            return False
         if record.name == "asyncio":  # e.g. "Future exception was never retrieved"
             return "orbax" not in record.getMessage() and not _raised_in_orbax(record.exc_info)
         return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
@@ -258,31 +271,42 @@ class Checkpointer:
 
     Args:
       workdir: the run directory.
-      keep: how many most recent checkpoints to keep; the newest healthy one is kept
-        besides them (see the module docstring).
+      keep: how many most recent checkpoints to keep; the newest healthy one and the one
+        of the lowest eval loss are kept besides them (see the module docstring).
+      read_only: open for reading only (a reader beside a trainer): nothing is created,
+        cleaned up, moved or deleted; :meth:`save` is refused.
 
     Raises:
       ValueError: ``keep`` < 1.
-      CheckpointError: the directory cannot be created (e.g. a read-only workdir).
+      CheckpointError: the directory cannot be created (e.g. a read-only workdir); with
+        ``read_only``, it does not exist.
     """
 
-    def __init__(self, workdir: str | pathlib.Path, keep: int = 2):
+    def __init__(self, workdir: str | pathlib.Path, keep: int = 2, read_only: bool = False):
         check_int("train.keep_checkpoints", keep, 1)
         self.directory = pathlib.Path(workdir).absolute() / "checkpoints"
+        self.read_only = bool(read_only)
         self.saved_config: Optional[dict] = None  # the config of the last restored checkpoint
         self.saved_meta: dict = {}  # what the last restored checkpoint was saved for
         self.warnings: list = []  # corrupt checkpoints set aside while restoring
         self._pending: Optional[int] = None  # the step being written in the background
         self.keep = int(keep)
-        self._health: dict = {}  # step -> healthy (True, False, None: unknown), read once
+        self._meta: dict = {}  # step -> {"healthy": bool or None, "eval_loss": float or None}
         _quiet_orbax_tracebacks()
+        if self.read_only and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is not a directory of checkpoints")
+        # A trainer removes the temporary directories of saves a killed run left; a reader
+        # must not: one of them may be the save a live trainer is writing.
+        options = (ocp.CheckpointManagerOptions(max_to_keep=None, create=False,
+                                                cleanup_tmp_directories=False, read_only=True)
+                   if self.read_only else
+                   ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
+                                                cleanup_tmp_directories=True))
         try:
             # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
             # newest healthy checkpoint is kept outside the rotation.
             self.manager = ocp.CheckpointManager(
-                self.directory,
-                options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                                     cleanup_tmp_directories=True),
+                self.directory, options=options,
                 item_names=("state", "data", "config", "verify"),
             )
         except OSError as e:
@@ -303,22 +327,43 @@ class Checkpointer:
         """Every complete saved step, oldest first."""
         return sorted(self.manager.all_steps())
 
-    def healthy(self, step: int) -> Optional[bool]:
-        """Whether checkpoint ``step`` was saved healthy (its latest step applied and not
-        divergent); None when unknown (written before format 2, or unreadable)."""
-        if step not in self._health:
+    def _facts(self, step: int) -> dict:
+        """``{"healthy": bool or None, "eval_loss": float or None}`` of checkpoint ``step``
+        (from its ``verify`` item, read once; None where unknown or unreadable)."""
+        if step not in self._meta:
             try:
                 meta = self.manager.restore(step, args=ocp.args.Composite(
                     verify=ocp.args.JsonRestore()))["verify"]
-                flag = meta.get("healthy") if isinstance(meta, dict) else None
-                self._health[step] = flag if isinstance(flag, bool) else None
             except Exception:  # a damaged checkpoint: restore() says what is wrong with it
-                self._health[step] = None
-        return self._health[step]
+                meta = None
+            meta = meta if isinstance(meta, dict) else {}
+            flag, loss = meta.get("healthy"), meta.get("eval_loss")
+            self._meta[step] = {
+                "healthy": flag if isinstance(flag, bool) else None,
+                "eval_loss": (float(loss) if isinstance(loss, (int, float))
+                              and not isinstance(loss, bool) and np.isfinite(loss) else None)}
+        return self._meta[step]
+
+    def healthy(self, step: int) -> Optional[bool]:
+        """Whether checkpoint ``step`` was saved healthy (its latest step applied and not
+        divergent); None when unknown (written before format 2, or unreadable)."""
+        return self._facts(step)["healthy"]
+
+    def eval_loss(self, step: int) -> Optional[float]:
+        """The eval loss (nats/token) saved with checkpoint ``step``; None when it was not
+        evaluated at its step (or is unreadable)."""
+        return self._facts(step)["eval_loss"]
 
     def healthy_step(self) -> Optional[int]:
         """The newest checkpoint saved healthy, or None when there is none."""
         return next((s for s in reversed(self.all_steps()) if self.healthy(s)), None)
+
+    def best_step(self) -> Optional[int]:
+        """The checkpoint of the lowest saved eval loss (the newest of equals), or None when
+        no checkpoint was saved with one."""
+        scored = [(self.eval_loss(s), -s) for s in self.all_steps()
+                  if self.eval_loss(s) is not None]
+        return -min(scored)[1] if scored else None
 
     def unhealthy_steps(self) -> list:
         """The checkpoints newer than :meth:`healthy_step` that were saved unhealthy."""
@@ -326,17 +371,15 @@ class Checkpointer:
         return [s for s in self.all_steps() if s > last and self.healthy(s) is False]
 
     def _prune(self) -> None:
-        """Deletes the checkpoints that are neither among the ``keep`` newest nor the
-        newest healthy one (after a save is complete, as orbax's ``max_to_keep`` does)."""
+        """Deletes the checkpoints that are neither among the ``keep`` newest, nor the
+        newest healthy one, nor the one of the lowest eval loss (after a save is complete,
+        as orbax's ``max_to_keep`` does)."""
         steps = self.all_steps()
-        kept = set(steps[-self.keep:])
-        healthy = self.healthy_step()
-        if healthy is not None:
-            kept.add(healthy)
+        kept = set(steps[-self.keep:]) | {self.healthy_step(), self.best_step()}
         for step in steps:
             if step not in kept:
                 self.manager.delete(step)
-                self._health.pop(step, None)
+                self._meta.pop(step, None)
 
     def _failed(self, what: str, error: BaseException) -> CheckpointError:
         cause = _os_cause(error)
@@ -348,7 +391,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict, config: dict,
              meta: Optional[dict] = None,
-             healthy: bool = True) -> None:
+             healthy: bool = True, eval_loss: Optional[float] = None) -> None:
         """Starts an asynchronous save of a checkpoint at ``step``.
 
         Waits for the previous save first (and then deletes the checkpoints the rotation
@@ -364,17 +407,23 @@ class Checkpointer:
           meta: JSON facts the state was saved for (e.g. ``{"num_devices": 8}``).
           healthy: False when the state's latest step was skipped or looked divergent:
             such a checkpoint never displaces the newest healthy one.
+          eval_loss: the eval loss (nats/token) of ``state``, when it was evaluated at
+            ``step``: the checkpoint of the lowest one is kept (:meth:`best_step`).
 
         Raises:
           CheckpointError: this or the previous save failed; the message names the
-            step, the directory and the checkpoints that remain.
+            step, the directory and the checkpoints that remain; a read-only Checkpointer.
         """
+        if self.read_only:
+            raise CheckpointError(f"{self.directory} was opened read-only; nothing is saved")
         self.wait()
+        loss = (float(eval_loss) if eval_loss is not None and np.isfinite(float(eval_loss))
+                else None)
         verify = {**(meta or {}), "format": _FORMAT, "checksums": state_checksums(state),
-                  "healthy": bool(healthy),
+                  "healthy": bool(healthy), "eval_loss": loss,
                   "items": {"data": json_digest(data_state), "config": json_digest(config)}}
         verify["digest"] = json_digest(verify)
-        self._health[step] = bool(healthy)
+        self._meta[step] = {"healthy": bool(healthy), "eval_loss": loss}
         self._pending = step
         try:
             self.manager.save(step, args=ocp.args.Composite(
@@ -407,8 +456,9 @@ class Checkpointer:
 
         With ``step=None`` the newest checkpoint is tried first; one that is corrupt
         (unreadable, checksum mismatch, non-finite values) is moved to
-        ``checkpoints/corrupt/STEP``, a warning is added to :attr:`warnings`, and the next
-        older one is tried. Nothing is moved unless a good checkpoint is found.
+        ``checkpoints/corrupt/STEP`` (left in place when read-only), a warning is added to
+        :attr:`warnings`, and the next older one is tried. Nothing is moved unless a good
+        checkpoint is found.
 
         Args:
           template: a state pytree of arrays (or ``jax.ShapeDtypeStruct`` with
@@ -506,7 +556,17 @@ class Checkpointer:
         return step, state, data_state
 
     def _set_aside(self, step: int, why: str, good: int) -> None:
-        """Moves a corrupt step directory out of orbax's sight and records a warning."""
+        """Moves a corrupt step directory out of orbax's sight and records a warning (a
+        reader only records the warning)."""
+        if self.read_only:
+            self.warnings.append(f"checkpoint step {step} in {self.directory} is corrupt: {why}; "
+                                 f"read step {good} instead (nothing was moved)")
+            return
+        corrupt = self.directory / "corrupt"
+        if corrupt.exists() and not corrupt.is_dir():
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} is corrupt ({why}) and cannot be set "
+                f"aside: {corrupt} is a file, not a directory; move it away and rerun")
         target = self.directory / "corrupt" / str(step)
         n = 1
         while target.exists():  # a step set aside before keeps its copy: STEP.1, STEP.2, ...

@@ -179,19 +179,25 @@ def last_checkpoint_text(ckpt) -> str:
     checkpoint was saved unhealthy, by a signal during a stall or a divergence).
 
     ``ckpt`` is a :class:`~jaxmp.train.checkpoint.Checkpointer` (``directory``,
-    ``healthy_step()``, ``unhealthy_steps()``).
+    ``healthy_step()``, ``unhealthy_steps()``, ``best_step()``, ``eval_loss(step)``). The
+    checkpoint of the lowest eval loss is named too (a slow divergence looks healthy at
+    every step, so the last healthy checkpoint may be far worse than the best).
     """
     directory, healthy, unhealthy = ckpt.directory, ckpt.healthy_step(), ckpt.unhealthy_steps()
+    best = ckpt.best_step()
+    best_text = ("" if best is None else
+                 f". The best checkpoint by eval loss is step {best} "
+                 f"({ckpt.eval_loss(best):.4f} nats/token), kept in {directory}")
     if healthy is None:
-        return f"No healthy checkpoint was written (checkpoints: {directory})"
+        return f"No healthy checkpoint was written (checkpoints: {directory}){best_text}"
     text = f"The last healthy checkpoint, step {healthy} in {directory}, is from before it"
     if not unhealthy:
-        return text + ": a rerun resumes from there"
+        return text + ": a rerun resumes from there" + best_text
     many = len(unhealthy) > 1
     return (text + f"; the newer checkpoint{'s' if many else ''} {', '.join(map(str, unhealthy))} "
             f"{'were' if many else 'was'} saved while the run was unhealthy, and a "
             f"rerun resumes from step {unhealthy[-1]}: move {'them' if many else 'it'} "
-            f"out of {directory} to resume from step {healthy}")
+            f"out of {directory} to resume from step {healthy}{best_text}")
 
 
 @dataclasses.dataclass
@@ -251,7 +257,7 @@ class Evaluate(PeriodicAction):
     :meth:`~jaxmp.train.experiment.Experiment.evaluate_metrics` gives (``loss`` in
     nats/token, ``perplexity``, ``bits_per_byte``) is written as it is, a float as
     ``{"loss": value}``; None (no eval batches) writes nothing. :attr:`last_loss` is the
-    last loss, :attr:`last_metrics` the last dict.
+    last loss, :attr:`last_metrics` the last dict, :attr:`evaluated_at` their step.
     """
 
     evaluate: Callable[[Any], Optional[float]] = None
@@ -260,6 +266,7 @@ class Evaluate(PeriodicAction):
     bar: Any = None
     last_loss: Optional[float] = None
     last_metrics: Optional[dict] = None
+    evaluated_at: Optional[int] = None
 
     def apply(self, step, state, metrics):
         with self.stopwatch.paused():
@@ -267,7 +274,7 @@ class Evaluate(PeriodicAction):
         if out is None:
             return
         out = dict(out) if isinstance(out, dict) else {"loss": float(out)}
-        self.last_loss, self.last_metrics = out["loss"], out
+        self.last_loss, self.last_metrics, self.evaluated_at = out["loss"], out, step
         self.writer.write(step, "eval", {**out, "loss_unit": "nats/token"})
         _say(self.bar, f"step {step}: {eval_text(out)}")
 
@@ -283,30 +290,33 @@ def eval_text(metrics: dict) -> str:
 
 @dataclasses.dataclass
 class SaveCheckpoint(PeriodicAction):
-    """Saves the state (asynchronously) every ``every_steps`` and at the last step, while
-    the run is healthy.
+    """Saves the state (asynchronously) every ``every_steps`` and at the last step.
 
-    ``save(step, state)`` starts the write; the :class:`~jaxmp.train.checkpoint.Checkpointer`
-    waits for it before the next one and on close. A save that falls due while the latest
-    step was skipped or looked divergent (``consecutive_skips`` or ``divergent_steps`` > 0)
-    is put off to the next healthy step, so a stall or a divergence never overwrites the
-    last healthy checkpoints; a line says so once per unhealthy stretch.
+    ``save(step, state, eval_loss)`` starts the write (``eval_loss``: that of
+    ``evaluate``, the :class:`Evaluate` hook, when it evaluated this step; else None); the
+    :class:`~jaxmp.train.checkpoint.Checkpointer` waits for it before the next one and on
+    close. A save that falls due while the latest step was skipped or looked divergent
+    (``consecutive_skips`` or ``divergent_steps`` > 0) is put off to the next healthy step,
+    so a stall or a divergence never crowds out the last healthy checkpoints; a line says
+    so once per unhealthy stretch. The last step's state is saved however it is (marked
+    unhealthy, so the rotation keeps the last healthy one besides it): a run never ends
+    with its final steps unsaved.
     """
 
-    save: Callable[[int, Any], None] = None
+    save: Callable[..., None] = None
     stopwatch: Stopwatch = None
     bar: Any = None
     last_saved: Optional[int] = None
     pending: bool = False
+    evaluate: Any = None
 
     def __call__(self, step, state, metrics):
         if not (self.should_trigger(step) or self.pending):
             return
         m = jax.device_get({k: metrics[k] for k in ("consecutive_skips", "divergent_steps")})
-        if int(m["consecutive_skips"]) or int(m["divergent_steps"]):
+        if (int(m["consecutive_skips"]) or int(m["divergent_steps"])) and step != self.last_step:
             if not self.pending and self.bar is not None:
-                last = (f"step {self.last_saved}" if self.last_saved
-                        else "the one resumed from")
+                last = f"step {self.last_saved}" if self.last_saved else "none yet"
                 _say(self.bar, f"step {step}: checkpoint put off: the latest steps were skipped or "
                                f"looked divergent; the last checkpoint is {last}")
             self.pending = True
@@ -315,6 +325,8 @@ class SaveCheckpoint(PeriodicAction):
         self.apply(step, state, metrics)
 
     def apply(self, step, state, metrics):
+        ev = self.evaluate
+        loss = ev.last_loss if ev is not None and ev.evaluated_at == step else None
         with self.stopwatch.paused():
-            self.save(step, state)
+            self.save(step, state, loss)
         self.last_saved = step

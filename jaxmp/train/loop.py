@@ -420,7 +420,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       WorkdirInUse: another trainer holds ``workdir``.
       jaxmp.train.checkpoint.CheckpointError: a checkpoint in ``workdir`` is unreadable
         or was written for another setup, or a save failed.
-      TrainingStalled: ``train.max_consecutive_skips`` steps in a row were skipped.
+      TrainingStalled: ``train.max_consecutive_skips`` steps in a row were skipped, or
+        no step of the run ever applied (the final state is saved first).
       TrainingDiverged: ``train.max_divergent_steps`` applied steps in a row looked
         divergent (a subclass of TrainingStalled).
       Interrupted: SIGINT or SIGTERM (after saving a checkpoint when a step had run).
@@ -475,16 +476,42 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             ckpt.close()
             raise Interrupted(catcher.signum, step, step > start, ckpt.directory)
         bar.close()
-    return _finish(exp, data, state, start, report.losses, evaluate.last_metrics, workdir)
+        saved = _saved_text(ckpt, saver.last_saved if saver.last_saved != start else None)
+    return _finish(exp, data, state, start, report.losses, evaluate.last_metrics, workdir, saved)
+
+
+def _saved_text(ckpt: Checkpointer, step: Optional[int]) -> str:
+    """What this run saved, in one sentence: the checkpoint ``step`` (None: nothing) and,
+    when it was saved unhealthy, where the last healthy one is."""
+    if step is None:
+        return f"no checkpoint was written in this run (checkpoints: {ckpt.directory})"
+    text = f"checkpoint step {step} saved in {ckpt.directory}"
+    if ckpt.healthy(step):
+        return text
+    healthy = next((s for s in reversed(ckpt.all_steps()) if s < step and ckpt.healthy(s)), None)
+    return (text + ", while the run was unhealthy (its latest step was skipped or looked "
+            "divergent); the last healthy checkpoint is "
+            + (f"step {healthy}" if healthy is not None else "none"))
+
+
+def _no_step_applied(exp: Experiment, state, step: int) -> str:
+    """The reason a run whose every step was skipped fails."""
+    scale = describe_loss_scale(state.loss_scale)
+    return (f"none of the {steps_text(step)} applied: every one was skipped (non-finite "
+            f"gradients or update), so the parameters are still the initial ones; loss scale "
+            f"{scale}. Use precision.loss_scale=dynamic, a smaller static loss scale, a lower "
+            f"optim.learning_rate or a wider compute dtype")
 
 
 def _saver(exp: Experiment, ckpt: Checkpointer, data, config_dict: dict):
-    """``save(step, state)``: starts the checkpoint of ``state`` at ``step`` with the data
-    iterator's state, the config, the layout it was saved for and its health."""
+    """``save(step, state, eval_loss=None)``: starts the checkpoint of ``state`` at ``step``
+    with the data iterator's state, the config, the layout it was saved for, its health
+    and its eval loss (when evaluated at ``step``)."""
     meta = {"num_devices": exp.num_devices, "strategy": exp.layout.strategy,
             "expert": exp.layout.expert}
-    return lambda step, s: ckpt.save(step, exp.checkpoint_state(s), data.get_state(), config_dict,
-                                     meta, healthy=_healthy(s))
+    return lambda step, s, eval_loss=None: ckpt.save(
+        step, exp.checkpoint_state(s), data.get_state(), config_dict, meta, healthy=_healthy(s),
+        eval_loss=eval_loss)
 
 
 def _hooks(exp: Experiment, ckpt: Checkpointer, writer, bar, start: int, state, save):
@@ -500,7 +527,7 @@ def _hooks(exp: Experiment, ckpt: Checkpointer, writer, bar, start: int, state, 
     evaluate = Evaluate(t.eval_every, t.steps if t.eval_every else -1,
                         evaluate=exp.evaluate_metrics, writer=writer, stopwatch=stopwatch, bar=bar)
     saver = SaveCheckpoint(t.checkpoint_every, t.steps, stopwatch=stopwatch, bar=bar,
-                           last_saved=start or None, save=save)
+                           last_saved=start or None, save=save, evaluate=evaluate)
     stall = StallGuard(t.log_every, t.steps, limit=t.max_consecutive_skips, rules=exp.rules,
                        ckpt=ckpt)
     diverge = DivergenceGuard(t.log_every, t.steps, limit=t.max_divergent_steps, ckpt=ckpt,
@@ -509,10 +536,19 @@ def _hooks(exp: Experiment, ckpt: Checkpointer, writer, bar, start: int, state, 
     return stopwatch, [report, stall, diverge, evaluate, saver]
 
 
-def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics, workdir):
+def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics, workdir,
+            saved: str = ""):
     """The summary of :func:`train_and_evaluate`, after the closing evaluation (when the
-    loop trained nothing) and the generated sample (``workdir/sample.txt``)."""
+    loop trained nothing) and the generated sample (``workdir/sample.txt``); ``saved``
+    says what was saved.
+
+    Raises:
+      TrainingStalled: no step of the run ever applied (every one skipped).
+    """
     t, main_process = exp.config.train, jax.process_index() == 0
+    final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
+    if final_step and skipped == final_step:
+        raise TrainingStalled(f"{_no_step_applied(exp, state, final_step)}; {saved}")
     if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train
         eval_metrics = exp.evaluate_metrics(state)  # the restored state
     eval_loss = None if eval_metrics is None else eval_metrics["loss"]
@@ -520,14 +556,14 @@ def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics
               else data.sample_prompt)
     ids = generate(exp.host_model(state), prompt, max_new_tokens=t.sample_tokens,
                    temperature=t.sample_temperature,
-                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)), progress=main_process)
+                   rng=jax.random.wrap_key_data(jax.device_get(state.rng)), progress=main_process,
+                   vocab_limit=data.tokenizer.vocab_size)
     sample = data.tokenizer.decode(ids)
-    final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if main_process:
         (workdir / "sample.txt").write_text(sample)
         loss_text = "not evaluated" if eval_metrics is None else eval_text(eval_metrics)
         print(f"done: step {final_step}, {loss_text}, {skipped} of {steps_text(final_step)} "
-              f"skipped")
+              f"skipped{'; ' + saved if saved else ''}")
         print(f"sample after {steps_text(final_step)}:\n{sample}")
     return {"step": final_step, "train_losses": losses, "eval_loss": eval_loss,
             "eval": eval_metrics, "skipped_steps": skipped, "sample": sample}

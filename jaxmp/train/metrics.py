@@ -6,7 +6,9 @@ written as ``null``, which ``jq``, JavaScript and every JSON loader accept, wher
 ``NaN`` is not JSON. TensorBoard event files (tensorboardX) go to ``workdir/tensorboard``,
 finite values only. On resume, both drop what was logged after the checkpoint: the
 JSON lines past it are removed, and TensorBoard is opened with ``purge_step`` so that the
-rewritten steps are not shown twice.
+rewritten steps are not shown twice. ``metrics.jsonl`` is never rewritten in place: when
+lines must go, the kept ones are written to a new file that then replaces it
+(``os.replace``, atomic), so a process killed during a resume leaves the whole history.
 """
 from __future__ import annotations
 
@@ -139,15 +141,26 @@ class MetricsWriter:
 
     def _truncate_after(self, step: int) -> None:
         """Drops records past ``step`` (a resumed run rewrites the steps after its
-        checkpoint; a fresh run, step 0, starts an empty file)."""
+        checkpoint; a fresh run, step 0, starts an empty file). The file is left as it is
+        when nothing is dropped; else the kept records go to ``metrics.jsonl.tmp``, which
+        then replaces it atomically."""
         if not self.path.exists():
             return
         text = self.path.read_text()
-        if text and not text.endswith("\n"):
-            torn = text.rsplit("\n", 1)[-1]
-            print(f"warning: {self.path}: dropping its last line, cut off mid-write: {torn[:60]!r}")
-        kept = [r for r in read_metrics(self.path) if r["step"] <= step]
-        self.path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+        torn = bool(text) and not text.endswith("\n")
+        if torn:
+            line = text.rsplit("\n", 1)[-1]
+            print(f"warning: {self.path}: dropping its last line, cut off mid-write: {line[:60]!r}")
+        records = read_metrics(self.path)
+        kept = [r for r in records if r["step"] <= step]
+        if not torn and len(kept) == len(records):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def close(self, raise_errors: bool = True) -> None:
         """Flushes and closes the TensorBoard writer (idempotent).

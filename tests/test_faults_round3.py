@@ -1,0 +1,247 @@
+"""Nothing lost, round three (issue 28, the single-process items): readers never change a
+workdir, the metrics history survives a kill during a resume, the final state is saved,
+a directory is read as what it holds, the best checkpoint is kept, bad values and bad
+workdirs are refused before any work, Ctrl-C is one line and status 130, a glob walks
+each real directory once.
+
+The library is called in-process wherever the process boundary is not the subject; the
+two subprocess tests (Ctrl-C) are bounded by generous timeouts.
+"""
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _configs import ROOT, small_config
+from jaxmp.train import CheckpointError, Checkpointer, TrainingStalled, load, train_and_evaluate
+from jaxmp.train.artifacts import export
+from jaxmp.train.metrics import MetricsWriter, read_metrics
+
+LIMIT_S = 600  # per subprocess: generous on a slow, shared machine
+
+
+def _snapshot(root):
+    """Every path under ``root`` with its kind, size and modification time."""
+    out = {}
+    for p in sorted(pathlib.Path(root).rglob("*")):
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (p.is_dir(), st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 4-step run on one device: checkpoints at steps 2 and 4, each evaluated."""
+    workdir = tmp_path_factory.mktemp("r3") / "run"
+    config = small_config(steps=4, checkpoint_every=2, eval_every=2)
+    train_and_evaluate(config, str(workdir), num_devices=1)
+    return workdir
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    """A copy of the trained run that a test may damage."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir, symlinks=True)
+    return workdir
+
+
+def _flip_newest_state(workdir, step):
+    files = sorted((p for p in (workdir / "checkpoints" / str(step) / "state").rglob("*")
+                    if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 1 << 3
+    files[-1].write_bytes(bytes(data))
+
+
+# ------------------------------------------------------------ 1, 13: readers of a workdir
+
+
+def test_load_and_export_change_nothing_in_a_workdir_a_trainer_writes(run_copy, tmp_path):
+    """Item 1: a trainer's in-flight save (orbax's ``STEP.orbax-checkpoint-tmp-...``), the
+    lock and every checkpoint are left exactly as they were by load and export."""
+    in_flight = run_copy / "checkpoints" / "6.orbax-checkpoint-tmp-1764660000000000"
+    (in_flight / "state").mkdir(parents=True)
+    (in_flight / "state" / "half-written").write_bytes(b"\0" * 100)
+    before = _snapshot(run_copy)
+    load(run_copy)
+    export(run_copy, tmp_path / "out")
+    assert _snapshot(run_copy) == before
+
+
+def test_sample_and_export_pass_over_a_corrupt_newest_checkpoint_and_label_the_step_read(
+        run_copy, tmp_path):
+    """Item 13 (and 1: the step label and the weights come from one checkpoint): step 4
+    corrupt, step 2 intact. load warns and returns step 2's model, export writes step 2's
+    weights labelled step 2, and nothing is moved."""
+    _flip_newest_state(run_copy, 4)
+    before = _snapshot(run_copy)
+    with pytest.warns(RuntimeWarning, match=r"checkpoint step 4 .* is corrupt.*read step 2"):
+        model, _, _ = load(run_copy)
+    meta = export(run_copy, tmp_path / "out", notes=(notes := []))
+    assert meta["step"] == 2 and json.loads((tmp_path / "out" / "config.json").read_text())[
+        "step"] == 2
+    assert len(notes) == 1 and "step 4" in notes[0]
+    model2, _, _ = load(run_copy, 2)
+    a = jax.tree.leaves(jax.tree.map(np.asarray, nnx_state(model)))
+    b = jax.tree.leaves(jax.tree.map(np.asarray, nnx_state(model2)))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert _snapshot(run_copy) == before
+
+
+def nnx_state(model):
+    from flax import nnx
+    return nnx.state(model, nnx.Param)
+
+
+@pytest.mark.parametrize("step", ["2", 2.0, True])
+def test_load_refuses_a_step_that_is_not_an_int_in_one_line(trained, step):
+    with pytest.raises(ValueError, match=rf"step={step!r} \({type(step).__name__}\) is not "
+                                         r"allowed; give a checkpoint step as an int"):
+        load(trained, step)
+
+
+def test_export_refuses_a_non_empty_directory_unless_forced(trained, tmp_path, capsys):
+    from jaxmp import export as export_cli
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("the user's own")
+    with pytest.raises(SystemExit) as e:
+        export_cli.main(["--workdir", str(trained), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "is not empty (config.json)" in err
+    assert (out / "config.json").read_text() == "the user's own"
+    assert export_cli.main(["--workdir", str(trained), "--out", str(out), "--force"]) == 0
+    assert json.loads((out / "config.json").read_text())["step"] == 4
+
+
+def test_export_into_a_read_only_directory_is_one_line(trained, tmp_path, monkeypatch, capsys):
+    from jaxmp import export as export_cli
+    out = tmp_path / "ro"
+    out.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(out)],
+        capture_output=True).returncode == 0
+    if not mounted:  # the kernel's error, from the first write
+        def read_only(self, data):
+            raise OSError(30, "Read-only file system")
+        monkeypatch.setattr(pathlib.Path, "write_bytes", read_only)
+    try:
+        with pytest.raises(SystemExit) as e:
+            export_cli.main(["--workdir", str(trained), "--out", str(out)])
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(out)], capture_output=True)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err
+    assert f"--out {out} is not writable: Read-only file system" in err
+
+
+# ------------------------------------------------------------------- 3: metrics history
+
+
+def test_a_kill_while_a_resume_rewrites_metrics_leaves_the_whole_history(tmp_path, monkeypatch):
+    """Item 3: the resume drops the records past its checkpoint. A kill in the middle of
+    that write (simulated: the write fails after the file was opened) leaves every
+    record, where an in-place rewrite left an empty file."""
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "split": "train", "loss": 1.0 / s} for s in range(1, 11)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    original = path.read_bytes()
+    real_open = pathlib.Path.open
+
+    class Killed(BaseException):
+        pass
+
+    def dying_open(self, mode="r", *args, **kwargs):
+        f = real_open(self, mode, *args, **kwargs)
+        if "w" in mode and self.parent == tmp_path:
+            f.close()
+            raise Killed()  # the process dies right after the file was opened for writing
+        return f
+
+    monkeypatch.setattr(pathlib.Path, "open", dying_open)
+    with pytest.raises(Killed):
+        MetricsWriter(tmp_path, start_step=6)
+    monkeypatch.undo()
+    assert path.read_bytes() == original
+    writer = MetricsWriter(tmp_path, start_step=6)  # the rerun
+    writer.close()
+    assert read_metrics(path) == records[:6] and not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+def test_a_resume_with_nothing_to_drop_leaves_metrics_untouched(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "split": "train", "loss": 2.0}) + "\n")
+    before = path.stat()
+    MetricsWriter(tmp_path, start_step=1).close()
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+# ------------------------------------------------------------ 4: the final state is saved
+
+
+def test_the_last_step_is_saved_even_when_it_was_skipped():
+    """Item 4: a save falling due at the last step while it was skipped is made (marked
+    unhealthy by the saver), not put off past the end of the run."""
+    from jaxmp.train.hooks import SaveCheckpoint, Stopwatch
+    saved = []
+    hook = SaveCheckpoint(2, 4, save=lambda step, state, loss: saved.append(step),
+                          stopwatch=Stopwatch())
+    bad = {"consecutive_skips": jnp.int32(1), "divergent_steps": jnp.int32(0)}
+    for step in (2, 3, 4):  # due at 2 (skipped: put off), 3 (still skipped), 4 (the last)
+        hook(step, None, bad)
+    assert saved == [4]
+
+
+def test_a_run_whose_every_step_is_skipped_saves_its_state_and_fails(tmp_path, capsys):
+    """Item 4: with a static loss scale of 1e30 under float16 compute every step overflows:
+    the run fails (train.py exits 1), says so, and names the checkpoint it saved."""
+    config = small_config(steps=3, checkpoint_every=1000, sample_tokens=0)
+    config.precision.policy = "mixed_fp16"
+    config.precision.loss_scale = "static:1e30"
+    with pytest.raises(TrainingStalled, match=r"none of the 3 steps applied: every one was "
+                                              r"skipped.*checkpoint step 3 saved in .*, while the "
+                                              r"run was unhealthy.*last healthy checkpoint is none"):
+        train_and_evaluate(config, str(tmp_path), num_devices=1)
+    out = capsys.readouterr().out
+    assert "the one resumed from" not in out
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [3] and ckpt.healthy(3) is False
+
+
+# ---------------------------------------------------------- 6: the best checkpoint is kept
+
+
+def test_the_checkpoint_of_the_lowest_eval_loss_is_kept_besides_the_newest(tmp_path):
+    """Item 6: a slow divergence (eval loss rising, every step healthy) keeps step 2, the
+    lowest eval loss, besides the 2 newest; the stall/divergence text names it."""
+    from jaxmp.train.hooks import last_checkpoint_text
+    state = {"w": jnp.arange(4, dtype=jnp.float32)}
+    losses = {1: 5.0, 2: 1.5, 3: 2.0, 4: 3.0, 5: None, 6: 7.0}
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        for step, loss in losses.items():
+            ckpt.save(step, state, {}, {}, eval_loss=loss)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 5, 6]
+        assert ckpt.best_step() == 2
+        assert "best checkpoint by eval loss is step 2 (1.5000 nats/token)" in \
+            last_checkpoint_text(ckpt)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:  # read back from disk
+        assert [ckpt.eval_loss(s) for s in ckpt.all_steps()] == [1.5, None, 7.0]
+
+
+def test_the_trainer_saves_each_checkpoints_eval_loss(trained):
+    evals = {r["step"]: r["loss"] for r in read_metrics(trained / "metrics.jsonl", "eval")}
+    with Checkpointer(trained, read_only=True) as ckpt:
+        assert {s: ckpt.eval_loss(s) for s in ckpt.all_steps()} == {2: evals[2], 4: evals[4]}
