@@ -466,7 +466,7 @@ def test_a_link_loop_reads_each_file_once_with_a_warning(tmp_path):
     warnings = []
     docs = load_documents(str(tmp_path / "**"), warnings=warnings)
     assert sorted(d for _, d in docs) == [b"alpha", b"beta"]
-    assert len(warnings) == 1 and "lead to files already read" in warnings[0]
+    assert len(warnings) == 1 and "lead to directories already walked" in warnings[0]
     assert f"the link {str(tmp_path / 'sub' / 'up')!r} points to its own ancestor" in warnings[0]
 
 

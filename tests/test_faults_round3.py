@@ -245,3 +245,78 @@ def test_the_trainer_saves_each_checkpoints_eval_loss(trained):
     evals = {r["step"]: r["loss"] for r in read_metrics(trained / "metrics.jsonl", "eval")}
     with Checkpointer(trained, read_only=True) as ckpt:
         assert {s: ckpt.eval_loss(s) for s in ckpt.all_steps()} == {2: evals[2], 4: evals[4]}
+
+
+# ------------------------------------------------------ 5, 11, 14: data read as it is
+
+
+def _data_config(path, **kw):
+    import ml_collections
+    cfg = dict(path=str(path), text_field="text", seq_len=15, eval_fraction=0.1,
+               num_eval_batches=1, max_tokens=None, tokenizer="bytes", token_dtype="uint16",
+               eod_id=-1)
+    cfg.update(kw)
+    return ml_collections.ConfigDict(cfg)
+
+
+def test_a_directory_of_bin_shards_is_read_as_shards_and_a_mix_is_refused(tmp_path):
+    """Item 5: a directory holding two .bin shards is those shards (every token counted,
+    eval the end of the last one), not text; with a script beside them it is refused in
+    one line naming a file of each kind."""
+    from jaxmp.train.data import create_pipeline
+    rng = np.random.default_rng(0)
+    shards = [rng.integers(0, 257, n).astype(np.uint16) for n in (3000, 2000)]
+    for i, s in enumerate(shards):
+        s.tofile(tmp_path / f"shard{i}.bin")
+    pipe = create_pipeline(_data_config(tmp_path), global_batch_size=4, seed=0)
+    assert (pipe.train_tokens, pipe.eval_tokens) == (4500, 500)  # ceil(0.1 * 5000) held out
+    np.testing.assert_array_equal(pipe.eval_batches[0]["inputs"][0], shards[1][1500:1515])
+    (tmp_path / "prepare.py").write_text("print('a small script')\n")
+    with pytest.raises(ValueError) as e:
+        create_pipeline(_data_config(tmp_path), global_batch_size=4, seed=0)
+    message = str(e.value)
+    assert "\n" not in message and "holds pre-tokenized shards" in message
+    assert str(tmp_path / "shard0.bin") in message and str(tmp_path / "prepare.py") in message
+
+
+def test_a_garbage_npy_is_an_error_naming_the_file(tmp_path):
+    """Item 14: a .npy that is not an array (here a pickle's bytes after the magic)."""
+    from jaxmp.train.data import create_pipeline
+    bad = tmp_path / "tokens.npy"
+    bad.write_bytes(b"\x93NUMPY\x01\x00" + b"\x76\x00" + b"{'descr': '|O', 'fortran_order': "
+                    b"False, 'shape': (3,), }".ljust(117) + b"\n" + b"garbage" * 10)
+    with pytest.raises(ValueError, match=rf"{bad} is not a \.npy token shard"):
+        create_pipeline(_data_config(bad), global_batch_size=4, seed=0)
+    bad.write_bytes(b"not numpy at all")
+    with pytest.raises(ValueError, match=rf"{bad} is not a \.npy token shard"):
+        create_pipeline(_data_config(bad), global_batch_size=4, seed=0)
+
+
+def test_a_glob_over_links_to_ancestors_walks_each_real_directory_once(tmp_path, monkeypatch):
+    """Item 11: ``d/a/up -> ..`` and ``d/a/self -> ../a`` under ``d/**/*.txt``: each real
+    directory is listed once (counted at os.scandir, bounded so that a walk that loops
+    fails at once instead of hanging), each file found once, and a warning names a link."""
+    from jaxmp.train.data import data_files, load_documents
+    d = tmp_path / "d"
+    (d / "a").mkdir(parents=True)
+    (d / "top.txt").write_text("top")
+    (d / "a" / "inner.txt").write_text("inner")
+    os.symlink("..", d / "a" / "up")
+    os.symlink("../a", d / "a" / "self")
+    scans, real_scandir = [], os.scandir
+
+    def counting_scandir(path="."):
+        scans.append(os.path.realpath(path))
+        if len(scans) > 50:
+            raise RuntimeError(f"{len(scans)} directory listings: the walk loops")
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    pattern = str(d / "**" / "*.txt")
+    assert data_files(pattern) == [str(d / "a" / "inner.txt"), str(d / "top.txt")]
+    assert sorted(scans) == sorted({str(d), str(d / "a")})
+    warnings_ = []
+    docs = load_documents(pattern, warnings=warnings_)
+    assert sorted(text for _, text in docs) == [b"inner", b"top"]
+    assert len(warnings_) == 1 and "each real directory is walked once" in warnings_[0]
+    assert f"the link {str(d / 'a' / 'up')!r} points to its own ancestor" in warnings_[0]

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import json
 import math
@@ -87,6 +88,93 @@ def _is_text_file(path: str) -> bool:
         return b"\0" not in f.read(8192)
 
 
+def _walk_directory(root: str) -> list[str]:
+    """Every file below ``root``, recursively, sorted, none read; hidden files and
+    directories (names starting with ``.``) and ``__pycache__`` are skipped, symlinked
+    directories not followed."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        files.extend(f for f in (os.path.join(dirpath, n) for n in filenames
+                                 if not n.startswith(".")) if os.path.isfile(f))
+    return sorted(files)
+
+
+def _match_parts(pattern: Sequence[str], parts: Sequence[str]) -> bool:
+    """Whether path components ``parts`` match glob components ``pattern`` as
+    ``glob.glob(recursive=True)`` does: ``**`` is any number of directories, another
+    component one name (``fnmatch``), and a name starting with ``.`` only matches a
+    component that starts with ``.``."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_match_parts(rest, parts[i:]) for i in range(len(parts) + 1)
+                   if not any(p.startswith(".") for p in parts[:i]))
+    return (bool(parts) and (not parts[0].startswith(".") or head.startswith("."))
+            and fnmatch.fnmatchcase(parts[0], head) and _match_parts(rest, parts[1:]))
+
+
+def _glob_files(pattern: str, links: Optional[list] = None) -> list[str]:
+    """The files a glob matches, sorted, like ``glob.glob(pattern, recursive=True)``, but
+    a ``**`` walks each real directory once: a symlinked directory that leads to one
+    already walked (an ancestor: a loop) is not entered again, where ``glob`` follows it
+    round and round. Each such link is appended to ``links`` as ``(link, target)``."""
+    if "**" not in pattern:
+        return sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    parts = pattern.split(os.sep)
+    i = 0
+    while i < len(parts) - 1 and not glob.has_magic(parts[i]):
+        i += 1
+    prefix = os.sep.join(parts[:i]) if i else ""
+    root = prefix or (os.sep if pattern.startswith(os.sep) else os.curdir)
+    rest = parts[i:]
+    if not os.path.isdir(root):
+        return []
+    found, st = [], os.stat(root)
+    walked = {(st.st_dev, st.st_ino)}  # walked, or to be walked: each real directory once
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        keep = []
+        for name in sorted(dirnames):
+            if name.startswith(".") and not any(p.startswith(".") for p in rest):
+                continue  # glob's ** enters no hidden directory
+            sub = os.path.join(dirpath, name)
+            try:
+                st = os.stat(sub)
+            except OSError:  # a dangling link
+                continue
+            if (st.st_dev, st.st_ino) in walked:
+                if links is not None:
+                    links.append((sub, os.path.realpath(sub)))
+                continue
+            walked.add((st.st_dev, st.st_ino))
+            keep.append(name)
+        dirnames[:] = keep
+        rel = os.path.relpath(dirpath, root)
+        rel_parts = [] if rel == os.curdir else rel.split(os.sep)
+        for name in filenames:
+            if _match_parts(rest, rel_parts + [name]):
+                file = os.path.join(dirpath, name) if prefix else os.path.join(*rel_parts, name)
+                if os.path.isfile(file):
+                    found.append(file)
+    return sorted(found)
+
+
+def _walked_once_warning(path: str, links: Sequence[tuple]) -> list:
+    """The warning for the symlinked directories a glob did not enter twice."""
+    if not links:
+        return []
+    why = []
+    for link, target in links[:3]:
+        parent = os.path.realpath(os.path.dirname(link) or ".")
+        loop = parent == target or parent.startswith(target.rstrip(os.sep) + os.sep)
+        why.append(f"the link {link!r} points to its own ancestor {target!r}, a loop" if loop
+                   else f"the link {link!r} leads to {target!r}")
+    return [f"data.path {path!r}: {len(links)} linked director{'y' if len(links) == 1 else 'ies'} "
+            f"lead to directories already walked ({'; '.join(why)}); each real directory is "
+            f"walked once"]
+
+
 def _directory_files(root: str) -> list[str]:
     """Every text file below ``root``, recursively, sorted; hidden files and directories
     (names starting with ``.``) and ``__pycache__`` are skipped, symlinked directories not
@@ -96,16 +184,11 @@ def _directory_files(root: str) -> list[str]:
       ValueError: no text file is found (the message counts what was skipped).
     """
     found, skipped = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
-        for name in filenames:
-            file = os.path.join(dirpath, name)
-            if name.startswith(".") or not os.path.isfile(file):
-                continue
-            if _is_text_file(file):
-                found.append(file)
-            else:
-                skipped += 1
+    for file in _walk_directory(root):
+        if _is_text_file(file):
+            found.append(file)
+        else:
+            skipped += 1
     if not found:
         raise ValueError(f"data.path directory {root!r} holds no text file ({skipped} binary "
                          f"file(s) skipped); give a directory of text files, a glob such as "
@@ -164,9 +247,10 @@ def _unique_text_files(path: str, files: Sequence[str], warnings: list) -> list[
     return text
 
 
-def data_files(path: str) -> list[str]:
-    """The files ``data.path`` names (a directory's text files, recursively; or a glob's),
-    sorted: what :func:`load_documents` reads, found before it reads them.
+def data_files(path: str, links: Optional[list] = None) -> list[str]:
+    """The files ``data.path`` names (a directory's text files, recursively; or a glob's,
+    each real directory walked once: :func:`_glob_files`), sorted: what
+    :func:`load_documents` reads, found before it reads them.
 
     Raises:
       ValueError: ``path`` does not exist, is a directory of no text file (each file's
@@ -176,7 +260,7 @@ def data_files(path: str) -> list[str]:
     if os.path.isdir(expanded):
         files = _directory_files(expanded)
     else:
-        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+        files = _glob_files(expanded, links)
     if not files:
         if not glob.has_magic(expanded):
             raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
@@ -230,7 +314,11 @@ def load_documents(path: str | None, text_field: str = "text",
         docs = [(p.relative_to(root).as_posix(), p.read_bytes())
                 for p in default_corpus_files()]
         return [d for d in docs if d[1]]
-    files = _unique_text_files(path, data_files(path), warnings if warnings is not None else [])
+    warnings = warnings if warnings is not None else []
+    links: list = []
+    found = data_files(path, links)
+    warnings.extend(_walked_once_warning(path, links))
+    files = _unique_text_files(path, found, warnings)
     docs = []
     for file in files:
         if file.lower().endswith(".jsonl"):
@@ -617,30 +705,37 @@ TOKEN_DTYPES = ("uint16", "uint32")
 
 
 def token_files(path: Optional[str]) -> list:
-    """The pre-tokenized shard files ``data.path`` names (a ``.bin`` / ``.npy`` file or a
-    glob matching only such files), sorted; ``[]`` when it names text.
+    """The pre-tokenized shard files ``data.path`` names (a ``.bin`` / ``.npy`` file, a
+    glob matching only such files, or a directory holding only such files, recursively,
+    hidden ones aside), sorted; ``[]`` when it names text. No file is read.
 
     Raises:
-      ValueError: a glob matches both token files and other files.
+      ValueError: a glob or a directory holds both token files and other files.
     """
     if not path:
         return []
     expanded = os.path.expanduser(path)
     if os.path.isdir(expanded):
-        return []
-    files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+        files, what = _walk_directory(expanded), "directory holds"
+    else:
+        files, what = _glob_files(expanded), "matches"
     tokens = [f for f in files if f.lower().endswith(TOKEN_SUFFIXES)]
     if tokens and len(tokens) != len(files):
         other = next(f for f in files if not f.lower().endswith(TOKEN_SUFFIXES))
-        raise ValueError(f"data.path {path!r} matches pre-tokenized shards ({tokens[0]}) and "
-                         f"other files ({other}); give one kind")
+        raise ValueError(f"data.path {path!r} {what} pre-tokenized shards ({tokens[0]}) and "
+                         f"other files ({other}); give one kind (e.g. a glob such as "
+                         f"'DIR/**/*{os.path.splitext(tokens[0])[1]}')")
     return tokens
 
 
 def _open_shard(file: str, dtype: str) -> np.ndarray:
     """A shard memory-mapped: a ``.npy`` in its own dtype, a ``.bin`` as flat ``dtype``."""
     if file.lower().endswith(".npy"):
-        array = np.load(file, mmap_mode="r")
+        try:
+            array = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{file} is not a .npy token shard: {' '.join(str(e).split())[:200]}"
+                             ) from None
         if array.ndim != 1 or array.dtype.name not in TOKEN_DTYPES:
             raise ValueError(f"{file} holds a {array.dtype.name} array of shape {array.shape}; a "
                              f"token shard is 1-D {' or '.join(TOKEN_DTYPES)}")
