@@ -8,10 +8,27 @@ Several processes: --coordinator_address=HOST:PORT --num_processes=N --process_i
 each (jaxmp.train.distributed), or a cluster's environment (Slurm, Open MPI, ...).
 """
 import os
-import pathlib
+import signal
 import sys
 
-from absl import app, flags, logging
+
+def _interrupted_outside_training(signum, frame):
+    """SIGINT while nothing is being trained (importing, checking, compiling before the
+    trainer's own handler, the closing sample): exit at once with status 130 and one
+    line. Raising KeyboardInterrupt instead can land in a callback that swallows it
+    (``Exception ignored in: _xla_gc_callback``) and the run goes on."""
+    sys.stderr.write("\ntrain.py: SIGINT outside training: exited at once; the complete "
+                     "checkpoints are kept; rerun the same command to resume or start\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_outside_training)  # before the slow imports
+
+import pathlib  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
 from jaxmp.train import distributed

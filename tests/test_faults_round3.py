@@ -320,3 +320,137 @@ def test_a_glob_over_links_to_ancestors_walks_each_real_directory_once(tmp_path,
     assert sorted(text for _, text in docs) == [b"inner", b"top"]
     assert len(warnings_) == 1 and "each real directory is walked once" in warnings_[0]
     assert f"the link {str(d / 'a' / 'up')!r} points to its own ancestor" in warnings_[0]
+
+
+# ------------------------------------------------- 9, 14, 15: refused before any work
+
+
+def _untouched(config, workdir, error, match):
+    """``train_and_evaluate`` raises ``error`` matching ``match``, in one line, and leaves
+    no workdir behind."""
+    with pytest.raises(error) as e:
+        train_and_evaluate(config, str(workdir), num_devices=1)
+    assert "\n" not in str(e.value)
+    import re
+    assert re.search(match, str(e.value)), str(e.value)
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("optim.weight_decay", 1e30, r"optim.weight_decay=1e\+30 with optim.learning_rate=.* is not "
+                                 r"allowed: .*must be below 1 / learning_rate"),
+    ("model.capacity_factor", 1e30, r"capacity_factor=1e\+30 gives .* slots per expert.*use at "
+                                    r"most num_experts / top_k"),
+    ("model.max_len", 1_000_000, r"model.max_len=1000000: the closing sample runs the model "
+                                 r"over 1000000 tokens.*attention scores.*lower model.max_len"),
+])
+def test_a_value_that_cannot_work_is_refused_before_any_work(tmp_path, key, value, match):
+    """Items 14 and 9: weights decayed past zero every step, a capacity no array can hold,
+    a closing sample whose attention scores cannot fit: one line, no workdir."""
+    config = small_config()
+    section, name = key.split(".")
+    config[section][name] = value
+    _untouched(config, tmp_path / "run", ValueError, match)
+
+
+@pytest.mark.parametrize("where", ["checkpoints", "checkpoints/corrupt"])
+def test_checkpoints_as_a_file_is_refused_before_any_work(tmp_path, where, monkeypatch):
+    """Items 9 and 14: ``checkpoints`` (or ``checkpoints/corrupt``) is a regular file."""
+    from jaxmp.train import loop
+    workdir = tmp_path / "run"
+    (workdir / where).parent.mkdir(parents=True, exist_ok=True)
+    (workdir / where).write_text("not a directory")
+    compiles = []
+    monkeypatch.setattr(loop, "_Compilation", lambda exp: compiles.append(exp))
+    with pytest.raises(ValueError, match=rf"{workdir / where} is a file, where the run keeps "
+                                         r"its .*checkpoints; move it away"):
+        train_and_evaluate(small_config(), str(workdir), num_devices=1)
+    assert compiles == []  # refused before the step started compiling
+
+
+def test_a_read_only_checkpoint_directory_is_refused_before_any_work(trained, tmp_path,
+                                                                       monkeypatch):
+    """Item 9: ``checkpoints/`` read-only (a real read-only mount where this machine
+    allows one; else the kernel's error from the first write there)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(trained, workdir, symlinks=True)
+    ckpts = workdir / "checkpoints"
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(ckpts), str(ckpts)],
+        capture_output=True).returncode == 0
+    if mounted:
+        mounted = subprocess.run(["mount", "-o", "remount,bind,ro", str(ckpts)],
+                                 capture_output=True).returncode == 0 or mounted
+    if not mounted:
+        real = pathlib.Path.write_bytes
+
+        def read_only(self, data):
+            if self.parent == ckpts:
+                raise OSError(30, "Read-only file system")
+            return real(self, data)
+        monkeypatch.setattr(pathlib.Path, "write_bytes", read_only)
+    try:
+        with pytest.raises(ValueError, match=rf"the checkpoint directory {ckpts} is not "
+                                             r"writable: Read-only file system"):
+            train_and_evaluate(small_config(steps=6, checkpoint_every=2, eval_every=2),
+                               str(workdir), num_devices=1)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
+
+
+def test_a_failed_start_leaves_no_workdir_behind(tmp_path):
+    """Item 15: a data error found after the workdir was made (the corpus is too short for
+    one window) removes the workdir this run created; an existing one is kept."""
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("too short")
+    config = small_config()
+    config.data.path = str(corpus)
+    with pytest.raises(ValueError):
+        train_and_evaluate(config, str(tmp_path / "run"), num_devices=1)
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError):
+        train_and_evaluate(config, str(tmp_path / "mine"), num_devices=1)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+
+
+def test_a_padded_vocabulary_never_samples_an_id_the_tokenizer_lacks():
+    """Item 9: model.vocab_size=384 over the 257 byte ids. At a high temperature an
+    untrained model samples the 127 padding ids often; with ``vocab_limit`` never."""
+    from flax import nnx
+    from jaxmp.models import ModelConfig, MoETransformer, generate
+    from jaxmp.train.tokenizer import ByteTokenizer
+    cfg = ModelConfig(vocab_size=384, num_layers=1, d_model=16, num_heads=2, d_ff=32,
+                      max_len=64, num_experts=0)
+    model = MoETransformer(cfg, "float32", rngs=nnx.Rngs(0))
+    prompt = np.asarray([1, 2, 3], np.int32)
+    free = generate(model, prompt, 40, temperature=20.0, rng=0)
+    assert (free[3:] >= 257).any()  # the padding rows are reachable without the limit
+    tok = ByteTokenizer()
+    ids = generate(model, prompt, 40, temperature=20.0, rng=0, vocab_limit=tok.vocab_size)
+    assert ids.max() < 257
+    tok.decode(ids)  # every id decodes
+
+
+# ------------------------------------------------------------------ 10: Ctrl-C, one line
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.0])
+def test_ctrl_c_at_start_up_exits_130_with_one_line(tmp_path, delay_s):
+    """Item 10: SIGINT while train.py imports, parses and builds (the moments where it
+    was a traceback with -2, or swallowed by a gc callback so the run trained on)."""
+    import time
+    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny_moe.py"),
+         "--workdir", str(tmp_path / "run"), "--config.train.steps=2",
+         "--config.data.max_tokens=20000", "--config.train.sample_tokens=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=LIMIT_S)
+    lines = [line for line in err.splitlines() if line.strip() and "\r" not in line]
+    assert proc.returncode == 130, err[-3000:]
+    assert len(lines) == 1 and "SIGINT" in lines[0] and "Traceback" not in err, err[-3000:]

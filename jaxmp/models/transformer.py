@@ -235,6 +235,13 @@ class ModelConfig:
                  f"score_fn={self.score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
             need(self.capacity_factor is None or self.capacity_factor >= 0,
                  f"capacity_factor={self.capacity_factor} must be None, 0 (dropless) or > 0")
+            cf = self.capacity_factor or 0.0
+            need(cf * self.max_len * self.top_k / self.num_experts <= 2**31 - 1,
+                 f"capacity_factor={self.capacity_factor} gives "
+                 f"{cf * self.max_len * self.top_k / self.num_experts:.3g} slots per expert "
+                 f"(capacity_factor * max_len * top_k / num_experts), more than an int32 array "
+                 f"dimension holds (2**31 - 1); an expert never needs more than max_len slots: "
+                 f"use at most num_experts / top_k = {self.num_experts / self.top_k:g}")
             need(self.moe_kernel in MOE_KERNELS,
                  f"moe_kernel={self.moe_kernel!r}; allowed: {', '.join(MOE_KERNELS)}")
 

@@ -405,6 +405,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
             f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by the "
             f"{num_devices} devices of the mesh; use a multiple of {num_devices}")
     _check_table(config, keys[after:])
+    lr, wd = config.optim.learning_rate, config.optim.weight_decay
+    if lr * wd >= 1:  # AdamW's decoupled decay (Loshchilov & Hutter 2019, Algorithm 2)
+        raise ValueError(f"optim.weight_decay={wd!r} with optim.learning_rate={lr!r} is not "
+                         f"allowed: the decay multiplies every weight by 1 - learning_rate * "
+                         f"weight_decay = {1 - lr * wd:.3g} each step (past zero: it flips or "
+                         f"grows the weights); it must be below 1 / learning_rate = {1 / lr:.3g}")
     model = ModelConfig.from_config(config.model)
     if d.seq_len > model.max_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}")

@@ -217,8 +217,10 @@ def check_sample_memory(exp: Experiment) -> None:
     tokens (dropless MoE pads it to that length; capacity dispatch runs
     ``len(prompt) + train.sample_tokens`` tokens at most). That needs at least the int32
     context (4 bytes a token) and its logits (``vocab_size`` values a token, 2 bytes
-    each at the narrowest, bfloat16): ``tokens * (4 + 2 * vocab_size)`` bytes, a lower
-    bound, held on one device.
+    each at the narrowest, bfloat16): ``tokens * (4 + 2 * vocab_size)`` bytes; and, where
+    the attention materializes its scores (``reference`` and ``xla``; ``auto`` off GPU),
+    one layer's float32 scores, ``num_heads * tokens**2 * 4`` bytes. A lower bound, held
+    on one device.
 
     Raises:
       ValueError: the lower bound exceeds the memory of the device sampling runs on
@@ -230,13 +232,17 @@ def check_sample_memory(exp: Experiment) -> None:
     pad = m.num_moe_layers == 0 or not m.capacity_factor
     tokens = (m.max_len if pad else min(m.max_len,
                                         len(t.sample_prompt.encode("utf-8")) + t.sample_tokens))
-    need = tokens * (4 + 2 * m.vocab_size)
+    need, what = tokens * (4 + 2 * m.vocab_size), "the int32 context and its logits"
+    platform = jax.local_devices()[0].platform
+    if m.attention in ("reference", "xla") or (m.attention == "auto" and platform != "gpu"):
+        need += m.num_heads * tokens * tokens * 4  # one layer's float32 scores [H, T, T]
+        what = "the int32 context, its logits and one layer's float32 attention scores"
     have, source = _device_memory(jax.local_devices()[0])
     if have is not None and need > have:
         raise ValueError(
             f"model.max_len={m.max_len}: the closing sample runs the model over {tokens} tokens, "
-            f"which needs at least {need / 2**30:.2f} GiB (the int32 context and its "
-            f"{m.vocab_size} logits a token) but a device has {have / 2**30:.2f} GiB ({source}); "
+            f"which needs at least {need / 2**30:.2f} GiB ({what}) but a device has "
+            f"{have / 2**30:.2f} GiB ({source}); "
             f"lower model.max_len or set train.sample_tokens=0")
 
 
@@ -428,12 +434,38 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
     check_data_path(exp.config.data.path)  # before the step compiles
+    check_sample_memory(exp)
+    existed = pathlib.Path(workdir).exists()
     workdir = prepare_workdir(workdir)
+    try:
+        return _run(exp, workdir)
+    except BaseException:
+        if not existed:
+            _remove_untrained(workdir)
+        raise
+
+
+def _remove_untrained(workdir: pathlib.Path) -> None:
+    """Removes a workdir this run created when the run failed before it saved a
+    checkpoint (it holds no more than a lock file, an empty checkpoints directory, a
+    tokenizer, empty metrics), so a failed start leaves nothing behind. One process
+    only: a multi-process run's workdir is left to its processes."""
+    if jax.process_count() > 1:
+        return
+    ckpts = workdir / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        return
+    import shutil
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
+    """:func:`train_and_evaluate` once the config, the data path and the workdir are
+    checked."""
     exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
     t, main_process = exp.config.train, jax.process_index() == 0
     config_dict = config_to_dict(exp.config)
 
-    check_sample_memory(exp)
     with contextlib.ExitStack() as stack:
         catcher = stack.enter_context(_SignalCatcher())
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None

@@ -29,23 +29,41 @@ class WorkdirInUse(RuntimeError):
 
 
 def prepare_workdir(path) -> pathlib.Path:
-    """The run directory, created if missing, after checking that it can be written.
+    """The run directory, created if missing, after checking that it can be written, and
+    so can its ``checkpoints`` directory (and ``checkpoints/corrupt``, where a corrupt
+    checkpoint is set aside) where they exist: each fault found before any work, not at
+    the first save.
 
     Raises:
-      ValueError: the path is a file, or the directory cannot be created or written
-        (read-only filesystem, permissions); the message names it.
+      ValueError: the path, ``checkpoints`` or ``checkpoints/corrupt`` is a file, or a
+        directory cannot be created or written (read-only filesystem, permissions); the
+        message names it.
     """
     workdir = pathlib.Path(path)
     if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"--workdir {workdir} exists and is not a directory")
+    ckpts = workdir / "checkpoints"
+    for d in (ckpts, ckpts / "corrupt"):
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"{d} is a file, where the run keeps its "
+                             f"{'corrupt checkpoints' if d.name == 'corrupt' else 'checkpoints'}"
+                             f"; move it away or choose another --workdir")
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".jaxmp-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
     except OSError as e:
         raise ValueError(f"--workdir {workdir} is not writable: {e.strerror or e}; choose a "
                          f"writable directory") from None
+    for d in (workdir, ckpts, ckpts / "corrupt"):
+        if d != workdir and not d.is_dir():
+            continue
+        try:
+            probe = d / f".jaxmp-write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            what = "--workdir" if d == workdir else "the checkpoint directory"
+            raise ValueError(f"{what} {d} is not writable: {e.strerror or e}; make it writable "
+                             f"or choose a writable --workdir") from None
     return workdir
 
 
