@@ -454,3 +454,46 @@ def test_ctrl_c_at_start_up_exits_130_with_one_line(tmp_path, delay_s):
     lines = [line for line in err.splitlines() if line.strip() and "\r" not in line]
     assert proc.returncode == 130, err[-3000:]
     assert len(lines) == 1 and "SIGINT" in lines[0] and "Traceback" not in err, err[-3000:]
+
+
+# ------------------------------------------------------------- 15: what the start does
+
+
+def test_a_tokenizer_json_too_large_for_the_model_is_refused_before_tokenizing(tmp_path,
+                                                                                 monkeypatch):
+    """Item 15: the vocabulary check of a tokenizer.json comes before the corpus is
+    read and tokenized (it came after tokenizing: 58 s in the attack)."""
+    from jaxmp.train import Experiment
+    from jaxmp.train import data as data_module
+    from jaxmp.train.tokenizer import train_bpe
+    tok = train_bpe(["some text to learn a few merges from " * 50], 300)
+    tok.save(tmp_path)
+    config = small_config()
+    config.data.tokenizer = str(tmp_path / "tokenizer.json")
+    work = []
+    monkeypatch.setattr(data_module, "load_documents", lambda *a, **k: work.append(a) or [])
+    with pytest.raises(ValueError, match=rf"model.vocab_size=257 is smaller than the vocabulary "
+                                         rf"of data.tokenizer=.*\({tok.vocab_size} tokens\)"):
+        Experiment.create(config, num_devices=1).data
+    assert work == []
+
+
+def test_the_start_says_what_it_reads_and_trains(tmp_path, capsys):
+    """Item 15: reading the data is announced (what, and that a BPE is trained on how many
+    bytes) before the banner."""
+    from jaxmp.train.data import create_pipeline
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = [("def f%d(x):\n    return x * %d\n" % (i, i)) * 40 for i in range(6)]
+    for i, t in enumerate(texts):
+        (corpus / f"{i}.py").write_text(t)
+    cfg = _data_config(corpus, tokenizer="bpe:300", eval_fraction=0.0, num_eval_batches=0)
+    pipe = create_pipeline(cfg, global_batch_size=2, seed=0, workdir=tmp_path / "w",
+                           progress=True)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"data: reading data.path {str(corpus)!r}"
+    size = sum(len(t.encode()) for t in texts) / 2**20
+    assert out[1] == f"data: training a byte-level BPE (bpe:300) on {size:,.1f} MiB of text"
+    assert pipe.tokenizer.vocab_size <= 300
+    create_pipeline(cfg, global_batch_size=2, seed=0, workdir=tmp_path / "w", progress=True)
+    assert capsys.readouterr().out.splitlines() == [out[0]]  # the saved BPE is read back

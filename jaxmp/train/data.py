@@ -25,6 +25,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import sysconfig
 import zlib
 from typing import Any, Optional, Sequence
@@ -830,9 +831,17 @@ def _prompt_from(stream, tokenizer, max_tokens: int = 16) -> np.ndarray:
 SEED = Int(0, 2**31 - 2, text="an integer in [0, 2**31 - 1)")
 
 
+def _say(progress: bool, text: str) -> None:
+    """A line on stdout (where the trainer's banner goes) saying what the data pipeline
+    is doing (when ``progress``)."""
+    if progress:
+        print(f"data: {text}", flush=True)
+
+
 def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
                     process_index: int = 0, process_count: int = 1,
-                    workdir: Optional[str | os.PathLike] = None) -> DataPipeline:
+                    workdir: Optional[str | os.PathLike] = None,
+                    progress: bool = False) -> DataPipeline:
     """Builds this process's train iterator and eval batches.
 
     Train: window ids ``0..n-1`` are globally shuffled with ``seed`` by grain,
@@ -851,8 +860,9 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     Text is tokenized by ``data.tokenizer`` (:func:`jaxmp.train.tokenizer.load_tokenizer`;
     ``bpe:VOCAB`` is trained on the hash split's train documents and kept in
     ``workdir``). Pre-tokenized shards (``data.path`` naming ``.bin`` files of
-    ``data.token_dtype`` or ``.npy`` files, as nanoGPT's ``prepare.py`` and Megatron-style
-    pipelines write flat token files) are memory-mapped, never copied: their ids are
+    ``data.token_dtype`` or ``.npy`` files, or a directory holding only such files, as
+    nanoGPT's ``prepare.py`` and Megatron-style pipelines write flat token files) are
+    memory-mapped, never copied: their ids are
     checked against the tokenizer's vocabulary, ``data.eod_id`` (-1: the tokenizer's
     end-of-document id) counts their documents, and eval is the end of the last shard.
 
@@ -869,6 +879,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
       process_index: this process, in ``[0, process_count)``.
       process_count: number of processes sharing each global batch.
       workdir: the run directory, where ``bpe:VOCAB`` keeps its ``tokenizer.json``.
+      progress: say on stdout what is being read and whether a BPE is being trained, and
+        show a progress bar (stderr) while tokenizing takes longer than 2 s.
 
     Returns:
       The pipeline.
@@ -902,7 +914,11 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     path = getattr(data_config, "path", None)
     warnings: list = []
     shards = token_files(path)
+    trains_bpe = spec.startswith("bpe:") and not (
+        workdir is not None and (pathlib.Path(workdir) / "tokenizer.json").is_file())
     if shards:
+        _say(progress, f"reading {_count(len(shards), 'pre-tokenized shard')} of data.path "
+                       f"{path!r} ({sum(os.path.getsize(f) for f in shards) / 2**20:,.1f} MiB)")
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
                                    train_texts=(None if not spec.startswith("bpe:")
                                                 else _no_text(path)))
@@ -911,11 +927,16 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
             shards, data_config, tokenizer, eod, seq_len, eval_fraction, max_tokens, num_eval > 0)
         starts_mid = True
     else:
+        what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
+        _say(progress, f"reading {what}")
         docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
         split = split_documents(docs, eval_fraction)
+        if trains_bpe:
+            size = sum(len(d) for _, d in split[0] or docs)
+            _say(progress, f"training a byte-level BPE ({spec}) on {size / 2**20:,.1f} MiB of text")
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
                                    train_texts=lambda: (d for _, d in split[0] or docs))
-        tokenized = _tokenize(docs, tokenizer)
+        tokenized = _tokenize(docs, tokenizer, progress=progress)
         names = {name for name, _ in split[1]}
         tok_split = ([d for d in tokenized if d[0] not in names],
                      [d for d in tokenized if d[0] in names])
@@ -965,10 +986,16 @@ def _no_text(path):
     return fail
 
 
-def _tokenize(docs, tokenizer, chunk: int = 1024) -> list:
-    """``(name, ids)`` of each document, each ending in the tokenizer's EOS."""
+def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False) -> list:
+    """``(name, ids)`` of each document, each ending in the tokenizer's EOS; with
+    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken 2 s."""
+    from tqdm import tqdm
     out = []
-    for start in range(0, len(docs), chunk):
-        part = docs[start:start + chunk]
-        out.extend(zip((n for n, _ in part), tokenizer.encode_batch([d for _, d in part])))
+    with tqdm(total=sum(len(d) for _, d in docs), desc=f"data: tokenizing ({tokenizer.name})",
+              unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
+              leave=False, delay=2.0) as bar:
+        for start in range(0, len(docs), chunk):
+            part = docs[start:start + chunk]
+            out.extend(zip((n for n, _ in part), tokenizer.encode_batch([d for _, d in part])))
+            bar.update(sum(len(d) for _, d in part))
     return out

@@ -34,7 +34,7 @@ from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
 from jaxmp.train.config import Settings, complete_config, validate_config
 from jaxmp.train.data import DataPipeline, create_pipeline
-from jaxmp.train.tokenizer import round_vocab
+from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
 from jaxmp.train.step import make_eval_step, make_train_step
@@ -98,6 +98,8 @@ class Experiment:
       plan: the :class:`jaxmp.sharding.StepPlan` both steps run by, built once here.
       workdir: the run directory (set by the trainer before :attr:`data` is read), where
         a ``bpe:VOCAB`` tokenizer is kept; None trains one in memory.
+      progress: say on stderr what reading the data does (files, BPE training,
+        tokenizing with a progress bar); set by the trainer on process 0.
     """
 
     settings: Settings
@@ -118,6 +120,7 @@ class Experiment:
     _init: Callable = dataclasses.field(repr=False, default=None)
     _copy: Optional[Callable] = dataclasses.field(repr=False, default=None)
     workdir: Optional[Any] = None
+    progress: bool = False
 
     @classmethod
     def create(cls, config: ml_collections.ConfigDict, *, num_devices: Optional[int] = None,
@@ -252,16 +255,23 @@ class Experiment:
             raise ValueError(f"model.vocab_size={have} is smaller than data.tokenizer={spec!r} "
                              f"({need} tokens); set model.vocab_size={round_vocab(need)} (the next "
                              f"multiple of 128) or at least {need}")
+        if spec.lower().endswith((".json", ".model")):  # a file: checked before any tokenizing
+            self._check_vocab(load_tokenizer(spec, eod_id=cfg.data.eod_id, save=False))
         data = create_pipeline(cfg.data, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
                                process_index=jax.process_index(), process_count=jax.process_count(),
-                               workdir=self.workdir)
-        need = data.tokenizer.vocab_size
+                               workdir=self.workdir, progress=self.progress)
+        self._check_vocab(data.tokenizer)
+        return data
+
+    def _check_vocab(self, tokenizer) -> None:
+        """Raises ValueError when ``model.vocab_size`` is below ``tokenizer``'s vocabulary."""
+        cfg, have = self.config, self.model_config.vocab_size
+        need = tokenizer.vocab_size
         if have < need:
             raise ValueError(f"model.vocab_size={have} is smaller than the vocabulary of "
                              f"data.tokenizer={cfg.data.tokenizer!r} ({need} tokens); set "
                              f"model.vocab_size={round_vocab(need)} (the next multiple of 128) or "
                              f"at least {need}")
-        return data
 
     def batch_to_device(self, batch: Mapping[str, np.ndarray]) -> dict:
         """A process-local ``{"inputs", "targets"}`` batch as global arrays on the mesh."""

@@ -464,6 +464,7 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
     checked."""
     exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
     t, main_process = exp.config.train, jax.process_index() == 0
+    exp.progress = main_process  # say what reading the data does, on process 0
     config_dict = config_to_dict(exp.config)
 
     with contextlib.ExitStack() as stack:
