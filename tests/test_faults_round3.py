@@ -211,8 +211,8 @@ def test_a_run_whose_every_step_is_skipped_saves_its_state_and_fails(tmp_path, c
     config.precision.policy = "mixed_fp16"
     config.precision.loss_scale = "static:1e30"
     with pytest.raises(TrainingStalled, match=r"none of the 3 steps applied: every one was "
-                                              r"skipped.*checkpoint step 3 saved in .*, while the "
-                                              r"run was unhealthy.*last healthy checkpoint is none"):
+                       r"skipped.*checkpoint step 3 saved in .*, while the run was "
+                       r"unhealthy.*last healthy checkpoint is none"):
         train_and_evaluate(config, str(tmp_path), num_devices=1)
     out = capsys.readouterr().out
     assert "the one resumed from" not in out

@@ -93,7 +93,8 @@ KEYS: Tuple[Key, ...] = (
     Key("train.log_every", 5, "steps between metric lines"),
     Key("train.eval_every", 50, "steps between evaluations, and at the last step (0 = never)"),
     Key("train.checkpoint_every", 100, "steps between checkpoints, and at the last step"),
-    Key("train.keep_checkpoints", 2, "checkpoints kept"),
+    Key("train.keep_checkpoints", 2, "newest checkpoints kept (besides the last healthy one "
+        "and the one of the lowest eval loss)"),
     Key("train.max_consecutive_skips", 100, "stop when this many steps in a row were skipped"),
     Key("train.loss_spike_factor", 3.0, "a loss above this x its running mean looks divergent "
                                         "(0 = off)"),

@@ -446,14 +446,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _remove_untrained(workdir: pathlib.Path) -> None:
-    """Removes a workdir this run created when the run failed before it saved a
-    checkpoint (it holds no more than a lock file, an empty checkpoints directory, a
-    tokenizer, empty metrics), so a failed start leaves nothing behind. One process
-    only: a multi-process run's workdir is left to its processes."""
+    """Removes a workdir this run created when the run failed before it logged a step or
+    saved a checkpoint (it holds no more than a lock file, an empty checkpoints
+    directory, a tokenizer, TensorBoard's empty event files), so a failed start leaves
+    nothing behind; what a run that trained logged is kept. One process only: a
+    multi-process run's workdir is left to its processes."""
     if jax.process_count() > 1:
         return
-    ckpts = workdir / "checkpoints"
-    if ckpts.is_dir() and any(ckpts.iterdir()):
+    ckpts, metrics = workdir / "checkpoints", workdir / "metrics.jsonl"
+    if (ckpts.is_dir() and any(ckpts.iterdir())) or (metrics.exists()
+                                                     and metrics.stat().st_size):
         return
     import shutil
     shutil.rmtree(workdir, ignore_errors=True)
