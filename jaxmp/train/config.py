@@ -406,7 +406,11 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
             f"{num_devices} devices of the mesh; use a multiple of {num_devices}")
     _check_table(config, keys[after:])
     lr, wd = config.optim.learning_rate, config.optim.weight_decay
-    if lr * wd >= 1:  # AdamW's decoupled decay (Loshchilov & Hutter 2019, Algorithm 2)
+    # AdamW's decoupled decay (Loshchilov & Hutter 2019, Algorithm 2) multiplies every weight
+    # by 1 - lr * wd each step. A decay coefficient of 1 or more that takes this factor to
+    # zero or below flips or grows the weights instead of shrinking them. (A learning rate
+    # so large that it does so with a small coefficient is left to the divergence guard.)
+    if wd >= 1 and lr * wd >= 1:
         raise ValueError(f"optim.weight_decay={wd!r} with optim.learning_rate={lr!r} is not "
                          f"allowed: the decay multiplies every weight by 1 - learning_rate * "
                          f"weight_decay = {1 - lr * wd:.3g} each step (past zero: it flips or "
