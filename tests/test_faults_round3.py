@@ -122,6 +122,9 @@ def test_export_refuses_a_non_empty_directory_unless_forced(trained, tmp_path, c
     assert (out / "config.json").read_text() == "the user's own"
     assert export_cli.main(["--workdir", str(trained), "--out", str(out), "--force"]) == 0
     assert json.loads((out / "config.json").read_text())["step"] == 4
+    with pytest.raises(ValueError, match="holds no checkpoints directory"):
+        export(tmp_path / "no-run", tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()  # a failed export leaves no directory behind
 
 
 def test_export_into_a_read_only_directory_is_one_line(trained, tmp_path, monkeypatch, capsys):

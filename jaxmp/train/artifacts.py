@@ -122,7 +122,8 @@ def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
             saved[key] = saved_config[key]
-        read, state, _ = ckpt.restore(exp.checkpoint_template, saved, step=step,
+        read, state, _ = ckpt.restore(exp.checkpoint_template, saved,
+                                      step=None if step is None else int(step),
                                       adapt=residual_adapter(exp.num_devices, exp.mesh))
         notes = list(ckpt.warnings)
     if num_devices is None:
@@ -200,8 +201,14 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
     """
     import safetensors.numpy
     out = pathlib.Path(out).expanduser()
+    created = not out.exists()
     _writable_out(out, force)  # cheap checks first
-    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
+    try:
+        model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
+    except BaseException:
+        if created:  # a failed export leaves no empty directory behind
+            out.rmdir()
+        raise
     if notes is not None:
         notes.extend(passed_over)
     else:

@@ -529,7 +529,7 @@ def _saved_text(ckpt: Checkpointer, step: Optional[int]) -> str:
             + (f"step {healthy}" if healthy is not None else "none"))
 
 
-def _no_step_applied(exp: Experiment, state, step: int) -> str:
+def _no_step_applied(state, step: int) -> str:
     """The reason a run whose every step was skipped fails."""
     scale = describe_loss_scale(state.loss_scale)
     return (f"none of the {steps_text(step)} applied: every one was skipped (non-finite "
@@ -583,7 +583,7 @@ def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics
     t, main_process = exp.config.train, jax.process_index() == 0
     final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if final_step and skipped == final_step:
-        raise TrainingStalled(f"{_no_step_applied(exp, state, final_step)}; {saved}")
+        raise TrainingStalled(f"{_no_step_applied(state, final_step)}; {saved}")
     if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train
         eval_metrics = exp.evaluate_metrics(state)  # the restored state
     eval_loss = None if eval_metrics is None else eval_metrics["loss"]
