@@ -357,12 +357,14 @@ def test_a_non_finite_number_on_the_command_line_is_refused_as_such(text):
 
 def test_a_max_len_whose_sample_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
     """A device of 64 MiB (patched in): the sample's context of max_len = 2**17 tokens
-    needs at least 2**17 x (4 + 2 x 257) B = 64.75 MiB (int32 ids + bfloat16 logits)."""
+    needs at least 2**17 x (4 + 2 x 257) B = 64.75 MiB (int32 ids + bfloat16 logits) and,
+    on CPU (model.attention=auto is the reference path, which materializes its scores),
+    2 heads x (2**17)**2 x 4 B = 128 GiB of one layer's float32 scores."""
     from jaxmp.train import loop
     monkeypatch.setattr(loop, "_device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
     config = small_config()
     config.model.max_len = 2**17
-    need = 2**17 * (4 + 2 * 257) / 2**30
+    need = (2**17 * (4 + 2 * 257) + 2 * (2**17) ** 2 * 4) / 2**30
     with pytest.raises(ValueError, match=rf"model.max_len=131072: the closing sample runs the model over "
                                          rf"131072 tokens, which needs at least {need:.2f} GiB .* but a device "
                                          rf"has 0.06 GiB \(a 64 MiB test device\); lower model.max_len"):
