@@ -14,6 +14,7 @@ import sys
 from absl import app, flags, logging
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
+from jaxmp._entry import cpu_without_a_gpu
 from jaxmp.train import distributed
 from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
@@ -96,6 +97,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
     watchdog = None
     try:
         # Before anything touches the devices; the workdir, for the line of a lost peer.

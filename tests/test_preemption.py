@@ -38,7 +38,8 @@ def assert_both_saved_the_same_step(workdir, procs, results, saved_before):
         assert p.returncode == 143, err[-3000:]
         lines = [line for line in err.splitlines() if line.startswith("train.py:")]
         assert lines == [f"train.py: SIGTERM at step {new[0]}: checkpoint saved in "
-                         f"{workdir / 'checkpoints'}; rerun the same command to resume"], err[-3000:]
+                         f"{workdir / 'checkpoints'}; rerun the same command to resume"], \
+            err[-3000:]
         assert "Traceback" not in err, err[-3000:]
     return new[0]
 

@@ -433,7 +433,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
 
 
 def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequence[str]] = None,
-                      num_devices: int = 8, *, breakdown: int = 0) -> dict:
+                      num_devices: int = 8, *, breakdown: int = 0,
+                      skip_failed: bool = False) -> dict:
     """:func:`account_mode` for each mode, as the JSON of ``python -m jaxmp.report --config``.
 
     Args:
@@ -441,17 +442,22 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
       modes: keys of :data:`MODES` (default: all, in table order).
       num_devices: data-parallel devices.
       breakdown: top residual groups to keep per mode (0 = none).
+      skip_failed: a mode whose step XLA cannot compile here (e.g. XLA:CPU's limit of
+        2**31 - 1 scatter indices, which top-k compression of a large model exceeds) is
+        left out of ``"modes"`` and its one-line reason put in ``"skipped"``, instead of
+        raising.
 
     Returns:
       ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
       {NAME: {"policy", "strategy", "expert", "params_bytes", "grads_bytes",
       "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes", "activation_bytes",
       "grad_allreduce_bytes", "collective_bytes", "total_bytes"}},
-      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}}}``,
-      bytes per device.
+      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}},
+      "skipped": {NAME: reason}}``, bytes per device.
 
     Raises:
       ValueError: an unknown mode (before any work), or as :func:`account_mode`.
+      jax.errors.JaxRuntimeError: XLA cannot compile a mode's step (unless ``skip_failed``).
     """
     modes = list(MODES) if modes is None else list(modes)
     for mode in modes:
@@ -472,9 +478,19 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
                   "grad_accum_steps": int(t.grad_accum_steps), "seq_len": int(config.data.seq_len)},
         "modes": {},
         "details": {},
+        "skipped": {},
     }
     for mode in modes:
-        row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        try:
+            row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        except jax.errors.JaxRuntimeError as e:
+            if not skip_failed:
+                raise
+            first = " ".join(str(e).split())
+            first = first[:first.find(". ") + 1 or None][:300]  # its first sentence
+            out["skipped"][mode] = (f"XLA cannot compile its step on this machine "
+                                    f"({out['setup']['platform']}): {first}")
+            continue
         out["details"][mode] = {k: row.pop(k)
                                 for k in ("xla_memory", "hlo_source", "attention_path",
                                                         "breakdown") if k in row}
@@ -509,6 +525,8 @@ def format_accounting(report: dict, title: str = "") -> str:
             ("top-k residual", "comm_state_bytes", True),
             ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
             ("grad reduction", "grad_allreduce_bytes", True))
+    for mode, reason in report.get("skipped", {}).items():
+        lines += ["", f"mode {mode}: not accounted: {reason}"]
     for mode, r in report["modes"].items():
         o = MODES[mode]
         lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale "
