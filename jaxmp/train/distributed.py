@@ -75,7 +75,7 @@ __all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "start_watchdog", "
            "PEER_LOST_EXIT", "check_same_config", "preemption_sync"]
 
 PEER_LOST_EXIT = 1  # the status of a process whose peer was lost (as for any other error)
-_SAY_WAITING_S = 5.0  # a start-up still connecting after this long says what it waits for
+_SAY_WAITING_S = 30.0  # a start-up still connecting after this long says what it waits for
 _KEY = "jaxmp/peer-watchdog"  # where process 0 publishes its watchdog port (JAX's key-value store)
 
 # Variables by which a scheduler names a multi-process job that jax.distributed.initialize()
@@ -123,9 +123,9 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     Must run before anything touches JAX's devices. With explicit arguments, process 0
     first checks that the coordinator's port is free on this host (a port in use is a
     one-line error, not JAX's crash), each process writes to stderr which processes it
-    waits for once it has waited 5 s, and a process still waiting after ``startup_timeout``
-    seconds leaves with one line and :data:`PEER_LOST_EXIT` (JAX's own timeout aborts
-    from C++).
+    waits for once it has waited 30 s (or half of ``startup_timeout``), and a process still
+    waiting after ``startup_timeout`` seconds leaves with one line and
+    :data:`PEER_LOST_EXIT` (JAX's own timeout aborts from C++).
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service.
@@ -178,7 +178,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                        "processes")
         else:
             awaited = "nothing"
-        timers = [threading.Timer(min(_SAY_WAITING_S, startup_timeout), _say,
+        timers = [threading.Timer(min(_SAY_WAITING_S, startup_timeout / 2), _say,
                                   (f"process {process_id} of {num_processes}: waiting up to "
                                    f"{startup_timeout} s for {awaited} (--startup_timeout)",)),
                   threading.Timer(startup_timeout, _startup_timed_out,
