@@ -7,9 +7,9 @@ seconds instead of a trainer's compile.
 
 Creates ``WORKDIR/ready.PROCESS_ID`` once the watchdog runs and the first all-reduce is
 done, after writing ``WORKDIR/info.PROCESS_ID`` (JSON: the coordinator address JAX's client
-was given, and this process's thread names); with PAUSE_S > 0, first ``WORKDIR/paused.PROCESS_ID`` and then a sleep of PAUSE_S
-seconds between ``initialize`` and the watchdog (a death in that gap). Exits 0 once
-``WORKDIR/stop`` exists.
+was given, and this process's thread names); with PAUSE_S > 0, first
+``WORKDIR/paused.PROCESS_ID`` and then a sleep of PAUSE_S seconds between ``initialize`` and
+the watchdog (a death in that gap). Exits 0 once ``WORKDIR/stop`` exists.
 """
 import importlib.util
 import json
