@@ -69,6 +69,9 @@ PRESETS: Mapping[str, str] = {
     "mixed_fp16": "params=float32,compute=float16,output=float32",
     # Pure bfloat16: parameters too. Kept for comparison; small updates are lost (case MW-1).
     "bf16": "params=bfloat16,compute=bfloat16,output=bfloat16",
+    # bfloat16 master weights with a float32 loss: pair with optim.update_rounding=stochastic
+    # or kahan (jaxmp.optim.with_update_rounding), else small updates are lost as with bf16.
+    "pure_bf16": "params=bfloat16,compute=bfloat16,output=float32",
     # mixed_bf16 with the module's matmuls in FP8 by a jaxmp.fp8 recipe (jaxmp.precision.fp8).
     "fp8_tensorwise": "params=float32,compute=bfloat16,output=float32,fp8=tensorwise",
     "fp8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
