@@ -278,3 +278,39 @@ def test_zero1_and_fsdp_update_one_devices_params_bitwise(rounding):
                 c = opt_state.compensation[name]
                 assert c.dtype == jnp.bfloat16 and c.sharding.is_equivalent_to(w.sharding, w.ndim)
         assert_bitwise_equal(jax.device_get((params, opt_state)), one)
+
+
+# --- Config ----------------------------------------------------------------------------------
+
+def test_pure_bf16_keeps_bf16_params_and_a_float32_loss():
+    rules = validate_config(pure_config("stochastic"), 1).rules
+    assert str(rules.default) == "params=bfloat16,compute=bfloat16,output=float32"
+    assert rules.resolve("blocks/1/moe/router").param_dtype == jnp.float32
+    assert rules.resolve("blocks/0/attn_norm").param_dtype == jnp.float32
+
+
+@pytest.mark.parametrize("policy", ["fp32", "mixed_bf16; router: fp32; norm: fp32"])
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_rounding_with_only_float32_params_is_a_one_line_error(policy, rounding):
+    config = pure_config(rounding)
+    config.precision.policy = policy
+    with pytest.raises(ValueError) as e:
+        validate_config(config, 1)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"optim.update_rounding={rounding!r} rounds bfloat16/float16 parameters")
+    assert "keeps every parameter in float32" in msg and "pure_bf16" in msg
+
+
+def test_an_unknown_rounding_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="optim.update_rounding='sr' is not allowed; it must be "
+                                         "one of nearest, stochastic, kahan"):
+        validate_config(pure_config("sr"), 1)
+
+
+def test_the_key_is_in_help_and_a_mixed_experts_rule_is_enough_to_round():
+    from jaxmp.train.keys import help_text
+    assert "--config.optim.update_rounding='nearest'" in help_text()
+    config = pure_config("kahan")
+    config.precision.policy = "mixed_bf16; experts: pure_bf16; router: fp32; norm: fp32"
+    validate_config(config, 1)  # the experts' params are bfloat16: something is rounded
