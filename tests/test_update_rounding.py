@@ -314,3 +314,38 @@ def test_the_key_is_in_help_and_a_mixed_experts_rule_is_enough_to_round():
     config = pure_config("kahan")
     config.precision.policy = "mixed_bf16; experts: pure_bf16; router: fp32; norm: fp32"
     validate_config(config, 1)  # the experts' params are bfloat16: something is rounded
+
+
+# --- SIGKILL and resume ----------------------------------------------------------------------
+
+PURE = ["precision.policy=pure_bf16; router: fp32; norm: fp32", "optim.mu_dtype=bfloat16",
+        "optim.nu_dtype=bfloat16"]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_stochastic_run_resumes_bitwise_like_an_uninterrupted_one(tmp_path):
+    """train.py (tests/test_faults.py's launcher and config) with stochastic rounding,
+    checkpointing every 4 steps, killed by SIGKILL at step 6 or later: the steps it logged
+    after its last complete checkpoint are the uninterrupted run's. The rerun resumes
+    from that checkpoint and logs the same losses, bit for bit: the counter and so the
+    random bits come back with the checkpoint, the bfloat16 weights exactly."""
+    from test_faults import complete_steps, finish, launch, train_rows, wait_for
+
+    rounding = PURE + ["optim.update_rounding=stochastic"]
+    proc = launch(tmp_path, *rounding, "train.steps=100000", "train.checkpoint_every=4")
+    wait_for(lambda: len(train_rows(tmp_path)) >= 6 and complete_steps(tmp_path), proc,
+             "6 logged steps and a complete checkpoint")
+    proc.kill()
+    finish(proc)
+    uninterrupted = {r["step"]: r["loss"] for r in train_rows(tmp_path)}
+    last, logged = complete_steps(tmp_path)[-1], max(uninterrupted)
+    assert logged > last  # steps past the checkpoint to compare with
+
+    again = launch(tmp_path, *rounding, f"train.steps={logged}", "train.checkpoint_every=100000")
+    out, err = finish(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"at step {last}" in out
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, logged + 1))
+    assert [r["loss"] for r in rows] == [uninterrupted[s] for s in range(1, logged + 1)]
+    assert len({r["loss"] for r in rows[last:]}) == logged - last  # every step moved the weights
