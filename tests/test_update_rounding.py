@@ -18,6 +18,7 @@ from _configs import small_config
 from jaxmp import NoOpLossScale, StaticLossScale
 from jaxmp.precision import optim
 from jaxmp import sharding
+from jaxmp.train import Experiment
 from jaxmp.train.config import validate_config
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 
@@ -349,3 +350,37 @@ def test_a_sigkilled_stochastic_run_resumes_bitwise_like_an_uninterrupted_one(tm
     assert [r["step"] for r in rows] == list(range(1, logged + 1))
     assert [r["loss"] for r in rows] == [uninterrupted[s] for s in range(1, logged + 1)]
     assert len({r["loss"] for r in rows[last:]}) == logged - last  # every step moved the weights
+
+
+# --- Accounting ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "fsdp"])
+def test_persistent_bytes_per_parameter_by_formula(strategy):
+    """Counted from the abstract train state of each report mode (nothing compiled): per
+    parameter, float32 masters + bf16 moments 8 bytes, bfloat16 masters with stochastic
+    rounding 6, with Kahan 8; the router and norms stay float32 (4 + 4 bytes). zero1 and
+    fsdp divide it over the 8 devices of the data axis; ZeRO-1 adds its compute copy."""
+    from jaxmp.analysis import accounting
+
+    base = small_config()
+    base.parallel.strategy = strategy
+    got = {}
+    for mode in ("bf16_moments", "pure_bf16_stochastic", "pure_bf16_kahan"):
+        exp = Experiment.create(accounting.mode_config(base, mode),
+                                mesh=accounting.data_mesh(8))
+        got[mode] = accounting._state_bytes(exp)
+        leaves = jax.tree.leaves(exp.abstract_state.params)
+    n32 = sum(x.size for x in leaves if x.dtype == jnp.float32)
+    n16 = sum(x.size for x in leaves if x.dtype == jnp.bfloat16)  # under pure_bf16
+    n = n16 + n32
+    split = 1 if strategy == "dp" else 8
+    copy = (2 * n16 + 4 * n32) if strategy == "zero1" else 0  # bf16 compute, f32 islands
+    want = {"bf16_moments": 4 * n + 4 * n, "pure_bf16_stochastic": 2 * n16 + 4 * n32 + 4 * n,
+            "pure_bf16_kahan": 2 * n16 + 4 * n32 + 4 * n + 2 * n16}
+    for mode, b in got.items():
+        persistent = b["params_bytes"] + b["opt_state_bytes"] + b["compute_copy_bytes"]
+        scalars = 4 * (2 if mode == "bf16_moments" else 3)  # int32 step counts, replicated
+        assert persistent == want[mode] // split + copy + scalars, mode
+    assert want["pure_bf16_stochastic"] / n == pytest.approx(6, abs=0.05)
+    assert want["bf16_moments"] == want["pure_bf16_kahan"] == 8 * n
+    assert got["pure_bf16_kahan"]["float32_state_bytes"] == 4 * n32 // split  # no float32 else
