@@ -26,6 +26,12 @@ mode                policy                              optim.update_rounding   
 Per mode and seed it records the training loss of every step and the final eval loss
 (the config's eval windows); the JSON holds them all, the table the mean over seeds of
 the last 20 steps' training loss and of the eval loss, with the seed-to-seed spread.
+
+``--gpu-target H100`` instead compiles ``configs/seed_moe.py``'s train step deviceless
+for 8 x that GPU (:func:`jaxmp.analysis.gpu.gpu_report`, as ``python -m jaxmp.report
+--target``; fsdp and ``model.remat=full``, as tests/test_gpu_target.py fits it on an
+H100) under ``mixed_bf16``, ``pure_stochastic`` and ``pure_kahan`` (bf16 moments, no loss
+scale), and reports XLA's memory analysis per device. A compile, not a timing.
 """
 from __future__ import annotations
 
@@ -113,6 +119,32 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+GPU_MODES = ("mixed_bf16", "pure_stochastic", "pure_kahan")
+
+
+def gpu_compiles(target: str, devices: int = 8) -> dict:
+    """Per mode of :data:`GPU_MODES`: the seed config's step compiled for ``devices`` x
+    ``target``; its memory analysis, parameter count and roofline bound."""
+    from jaxmp.analysis import gpu
+    out = {}
+    for mode in GPU_MODES:
+        policy, rounding = MODES[mode]
+        config = load_config(ROOT / "configs" / "seed_moe.py", [
+            "model.remat=full", "parallel.strategy=fsdp", f"precision.policy={policy}",
+            "precision.loss_scale=none", f"optim.update_rounding={rounding}",
+            "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16"])
+        t0 = time.perf_counter()
+        r = gpu.gpu_report(config, gpu.get_target(target), devices, top=0)
+        out[mode] = {"memory": r["memory"], "params": r["setup"]["params"],
+                     "bound_s": r["roofline"]["bound_s"], "compile_s": time.perf_counter() - t0}
+        m = r["memory"]
+        print(f"{mode}: arguments {m['argument_bytes'] / 1e9:.2f} GB "
+              f"({m['argument_bytes'] / r['setup']['params']:.3f} B/param per device), temp "
+              f"{m['temp_bytes'] / 1e9:.2f} GB, total {m['total_bytes'] / 1e9:.2f} GB, fits "
+              f"{m['fits']}, roofline bound {r['roofline']['bound_s'] * 1e3:.1f} ms", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", default=",".join(MODES))
@@ -122,7 +154,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--gpu-target", default=None,
+                   help="compile the seed config deviceless for 8 x this GPU instead (H100)")
     args = p.parse_args(argv)
+    if args.gpu_target:
+        out = gpu_compiles(args.gpu_target)
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     modes = args.modes.split(",")
     for m in modes:
         if m not in MODES:
