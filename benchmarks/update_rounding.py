@@ -101,9 +101,9 @@ def table(summary: dict, start_loss: float) -> str:
     return "\n".join(rows)
 
 
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
+def plot(results: dict, path: str = None):
+    """The training losses per mode (10-step running mean of the seeds' mean); saved to
+    ``path`` when given. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, runs in results.items():
@@ -116,7 +116,9 @@ def plot(results: dict, path: str) -> None:
     ax.set_title("tiny_moe: bfloat16 master weights by update rounding")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    if path:
+        fig.savefig(path, dpi=100)
+    return fig
 
 
 GPU_MODES = ("mixed_bf16", "pure_stochastic", "pure_kahan")
@@ -180,6 +182,8 @@ def main(argv=None) -> int:
         pathlib.Path(args.json).write_text(json.dumps(
             {"args": vars(args), "summary": summary, "runs": results}, indent=1) + "\n")
     if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
         plot(results, args.plot)
     return 0
 
