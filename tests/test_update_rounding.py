@@ -384,3 +384,30 @@ def test_persistent_bytes_per_parameter_by_formula(strategy):
     assert want["pure_bf16_stochastic"] / n == pytest.approx(6, abs=0.05)
     assert want["bf16_moments"] == want["pure_bf16_kahan"] == 8 * n
     assert got["pure_bf16_kahan"]["float32_state_bytes"] == 4 * n32 // split  # no float32 else
+
+
+# --- In the trainer: FP8 from the bfloat16 master, gradient accumulation ----------------------
+
+@pytest.mark.slow
+def test_the_trainer_steps_kahan_bf16_masters_under_fp8_and_accumulation():
+    """pure bfloat16 masters with FP8 (tensorwise) matmuls, quantized from the bfloat16
+    weights, 2 micro-batches per step, Kahan updates: every step applied, the weights stay
+    bfloat16 and move, the compensation is bfloat16 and holds what rounding lost."""
+    config = small_config(steps=3, grad_accum_steps=2)
+    config.precision.policy = "p=bf16,c=bf16,o=f32,fp8=tensorwise; router: fp32; norm: fp32"
+    config.optim.update(dict(update_rounding="kahan", mu_dtype="bfloat16", nu_dtype="bfloat16"))
+    exp = Experiment.create(config, num_devices=1)
+    state = exp.init_state()
+    w0 = np.asarray(state.params["blocks"][0]["attn"]["wq"].get_value())
+    data = exp.data
+    for _ in range(3):
+        state, metrics = exp.train_step(state, exp.batch_to_device(next(data.train_iter)))
+        assert bool(metrics["applied"]) and np.isfinite(float(metrics["loss"]))
+    wq = state.params["blocks"][0]["attn"]["wq"].get_value()
+    comp = state.opt_state.compensation["blocks"][0]["attn"]["wq"].get_value()
+    assert wq.dtype == comp.dtype == jnp.bfloat16
+    assert not np.array_equal(bits(np.asarray(wq)), bits(w0))
+    c = np.abs(np.asarray(comp, np.float64))
+    w = np.abs(np.asarray(wq, np.float64))
+    assert c.max() > 0 and np.all(c <= 2.0 ** -8 * np.maximum(w, 2.0 ** -126))  # < 1 ulp
+    assert int(state.opt_state.count) == 3
