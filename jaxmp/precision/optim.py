@@ -18,6 +18,12 @@ DeepSeek-V3 (technical report, section 3.3) keeps float32 master weights and sto
 both AdamW moments in bfloat16; :func:`scale_by_adam` allows that through
 ``mu_dtype``/``nu_dtype`` while doing the moment arithmetic in float32.
 
+bfloat16 master weights (the ``pure_bf16`` preset) lose every update below half an ulp
+under round to nearest (case MW-1); :func:`with_update_rounding` applies the updates by
+stochastic rounding (Zamirai et al. 2020; Ozkara et al., AISTATS 2025) or by Kahan-
+compensated summation (optimi) instead, with its counter and compensation in the
+optimizer state, so the bitwise skip, checkpoints and sharding cover them.
+
 Threading a loss scale through your own train step::
 
     policy = jaxmp.get_policy("mixed_fp16")
@@ -290,7 +296,8 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
     7. ``loss_scale.adjust(finite)``: the scale reacts to gradient overflow only.
 
     Args:
-      optimizer: any optax ``GradientTransformation`` (also ``optax.MultiSteps``).
+      optimizer: any optax ``GradientTransformation`` (also ``optax.MultiSteps``), or a
+        :class:`RoundedTransformation` from :func:`with_update_rounding`.
       grads: gradient tree, same structure and shapes as ``params``; any float dtypes.
       opt_state: ``optimizer.init(params)`` or a later state.
       params: the master weights.
