@@ -241,7 +241,8 @@ def two_updates(rounding, strategy, num_devices):
         return jax.tree.map(lambda x: jax.device_put(x, where.get(np.shape(x), replicated)), tree)
 
     rng = np.random.default_rng(0)
-    host = {k: jnp.asarray(rng.normal(size=shape), dtype) for k, (shape, _, dtype) in LEAVES.items()}
+    host = {k: jnp.asarray(rng.normal(size=shape), dtype)
+            for k, (shape, _, dtype) in LEAVES.items()}
     params, opt_state = place(host), place(tx.init(host))
 
     @jax.jit

@@ -216,8 +216,8 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
     ``rowwise``, ``blockwise``, ``delayed`` or ``delayed/HISTORY[/MARGIN]`` puts the
     module's matmuls in FP8 by that :class:`jaxmp.fp8.Recipe`. Presets: ``fp32``,
     ``mixed_bf16``, ``mixed_fp16``, ``bf16``, ``pure_bf16`` (bfloat16 master weights,
-    float32 output; see :func:`jaxmp.optim.with_update_rounding`), ``fp8_tensorwise``, ``fp8_delayed``,
-    ``fp8_rowwise``, ``fp8_blockwise`` (see :data:`PRESETS`; each ``fp8_*`` is
+    float32 output; see :func:`jaxmp.optim.with_update_rounding`), ``fp8_tensorwise``,
+    ``fp8_delayed``, ``fp8_rowwise``, ``fp8_blockwise`` (see :data:`PRESETS`; each ``fp8_*`` is
     ``mixed_bf16`` plus its recipe). Unlike jmp, ``half`` always means float16 (jmp picks
     bfloat16 on TPU), so a config means the same on every backend.
 
