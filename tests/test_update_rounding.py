@@ -412,3 +412,15 @@ def test_the_trainer_steps_kahan_bf16_masters_under_fp8_and_accumulation():
     w = np.abs(np.asarray(wq, np.float64))
     assert c.max() > 0 and np.all(c <= 2.0 ** -8 * np.maximum(w, 2.0 ** -126))  # < 1 ulp
     assert int(state.opt_state.count) == 3
+
+
+def test_a_checkpoint_from_before_the_key_resumes_at_nearest_only():
+    from jaxmp.train.checkpoint import config_differences
+    from jaxmp.train.config import config_to_dict
+
+    now = config_to_dict(small_config())
+    old = config_to_dict(small_config())
+    del old["optim"]["update_rounding"]  # written before the key existed
+    assert config_differences(old, now) == []
+    now["optim"]["update_rounding"] = "kahan"
+    assert config_differences(old, now) == [("optim.update_rounding", None, "kahan")]
