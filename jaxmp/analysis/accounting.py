@@ -362,10 +362,14 @@ def _state_bytes(exp: Experiment) -> Dict[str, int]:
             "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
             "compute_copy_bytes": (0 if copy is None
                                    else _per_device_bytes(copy, state_sh.compute_params)),
-            "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state),
-            "float32_state_bytes": _per_device_bytes((state.params, state.opt_state),
-                                                     (state_sh.params, state_sh.opt_state),
-                                                     np.float32)}
+            "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state)}
+
+
+def _float32_state_bytes(exp: Experiment) -> int:
+    """Per-device bytes of the float32 leaves of the params and the optimizer state."""
+    state, state_sh = exp.abstract_state, exp.state_shardings
+    return _per_device_bytes((state.params, state.opt_state),
+                             (state_sh.params, state_sh.opt_state), np.float32)
 
 
 def _lower_step(exp: Experiment, global_batch: int):
@@ -444,6 +448,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
            "collective_bytes": collective_bytes(collectives)}
     out["total_bytes"] = sum(out[k] for k in MEMORY_KEYS)
     out["persistent_bytes"] = sum(out[k] for k in PERSISTENT_KEYS)
+    out["float32_state_bytes"] = _float32_state_bytes(exp)
     out["xla_memory"] = None
     if jax.default_backend() != "cpu":
         if not on_cpu:
