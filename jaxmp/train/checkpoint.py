@@ -64,7 +64,7 @@ from jaxmp.precision.loss_scale import all_finite
 
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
            "state_checksums", "json_digest", "config_differences", "residual_adapter",
-           "reshard_residual"]
+           "reshard_residual", "quiet_orbax_tracebacks"]
 
 # 1: array checksums only; 2: also the digests of the JSON items and the health flag.
 _FORMAT = 2
@@ -151,20 +151,40 @@ def _closed_loop_noise(unraisable) -> bool:
             and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
 
 
-def _quiet_orbax_tracebacks() -> None:
-    for name in ("absl", "asyncio"):  # orbax logs through absl.logging
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropOrbaxTracebacks) for f in logger.filters):
-            logger.addFilter(_DropOrbaxTracebacks())
-    if not getattr(sys.unraisablehook, "_jaxmp", False):
-        previous = sys.unraisablehook
+def quiet_orbax_tracebacks() -> Callable[[], None]:
+    """Drops orbax's tracebacks for a failed checkpoint write, process-wide; for entry points.
 
-        def hook(unraisable):
-            if not _closed_loop_noise(unraisable):
-                previous(unraisable)
+    Adds a :class:`_DropOrbaxTracebacks` filter to the ``absl`` logger (orbax logs through
+    absl.logging) and the ``asyncio`` logger, and wraps ``sys.unraisablehook`` to drop
+    tensorstore's ``RuntimeError('Event loop is closed')`` after a failed write
+    (:func:`_closed_loop_noise`). :class:`Checkpointer` raises each failure as a
+    :class:`CheckpointError` with its cause in one line, so these are noise; but they are
+    process-wide settings, so library code never makes them: ``train.py`` and the
+    ``python -m jaxmp.export`` / ``jaxmp.sample`` commands call this once at start.
 
-        hook._jaxmp = True
-        sys.unraisablehook = hook
+    Returns:
+      A function that removes the two filters and puts back the ``sys.unraisablehook``
+      found, if the hook is still the one installed here.
+    """
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    added = _DropOrbaxTracebacks()
+    for logger in loggers:
+        logger.addFilter(added)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop_noise(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+    def restore() -> None:
+        for logger in loggers:
+            logger.removeFilter(added)
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+    return restore
 
 
 _ODD1, _ODD2 = np.uint32(2654435761), np.uint32(2246822519)  # Knuth's multiplicative constants
@@ -275,7 +295,6 @@ class Checkpointer:
         self._pending: Optional[int] = None  # the step being written in the background
         self.keep = int(keep)
         self._health: dict = {}  # step -> healthy (True, False, None: unknown), read once
-        _quiet_orbax_tracebacks()
         try:
             # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
             # newest healthy checkpoint is kept outside the rotation.
