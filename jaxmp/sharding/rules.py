@@ -27,7 +27,6 @@ __all__ = [
     "logical_to_sharding",
     "state_shardings",
     "batch_sharding",
-    "check_batch_divisible",
 ]
 
 # Every logical name the models use; a rule table must map each (None = replicated).
@@ -243,24 +242,3 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Sharding of a [B, T] token batch: B over the ``batch`` rule's mesh axes, T whole."""
     return logical_to_sharding(("batch", None), mesh, rules)
-
-
-def check_batch_divisible(global_batch: int, mesh: Mesh,
-                          rules: Rules = DATA_PARALLEL_RULES) -> None:
-    """Checks that the global batch splits evenly over the mesh axes of ``batch``.
-
-    Raises:
-      ValueError: e.g. "global batch 12 is not divisible by the 8 devices of mesh axis
-        'data'", or a global batch < 1.
-    """
-    if not Int(1).ok(global_batch):
-        raise ValueError(f"global batch {global_batch!r} must be a positive integer")
-    target = _as_dict(rules).get("batch")
-    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if global_batch % n:
-        names = ", ".join(repr(a) for a in axes)
-        raise ValueError(f"global batch {global_batch} is not divisible by the {n} devices of "
-                         f"mesh axis {names}")
-
-

@@ -263,8 +263,9 @@ class Settings:
       rules: the user's :class:`~jaxmp.precision.policy.PolicyRules` (before the model
         adds its float32 islands).
       loss_scale: the initial loss scale.
-      comm: ``make_train_step``'s gradient-communication keywords
-        (``grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``).
+      comm: the gradient-communication settings as given (``grad_reduce_dtype``,
+        ``grad_compression``, ``topk_ratio``), checked by
+        :func:`jaxmp.comm.check_comm_config`.
       num_devices: devices of the mesh (the batch is split over all of them).
       layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy``,
         ``parallel.expert`` and ``parallel.dispatch_dtype``.
