@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp._checks import Int, check_choice, check_int
+from jaxmp.precision._vma import as_axes
 # The collectives' default axis (jaxmp.comm) is the data axis of every mesh here.
 from jaxmp.precision.comm import DATA_AXIS
 
@@ -100,9 +101,7 @@ class Layout:
         def fit(rules):
             out = []
             for name, target in rules:
-                axes = (() if target is None else (target,) if isinstance(target, str)
-                        else tuple(target))
-                kept = tuple(a for a in axes if a in mesh.axis_names)
+                kept = tuple(a for a in as_axes(target) if a in mesh.axis_names)
                 out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
             return tuple(out)
 
@@ -190,8 +189,7 @@ def logical_to_sharding(logical_axes: Sequence[Optional[str]], mesh: Mesh,
         if name not in table:
             raise ValueError(f"logical axis {name!r} has no rule; the rules map {sorted(table)}")
         target = table[name]
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        for a in axes:
+        for a in as_axes(target):
             if a not in mesh.axis_names:
                 raise ValueError(f"rule {name!r} -> {target!r}: mesh axis {a!r} is not in the mesh "
                                  f"axes {mesh.axis_names}")

@@ -3,9 +3,15 @@
 A checkpoint step directory holds four items, written by one
 ``orbax.checkpoint.CheckpointManager``:
 
-* ``state``: the :class:`~jaxmp.train.state.TrainState` (params, optimizer state, loss
-  scale with every field, router biases, counters, rng), restored onto the shardings
-  of a template so it lands on the mesh it is used on;
+* ``state``: the :class:`~jaxmp.train.state.TrainState` as
+  :meth:`~jaxmp.train.Experiment.checkpoint_template` holds it: the master weights,
+  the optimizer state, the loss scale with every field, the router biases, the rest of
+  the model's state (FP8 amax histories), the counters (step, skipped and consecutive
+  skips, divergent steps), the loss and gradient-norm running means, the rng and the
+  top-k residual (``comm_state``); ZeRO-1's compute-dtype copy is left out and rebuilt.
+  It is restored onto the shardings of a template so it lands on the mesh it is used on
+  (a top-k residual saved for another number of devices is resharded,
+  :func:`reshard_residual`);
 * ``data``: the grain iterator state (JSON), so a resumed run sees exactly the batches
   an uninterrupted run would have seen;
 * ``config``: the run's config (JSON), checked against the current one on resume;
@@ -13,8 +19,8 @@ A checkpoint step directory holds four items, written by one
   save time (:func:`state_checksums`), a SHA-256 digest of each JSON item (``data``,
   ``config``) and of ``verify`` itself (:func:`json_digest`), whether the state was
   healthy (its latest step applied and not divergent), and what the state was saved for
-  (the number of data-parallel devices). Every item of a checkpoint is thus checked on
-  restore.
+  (the trainer's ``meta``: the number of devices, ``parallel.strategy`` and
+  ``parallel.expert``). Every item of a checkpoint is thus checked on restore.
 
 Rotation keeps the ``keep`` newest checkpoints and, outside that count, the newest healthy
 one: checkpoints saved while a run stalls or diverges (a SIGTERM then) never push out the

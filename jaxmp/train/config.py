@@ -27,11 +27,10 @@ import pathlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import ml_collections
-import numpy as np
 from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
-from jaxmp._checks import Choice, Int, Kind, Real, is_int, is_real
+from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.moe import MOE_KERNELS
@@ -47,7 +46,6 @@ __all__ = ["default_config", "complete_config", "load_config", "apply_overrides"
            "config_to_dict", "Settings", "ALLOWED", "validate_config",
            "flat_keys", "closest_key"]
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1  # the train state's step counters and the model's positions are int32
 _REPO = pathlib.Path(__file__).resolve().parents[2]  # where configs/ and train.py live
 
@@ -309,7 +307,7 @@ ALLOWED: Dict[str, Any] = {
     "train.sample_tokens": Int(0),
     "train.sample_temperature": Real(0, text="a finite number >= 0 (0 = greedy)"),
     "train.sample_prompt": Kind(lambda v: isinstance(v, str), "a string"),
-    "optim.learning_rate": Real(0, _F32_MAX, lo_open=True,
+    "optim.learning_rate": Real(0, F32_MAX, lo_open=True,
                                 text="a number > 0 that float32 can hold"),
     "optim.warmup_steps": Int(0, _I32_MAX),
     "optim.decay_steps": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = train.steps)"),
