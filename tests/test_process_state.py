@@ -4,7 +4,8 @@ Constructing and closing a :class:`~jaxmp.train.checkpoint.Checkpointer` changes
 logger and no ``sys.unraisablehook``; the entry points' :func:`quiet_orbax_tracebacks`
 changes both and its returned function puts them back; leaving
 :func:`jaxmp.precision.grouped_gemm.interpret_mode` restores the ``jax._src`` callback, the
-CPU lowering table and the interpret flag it changed.
+CPU lowering table and the interpret flag it changed; leaving
+``benchmarks.fidelity.compilation_cache`` leaves JAX's compilation cache where it was.
 """
 import logging
 import sys
@@ -90,3 +91,37 @@ def test_leaving_interpret_mode_puts_back_a_lowering_that_was_there():
         assert cpu[gpu_core.layout_cast_p] is mine
     finally:
         cpu.pop(gpu_core.layout_cast_p, None)
+
+
+def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_directory(tmp_path):
+    """Programs compiled after ``benchmarks.fidelity.compilation_cache(None)`` go to the
+    cache directory set before it, not to its deleted temporary one (JAX opens its cache
+    once, so leaving must reset it)."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from benchmarks import fidelity
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    outer = tmp_path / "outer"
+    try:
+        for k, v in zip(keys, (str(outer), 0, 0)):
+            jax.config.update(k, v)
+        cc.reset_cache()
+        with fidelity.compilation_cache(None):
+            jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(jnp.ones(7)).block_until_ready()
+        assert getattr(jax.config, keys[0]) == str(outer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "Error writing persistent compilation cache entry"
+            jax.jit(lambda x: jnp.cos(x) * 5.0 - 0.75)(jnp.ones(11)).block_until_ready()
+        assert any(outer.iterdir())  # written where the process had asked
+    finally:
+        for k, v in old.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
