@@ -16,6 +16,7 @@ from absl import app, flags, logging
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
 from jaxmp._entry import cpu_without_a_gpu
 from jaxmp.train import distributed
+from jaxmp.train.checkpoint import quiet_orbax_tracebacks
 from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import config_to_dict, load_config
@@ -98,6 +99,7 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
+    quiet_orbax_tracebacks()  # this process is the trainer's: a failed write is one line
     watchdog = None
     try:
         # Before anything touches the devices; the workdir, for the line of a lost peer.

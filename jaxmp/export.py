@@ -22,10 +22,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import export
+    from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+    restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     try:
         meta = export(args.workdir, args.out, args.step)
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    finally:
+        restore()
     tok = meta["tokenizer"]
     print(f"exported step {meta['step']} of {args.workdir} to {args.out}: model.safetensors, "
           f"config.json{', ' + tok['file'] if tok['file'] else ''} (tokenizer {tok['kind']}, "

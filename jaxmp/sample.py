@@ -37,10 +37,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import numpy as np
     from jaxmp.models import generate
     from jaxmp.train import CheckpointError, load
+    from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+    restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     try:
         model, tokenizer, _ = load(args.workdir, args.step)
     except (ValueError, CheckpointError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    finally:
+        restore()
     prompt = (tokenizer.encode(args.prompt, add_eos=False) if args.prompt
               else np.asarray([tokenizer.eos_id], np.int32))
     ids = generate(model, prompt, args.tokens, temperature=args.temperature, rng=args.seed,

@@ -369,7 +369,7 @@ def test_persistent_bytes_per_parameter_by_formula(strategy):
     for mode in ("bf16_moments", "pure_bf16_stochastic", "pure_bf16_kahan"):
         exp = Experiment.create(accounting.mode_config(base, mode),
                                 mesh=accounting.data_mesh(8))
-        got[mode] = accounting._state_bytes(exp)
+        got[mode] = accounting.state_bytes(exp)
         leaves = jax.tree.leaves(exp.abstract_state.params)
     n32 = sum(x.size for x in leaves if x.dtype == jnp.float32)
     n16 = sum(x.size for x in leaves if x.dtype == jnp.bfloat16)  # under pure_bf16

@@ -102,6 +102,10 @@ __all__ = [
     "data_mesh",
     "account_mode",
     "accounting_report",
+    "micro_batch",
+    "step_residuals",
+    "state_bytes",
+    "lower_train_step",
     "format_accounting",
 ]
 
@@ -309,14 +313,15 @@ def _memory_analysis(compiled) -> Optional[dict]:
     return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
 
 
-def _micro_batch(exp: Experiment) -> jax.ShapeDtypeStruct:
-    """The per-device micro-batch of token ids: ``[batch / accum / devices, seq_len]``."""
+def micro_batch(exp: Experiment) -> jax.ShapeDtypeStruct:
+    """The per-device micro-batch of token ids, abstract: int32 ``[train.batch_size /
+    train.grad_accum_steps / devices, data.seq_len]``."""
     t = exp.config.train
     return jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // exp.num_devices,
                                  exp.config.data.seq_len), jnp.int32)
 
 
-def _step_residuals(exp: Experiment) -> List[Residual]:
+def step_residuals(exp: Experiment) -> List[Residual]:
     """The residuals the train step's loss keeps at the per-device micro-batch.
 
     Under ``fsdp`` the loss runs as in the step: inside ``shard_map`` (over one device)
@@ -325,7 +330,7 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
     count is what that policy saves with the model's remat policy, not what plain autodiff of whole
     parameters would save.
     """
-    state, micro = exp.abstract_state, _micro_batch(exp)
+    state, micro = exp.abstract_state, micro_batch(exp)
 
     def loss(params, biases, rest, loss_scale, batch):
         return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
@@ -350,8 +355,15 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
                            {"inputs": micro, "targets": micro}, argnums=0)
 
 
-def _state_bytes(exp: Experiment) -> Dict[str, int]:
-    """Per-device params, gradient, optimizer-state, compute-copy and top-k residual bytes."""
+def state_bytes(exp: Experiment) -> Dict[str, int]:
+    """Per-device bytes of the persistent train state, from its abstract shapes and shardings.
+
+    Returns:
+      ``{"params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
+      "comm_state_bytes"}``: the master weights, their gradient (one master-dtype value
+      per parameter, laid out like it), the optimizer state, ZeRO-1's compute-dtype copy
+      and the top-k residual, in bytes on one device.
+    """
     state, state_sh = exp.abstract_state, exp.state_shardings
     params = _per_device_bytes(state.params, state_sh.params)
     copy = state.compute_params
@@ -372,8 +384,9 @@ def _float32_state_bytes(exp: Experiment) -> int:
                              (state_sh.params, state_sh.opt_state), np.float32)
 
 
-def _lower_step(exp: Experiment, global_batch: int):
-    """The experiment's jitted train step lowered with abstract inputs (nothing allocated)."""
+def lower_train_step(exp: Experiment, global_batch: int):
+    """The experiment's jitted train step lowered for a ``[global_batch, data.seq_len]``
+    batch, with abstract inputs (nothing allocated): a ``jax.stages.Lowered``."""
     return exp.train_step.lower(exp.abstract_state, exp.abstract_batch(global_batch))
 
 
@@ -420,7 +433,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     n, t = exp.num_devices, exp.config.train
     state = exp.abstract_state
 
-    lowered = _lower_step(exp, t.batch_size)
+    lowered = lower_train_step(exp, t.batch_size)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     hlo, compiled, hlo_source = _partitioned_hlo(lowered, on_cpu)
     settings = exp.settings.comm
@@ -438,11 +451,11 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
-    residuals = _step_residuals(exp)
+    residuals = step_residuals(exp)
     collectives = hlo_collectives(hlo)
     out = {"policy": cfg.precision.policy, "strategy": exp.layout.strategy,
            "expert": exp.layout.expert,
-           **_state_bytes(exp),
+           **state_bytes(exp),
            "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
            "grad_allreduce_bytes": gradient_collective_bytes(collectives, dense, sparse),
            "collective_bytes": collective_bytes(collectives)}
@@ -456,7 +469,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
         elif exp.layout.strategy == "dp" and exp.layout.expert == 1:
             # One device with its share of the batch: the same per-device program.
             one = Experiment.create(cfg, mesh=data_mesh(1))
-            out["xla_memory"] = _memory_analysis(_lower_step(one, t.batch_size // n).compile())
+            out["xla_memory"] = _memory_analysis(lower_train_step(one, t.batch_size // n).compile())
     out["hlo_source"] = hlo_source
     m = exp.model_config
     out["attention_path"] = resolve_attention(m.attention,

@@ -164,7 +164,8 @@ class ModelConfig:
         :func:`~jaxmp.models.moe.resolve_moe_kernel`).
       attention: the attention core's path, one of
         :data:`~jaxmp.models.attention.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
-        fused kernel where it runs, else XLA; see :mod:`jaxmp.models.attention`).
+        fused kernel where it runs, else jaxmp's float32-island ``"reference"``, never
+        ``"xla"``; see :func:`~jaxmp.models.attention.resolve_attention`).
       scan_layers: stack the blocks and run them with ``jax.lax.scan`` (module
         docstring); False runs them in a Python loop.
       remat: per-block rematerialization, one of :data:`REMAT_POLICIES` (module

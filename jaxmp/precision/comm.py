@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp._checks import check_choice, check_int, check_real
+from jaxmp._checks import check_choice, check_float, check_int, check_real
 from jaxmp.precision._fp8.quant import _F32, BLOCK, E4M3, _quantize_blocks
 from jaxmp.precision._paths import leaf_names
+from jaxmp.precision._vma import as_axes
 from jaxmp.precision.loss_scale import LossScale
-from jaxmp.precision.ops import _check_float
 from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
@@ -363,7 +363,7 @@ def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[d
     """
     dtype = check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
     if grad_compression == "none":
-        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        axes = as_axes(axis_name)
         whole = jax.tree.map(lambda _: LeafReduce(axes), grads)
         mean = reduce_gradients(grads, whole, jax.lax.axis_size(axes), dtype)
         return loss_scale.unscale(mean), comm_state
@@ -408,7 +408,7 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int) ->
       ValueError: a non-floating ``x``, or ``split_axis`` / ``concat_axis`` out of range
         or on the last axis.
     """
-    _check_float("x", x)
+    check_float("x", x)
     x = jnp.asarray(x)
     last = x.ndim - 1
     for name, ax in (("split_axis", split_axis), ("concat_axis", concat_axis)):

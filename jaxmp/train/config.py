@@ -28,11 +28,10 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
-from jaxmp._checks import Choice, Int, Kind, Real, is_int, is_real
+from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.moe import MOE_KERNELS
@@ -49,7 +48,6 @@ __all__ = ["default_config", "complete_config", "load_config", "apply_overrides"
            "config_to_dict", "Settings", "ALLOWED", "validate_config",
            "flat_keys", "closest_key"]
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1  # the train state's step counters and the model's positions are int32
 _REPO = pathlib.Path(__file__).resolve().parents[2]  # where configs/ and train.py live
 
@@ -265,8 +263,9 @@ class Settings:
       rules: the user's :class:`~jaxmp.precision.policy.PolicyRules` (before the model
         adds its float32 islands).
       loss_scale: the initial loss scale.
-      comm: ``make_train_step``'s gradient-communication keywords
-        (``grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``).
+      comm: the gradient-communication settings as given (``grad_reduce_dtype``,
+        ``grad_compression``, ``topk_ratio``), checked by
+        :func:`jaxmp.comm.check_comm_config`.
       num_devices: devices of the mesh (the batch is split over all of them).
       layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy``,
         ``parallel.expert`` and ``parallel.dispatch_dtype``.
@@ -310,7 +309,7 @@ ALLOWED: Dict[str, Any] = {
     "train.sample_tokens": Int(0),
     "train.sample_temperature": Real(0, text="a finite number >= 0 (0 = greedy)"),
     "train.sample_prompt": Kind(lambda v: isinstance(v, str), "a string"),
-    "optim.learning_rate": Real(0, _F32_MAX, lo_open=True,
+    "optim.learning_rate": Real(0, F32_MAX, lo_open=True,
                                 text="a number > 0 that float32 can hold"),
     "optim.warmup_steps": Int(0, _I32_MAX),
     "optim.decay_steps": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = train.steps)"),

@@ -179,7 +179,8 @@ class Experiment:
                                grad_accum_steps=cfg.train.grad_accum_steps,
                                loss_spike_factor=cfg.train.loss_spike_factor,
                                grad_norm_spike_factor=cfg.train.grad_norm_spike_factor,
-                               **settings.comm)
+                               grad_compression=settings.comm["grad_compression"],
+                               topk_ratio=settings.comm["topk_ratio"])
         return cls(
             settings=settings, mesh=mesh, layout=layout, rules=model.rules,
             graphdef=graphdef, module_paths=tuple(module_paths(model)),

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 from tqdm import tqdm
 
+from jaxmp._checks import F32_MAX
 from jaxmp.models import generate
 from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
@@ -64,8 +65,6 @@ def compile_in_progress() -> bool:
     """True while a train step of :func:`train_and_evaluate` still compiles in its
     background thread (left behind by a signal during start-up)."""
     return any(t.name == _COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
-
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Interrupted(Exception):
@@ -274,7 +273,7 @@ def describe_loss_scale(loss_scale) -> str:
     """A one-line description of a loss scale for people (float32 max written so)."""
     def num(x):
         v = float(jax.device_get(x))
-        return "float32 max" if v == _F32_MAX else f"{v:g}"
+        return "float32 max" if v == F32_MAX else f"{v:g}"
     if isinstance(loss_scale, NoOpLossScale):
         return "none"
     if isinstance(loss_scale, StaticLossScale):
@@ -433,8 +432,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     Args:
       config: the run config (see :func:`jaxmp.train.config.default_config` for every key).
       workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and the sample go.
-      num_devices: devices of the data-parallel mesh; ``train.num_devices`` or all
-        devices when None.
+      num_devices: devices of the mesh (split into ``data`` x ``expert`` as
+        ``parallel.expert`` says; the batch is split over all of them);
+        ``train.num_devices`` or all devices when None.
 
     Returns:
       A summary: ``step``, ``train_losses`` (one per logged step of this call, float),
