@@ -34,6 +34,7 @@ from jaxmp import sharding
 from jaxmp._checks import Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
+from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS
 from jaxmp.models.moe import MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
@@ -342,6 +343,15 @@ ALLOWED: Dict[str, Any] = {
     "model.norm_eps": Real(),
     "model.aux_loss_weight": Real(),
     "model.bias_update_rate": Real(),
+    "model.rope_layout": Choice(ROPE_LAYOUTS),
+    "model.rope_scaling": Choice(ROPE_SCALINGS),
+    "model.qk_norm": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.qkv_bias": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.tie_embeddings": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.norm_topk_prob": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.routed_scaling_factor": Real(0, lo_open=True),
+    "model.mlp_only_layers": Kind(lambda v: isinstance(v, (tuple, list)) and all(
+        is_int(i) and i >= 0 for i in v), "a tuple of layer indices"),
     # The model's other checks are ModelConfig's; an int32 position is the run's.
     "model.max_len": Kind(lambda v: not is_int(v) or v <= _I32_MAX,
                           "at most 2**31 - 1 (positions are int32)"),
