@@ -42,6 +42,15 @@ FAMILIES = {
                         first_k_dense_replace=1, n_group=4, topk_group=2,
                         routed_scaling_factor=2.5,
                         rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=0.8)),
+    "deepseek_v2": dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=2,
+                        num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16,
+                        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707)),
+    "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+                     use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=1.8),
 }
 TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 24))
 

@@ -19,6 +19,10 @@ mixtral       Mixtral (softmax top-k router, renormalized gates)
 deepseek_v3   DeepSeek-V3 (MLA, sigmoid router with ``e_score_correction_bias``,
               group-limited top-k, ``routed_scaling_factor``, shared experts,
               ``first_k_dense_replace``, yarn RoPE with ``mscale``)
+deepseek_v2   DeepSeek-V2 / V2-Lite (MLA, softmax router, ``topk_method="greedy"`` only:
+              ``group_limited_greedy``'s group maximum is not implemented)
+glm4_moe      GLM-4.5 (GQA, partial rotary, optional q/k norm and q/k/v biases, the
+              DeepSeek-V3 router and shared experts)
 ============  =====================================================================
 
 What the model computes is checked field by field: a ``config.json`` field this module
@@ -144,12 +148,27 @@ FAMILIES: Dict[str, Family] = {
                            "bias": "gate.e_score_correction_bias",
                            "shared": "shared_experts"}),
 }
+FAMILIES["deepseek_v2"] = Family(
+    "DeepseekV2ForCausalLM",
+    {k: v for k, v in FAMILIES["deepseek_v3"].fields.items()
+     if k not in ("n_group", "topk_group")},
+    {"score_fn": "softmax", "n_group": 1, "topk_group": 1, "rope_layout": "interleaved"},
+    {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate", "shared": "shared_experts"})
+FAMILIES["glm4_moe"] = Family(
+    "Glm4MoeForCausalLM",
+    dict(_COMMON, attention_bias="qkv_bias", use_qk_norm="qk_norm",
+         **{k: v for k, v in FAMILIES["deepseek_v3"].fields.items()
+            if k not in _COMMON and "lora" not in k and "head_dim" not in k}),
+    {"score_fn": "sigmoid"}, FAMILIES["deepseek_v3"].moe)
 
 # Fields a family reads besides FAMILIES[...].fields, checked in config_from_hf.
 _FAMILY_CHECKS = {
     "qwen3_moe": {"decoder_sparse_step"},
     "deepseek_v3": {"topk_method", "scoring_func", "rope_interleave", "moe_layer_freq",
                     "attention_bias"},
+    "deepseek_v2": {"topk_method", "scoring_func", "moe_layer_freq", "attention_bias",
+                    "n_group", "topk_group"},
+    "glm4_moe": set(),
 }
 
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
@@ -258,6 +277,9 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
         if key in hf and hf[key] is not None:
             out[field] = hf[key]
     out.update(fam.fixed)
+    if model_type == "glm4_moe":
+        out.setdefault("n_group", 1)
+        out.setdefault("topk_group", out["n_group"])
     if model_type == "llama" and out.get("qkv_bias"):
         raise _err(model_type, "attention_bias", True, "false (jaxmp has no o_proj bias)")
     if model_type in ("qwen3", "qwen3_moe") and out.pop("qkv_bias", False):
@@ -268,13 +290,18 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
         dense |= {i for i in range(out["num_layers"]) if (i + 1) % step}
         out["mlp_only_layers"] = tuple(sorted(dense))
         out["norm_topk_prob"] = bool(out.get("norm_topk_prob", False))
-    if model_type == "deepseek_v3":
-        checks = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1,
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        v3 = model_type == "deepseek_v3"
+        checks = {"topk_method": "noaux_tc" if v3 else "greedy",
+                  "scoring_func": "sigmoid" if v3 else "softmax", "moe_layer_freq": 1,
                   "attention_bias": False}
         for key, want in checks.items():
             if key in hf and hf[key] != want:
                 raise _err(model_type, key, hf[key], repr(want))
-        out["rope_layout"] = "interleaved" if hf.get("rope_interleave", True) else "half"
+        if v3:
+            out["rope_layout"] = "interleaved" if hf.get("rope_interleave", True) else "half"
+        elif out.get("norm_topk_prob"):  # transformers' DeepseekV2 never normalizes
+            raise _err(model_type, "norm_topk_prob", True, "false")
         out.pop("head_dim", None)
         out.pop("num_kv_heads", None)
         out.setdefault("n_group", 1)
@@ -314,13 +341,17 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
         written.add(field)
         value = c[field]
         hf[key] = list(value) if isinstance(value, tuple) else value
-    if family in ("qwen3", "qwen3_moe", "llama"):
+    if family in ("qwen3", "qwen3_moe", "llama", "glm4_moe"):
         hf["attention_bias"] = bool(config.qkv_bias)
     if family == "qwen3_moe":
         hf["decoder_sparse_step"] = 1
     if family == "deepseek_v3":
         hf.update(topk_method="noaux_tc", scoring_func="sigmoid", attention_bias=False,
                   rope_interleave=config.rope_layout == "interleaved",
+                  q_lora_rank=config.q_lora_rank or None,
+                  num_key_value_heads=config.num_heads)
+    if family == "deepseek_v2":
+        hf.update(topk_method="greedy", attention_bias=False,
                   q_lora_rank=config.q_lora_rank or None,
                   num_key_value_heads=config.num_heads)
     if family == "mixtral":
@@ -388,12 +419,15 @@ def family_of(config: ModelConfig) -> str:
       ValueError: none maps (one line, naming the first field in the way).
     """
     if config.is_mla:
-        return "deepseek_v3"
+        return "deepseek_v3" if config.score_fn == "sigmoid" else "deepseek_v2"
     if config.num_experts:
+        if config.score_fn == "sigmoid":
+            return "glm4_moe"
         if config.num_shared_experts:
             raise ValueError(f"model.num_shared_experts={config.num_shared_experts} with "
-                             f"standard attention maps to no family (deepseek_v3 needs MLA: "
-                             f"kv_lora_rank > 0)")
+                             f"softmax routing and standard attention maps to no family "
+                             f"(deepseek_v2 needs MLA: kv_lora_rank > 0; glm4_moe "
+                             f"score_fn='sigmoid')")
         return "qwen3_moe" if config.qk_norm else "mixtral"
     if config.qk_norm:
         return "qwen3"
