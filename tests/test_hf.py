@@ -244,3 +244,93 @@ def test_family_mismatch_is_named(tmp_path):
         save_pretrained(nnx.eval_shape(lambda: MoETransformer(cfg, "fp32", rngs=nnx.Rngs(0))),
                         str(tmp_path / "a"), family="llama")
     assert not (tmp_path / "a").exists()
+
+
+def _char_tokenizer(path):
+    """A character-level tokenizer.json (printable ASCII, <unk>, </s>) and a
+    tokenizer_config.json naming </s> the end of a document."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {chr(i): i - 32 for i in range(32, 127)}
+    vocab.update({"<unk>": len(vocab), "</s>": len(vocab) + 1})
+    Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(
+        str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return vocab["</s>"]
+
+
+def test_init_from_trains_and_exports(tmp_path):
+    """configs/finetune.py with model.init_from=DIR (a Qwen3: GQA, q/k norms, tied head):
+    the architecture and the tokenizer come from DIR, the weights load onto a 2-device
+    mesh, two steps at a learning rate too small to move float32 weights, then
+    save_pretrained: transformers' logits are the original checkpoint's. A model.* key
+    contradicting DIR is refused."""
+    from jaxmp.train.config import load_config
+    from jaxmp.train.experiment import Experiment
+
+    torch.manual_seed(2)
+    config = transformers.AutoConfig.for_model("qwen3", **{**BASE, **FAMILIES["qwen3"],
+                                                          "vocab_size": 128})
+    original = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    src = tmp_path / "src"
+    original.save_pretrained(str(src))
+    eos = _char_tokenizer(src)
+    tokens = np.random.RandomState(3).randint(0, 128, (2, 24))
+    ref = _hf_logits(original, tokens)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 100)
+    overrides = [f"model.init_from={src}", "precision.policy=fp32", "data.seq_len=32",
+                 "train.batch_size=8", "optim.learning_rate=1e-30", "optim.warmup_steps=0",
+                 f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
+                 "model.remat=none",
+                 "model.scan_layers=False"]
+    cfg = load_config("configs/finetune.py", overrides)
+    assert cfg.model.num_experts == 0 and cfg.model.qk_norm and cfg.model.tie_embeddings
+    assert cfg.model.num_kv_heads == 2 and cfg.model.head_dim == 16 and cfg.model.vocab_size == 128
+    assert cfg.data.tokenizer == str(src / "tokenizer.json") and cfg.data.eod_id == eos
+    exp = Experiment.create(cfg, num_devices=2)
+    state = exp.init_state()
+    for _ in range(2):
+        state, metrics = exp.train_step(state, exp.batch_to_device(next(exp.data.train_iter)))
+        assert np.isfinite(float(metrics["loss"]))
+    assert int(state.step) == 2
+    save_pretrained(exp.host_model(state), str(tmp_path / "out"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+    assert _rel_err(_hf_logits(back.eval(), tokens), ref) < 2e-4
+    with pytest.raises(ValueError, match=r"model.num_heads=8 contradicts .*\(4\)"):
+        load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
+
+
+RELEASED = {  # parameters (total, active per token) from the model cards, in billions
+    "Llama-3.1-8B": (8.03, 8.03),
+    "Mixtral-8x7B-v0.1": (46.7, 12.9),
+}
+
+
+def test_released_configs_map():
+    """configs/hf/*.json (config.json of released models) are represented exactly."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "hf",
+                                          "*.json")))
+    assert len(files) == 5
+    for f in files:
+        ModelConfig(**hf.config_from_hf(json.load(open(f))))
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_released_parameter_counts(name):
+    """The model built abstractly from a released config.json has the model card's size."""
+    import flax.nnx as nnx
+
+    from jaxmp.models import count_params
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "hf", f"{name}.json")
+    cfg = ModelConfig(**hf.config_from_hf(json.load(open(path))), attention="reference",
+                      moe_kernel="ragged_dot")
+    total, active = count_params(nnx.eval_shape(lambda: MoETransformer(cfg, "mixed_bf16",
+                                                                       rngs=nnx.Rngs(0))))
+    assert (round(total / 1e9, 2 if total < 1e10 else 1),
+            round(active / 1e9, 2 if active < 1e10 else 1)) == RELEASED[name]

@@ -60,7 +60,8 @@ from jaxmp.models.transformer import ModelConfig, MoETransformer
 from jaxmp.precision import fp8 as fp8_lib
 
 __all__ = ["from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf", "FAMILIES",
-           "IGNORED_FIELDS", "MAX_SHARD_BYTES"]
+           "IGNORED_FIELDS", "MAX_SHARD_BYTES", "RUNTIME_FIELDS", "load_weights", "read_config",
+           "family_of", "tokenizer_eos"]
 
 MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size="5GB"
 
@@ -638,8 +639,7 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
       ValueError: a config.json field that cannot be represented (named), an override
         outside :data:`RUNTIME_FIELDS`, a missing tensor or a tensor of the wrong shape.
     """
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
+    hf = read_config(path)
     fields = config_from_hf(hf)
     for key in overrides:
         if key not in RUNTIME_FIELDS:
@@ -647,7 +647,34 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
                              f"architecture comes from config.json; allowed overrides: "
                              f"{', '.join(RUNTIME_FIELDS)}")
     fields.update(overrides)
-    config = ModelConfig(**fields)
+    return load_weights(path, ModelConfig(**fields), policy, mesh=mesh, rules=rules)
+
+
+def read_config(path: str) -> Dict[str, Any]:
+    """The parsed ``config.json`` of checkpoint directory ``path``.
+
+    Raises:
+      ValueError: no readable ``config.json`` there.
+    """
+    file = os.path.join(path, "config.json")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: cannot read the checkpoint's config.json ({e})") from None
+
+
+def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
+                 rules=None) -> MoETransformer:
+    """:func:`from_pretrained` with the :class:`ModelConfig` given: ``config``'s architecture
+    must be the one ``path``'s config.json describes (the trainer's ``model.init_from``
+    checks that first); the tensors' shapes are checked before anything is read.
+
+    Raises:
+      ValueError: an unsupported family, a missing tensor or one of the wrong shape.
+    """
+    hf = read_config(path)
+    config_from_hf(hf)
     family = hf["model_type"]
     files = _Files(path)
     abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0)))
@@ -803,3 +830,32 @@ def _check_router_biases(model: MoETransformer, family: str) -> None:
         if np.any(np.asarray(jax.device_get(var.get_value())) != 0):
             raise ValueError(f"{'/'.join(map(str, path))}: a nonzero router bias (auxiliary-"
                              f"loss-free balancing); {family} has no router bias")
+
+
+def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
+    """``(tokenizer.json path, eos id)`` of a checkpoint directory, or None without a
+    ``tokenizer.json``. The id is that of ``tokenizer_config.json``'s ``eos_token``, looked
+    up in the tokenizer (None when there is no such file or token: the tokenizer's own
+    choice, :data:`jaxmp.train.tokenizer.EOS_CANDIDATES`).
+
+    Raises:
+      ValueError: an ``eos_token`` that the tokenizer does not have.
+    """
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        return None
+    eos = None
+    config = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(config):
+        with open(config) as f:
+            eos = json.load(f).get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not eos:
+        return file, None
+    from tokenizers import Tokenizer
+
+    eos_id = Tokenizer.from_file(file).token_to_id(eos)
+    if eos_id is None:
+        raise ValueError(f"{config}: eos_token={eos!r} is not in {file}")
+    return file, int(eos_id)

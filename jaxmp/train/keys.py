@@ -78,6 +78,8 @@ KEYS: Tuple[Key, ...] = (
     Key("model.qk_nope_head_dim", 0, "MLA: per-head q/k width without RoPE"),
     Key("model.qk_rope_head_dim", 0, "MLA: per-head q/k width with RoPE (one key shared)"),
     Key("model.v_head_dim", 0, "MLA: per-head value width"),
+    Key("model.init_from", "", "a Hugging Face checkpoint directory: its config.json is the "
+                               "architecture, its weights the start ('' = random init)"),
     # precision
     Key("precision.policy", "mixed_bf16; router: fp32; norm: fp32",
         "a policy, then 'pattern: policy' rules; the first matching module path wins"),
