@@ -263,10 +263,12 @@ def test_init_from_trains_and_exports(tmp_path):
     """configs/finetune.py with model.init_from=DIR (a Qwen3: GQA, q/k norms, tied head):
     the architecture and the tokenizer come from DIR, the weights load onto a 2-device
     mesh, two steps at a learning rate too small to move float32 weights, then
-    save_pretrained: transformers' logits are the original checkpoint's. A model.* key
+    ``python -m jaxmp.export --format hf``: transformers' logits are the original
+    checkpoint's and AutoTokenizer reads the tokenizer with its eos token. A model.* key
     contradicting DIR is refused."""
+    from jaxmp import export
     from jaxmp.train.config import load_config
-    from jaxmp.train.experiment import Experiment
+    from jaxmp.train.loop import train_and_evaluate
 
     torch.manual_seed(2)
     config = transformers.AutoConfig.for_model("qwen3", **{**BASE, **FAMILIES["qwen3"],
@@ -284,21 +286,22 @@ def test_init_from_trains_and_exports(tmp_path):
     overrides = [f"model.init_from={src}", "precision.policy=fp32", "data.seq_len=32",
                  "train.batch_size=8", "optim.learning_rate=1e-30", "optim.warmup_steps=0",
                  f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
-                 "model.remat=none",
-                 "model.scan_layers=False"]
+                 "model.remat=none", "model.scan_layers=False", "train.steps=2",
+                 "train.sample_tokens=0", "train.eval_every=0", "train.log_every=1"]
     cfg = load_config("configs/finetune.py", overrides)
     assert cfg.model.num_experts == 0 and cfg.model.qk_norm and cfg.model.tie_embeddings
     assert cfg.model.num_kv_heads == 2 and cfg.model.head_dim == 16 and cfg.model.vocab_size == 128
     assert cfg.data.tokenizer == str(src / "tokenizer.json") and cfg.data.eod_id == eos
-    exp = Experiment.create(cfg, num_devices=2)
-    state = exp.init_state()
-    for _ in range(2):
-        state, metrics = exp.train_step(state, exp.batch_to_device(next(exp.data.train_iter)))
-        assert np.isfinite(float(metrics["loss"]))
-    assert int(state.step) == 2
-    save_pretrained(exp.host_model(state), str(tmp_path / "out"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
-    assert _rel_err(_hf_logits(back.eval(), tokens), ref) < 2e-4
+    summary = train_and_evaluate(cfg, str(tmp_path / "run"), num_devices=2)
+    assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    out = tmp_path / "out"
+    assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
+                        "--format", "hf"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert _rel_err(_hf_logits(back, tokens), ref) < 2e-4
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.eos_token == "</s>" and tok.convert_tokens_to_ids("</s>") == eos
+    assert tok("ab")["input_ids"] == [ord("a") - 32, ord("b") - 32]
     with pytest.raises(ValueError, match=r"model.num_heads=8 contradicts .*\(4\)"):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
 
