@@ -357,11 +357,15 @@ class ModelConfig:
     def from_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """Builds a config from an ``ml_collections.ConfigDict`` (or any mapping).
 
+        The run config's ``model.init_from`` (where the weights come from, not a shape
+        field) is left out.
+
         Raises:
           ValueError: a key that is not a field (listed), a missing required field, or
             a value that fails validation.
         """
         data = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+        data.pop("init_from", None)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:

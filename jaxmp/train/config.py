@@ -437,7 +437,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
             f"train.grad_accum_steps={t.grad_accum_steps}) is not divisible by the "
             f"{num_devices} devices of the mesh; use a multiple of {num_devices}")
     _check_table(config, keys[after:])
-    model = ModelConfig.from_config({k: v for k, v in config.model.items() if k != "init_from"})
+    model = ModelConfig.from_config(config.model)
     if d.seq_len > model.max_len:
         raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}")
     if not isinstance(p.policy, str) or not p.policy.strip():
