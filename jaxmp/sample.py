@@ -50,4 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxmp._entry import cpu_without_a_gpu
+
+    cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
     sys.exit(main())

@@ -10,17 +10,26 @@ Per device, in bytes, for the config's layout (``parallel.strategy`` and
     the master weights ``TrainState.params`` as stored (float32 in every mixed mode):
     the device's shard under ``zero1`` and ``fsdp``, everything under ``dp``.
 ``grads_bytes``
-    the gradient buffer: one value per parameter in its master dtype (what
-    :func:`jaxmp.optim.apply_gradients` receives), laid out like ``params_bytes``.
+    the gradient buffer: one float32 value per parameter (what the step hands
+    :func:`jaxmp.optim.apply_gradients`, unscaled), laid out like ``params_bytes``.
 ``opt_state_bytes``
     ``optimizer.init(params)`` of the real optimizer (moments in ``optim.mu_dtype`` /
-    ``nu_dtype`` plus the int32 step counts), laid out like the master weights.
+    ``nu_dtype`` plus the int32 step counts, and with ``optim.update_rounding=kahan`` a
+    compensation buffer per bfloat16 parameter), laid out like the master weights.
 ``compute_copy_bytes``
     the compute-dtype copy of the parameters the state keeps between steps under
     ``zero1`` (``TrainState.compute_params``, replicated); 0 otherwise.
 ``comm_state_bytes``
     the top-k error-feedback residual (:func:`jaxmp.comm.init_comm_state`), one float32
     row per device; 0 without compression.
+``persistent_bytes``
+    what stays in memory between steps: ``params_bytes + opt_state_bytes +
+    compute_copy_bytes + comm_state_bytes`` (divided by the parameter count, the table's
+    bytes per parameter: 8 for float32 masters with bf16 moments, 6 for bfloat16 masters
+    with stochastic rounding, 8 with Kahan's bfloat16 compensation; divided by the data
+    axis under ``zero1`` and ``fsdp``, plus ZeRO-1's replicated compute copy).
+``float32_state_bytes``
+    of ``params_bytes + opt_state_bytes``, the float32 leaves' bytes.
 ``activation_bytes``
     the residuals that the forward pass of the train step's loss
     (:func:`jaxmp.train.step.loss_fn`) saves for its backward pass at the per-device
@@ -130,17 +139,30 @@ _MODE_TABLE = (
                        "",         "float32",  "none"),
     ("fp8_blockwise",  "fp8_blockwise; router: fp32; norm: fp32",  "none",
                        "",         "float32",  "none"),
+    # bfloat16 master weights (the router and norms stay float32) with bf16 moments: 6
+    # bytes of persistent state per parameter with stochastic rounding, 8 with Kahan's
+    # bfloat16 compensation buffer (jaxmp.optim.with_update_rounding); bf16_moments is
+    # the float32-master baseline at 8.
+    ("pure_bf16_stochastic", "pure_bf16; router: fp32; norm: fp32", "none",
+                       "bfloat16", "float32",  "none"),
+    ("pure_bf16_kahan", "pure_bf16; router: fp32; norm: fp32",     "none",
+                       "bfloat16", "float32",  "none"),
 )
+_UPDATE_ROUNDING = {"pure_bf16_stochastic": "stochastic", "pure_bf16_kahan": "kahan"}
 
 MODES: Mapping[str, Mapping[str, Any]] = {
     name: {"precision.policy": policy, "precision.loss_scale": loss_scale,
            "optim.mu_dtype": moments, "optim.nu_dtype": moments,
            "precision.grad_reduce_dtype": reduce, "precision.grad_compression": compression,
-           "precision.topk_ratio": TOPK_RATIO}
+           "precision.topk_ratio": TOPK_RATIO,
+           "optim.update_rounding": _UPDATE_ROUNDING.get(name, "nearest")}
     for name, policy, loss_scale, moments, reduce, compression in _MODE_TABLE}
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
                "comm_state_bytes", "activation_bytes")
+# What stays in memory between steps: the master weights, the optimizer state (moments,
+# Kahan compensation), ZeRO-1's compute copy and the top-k residual.
+PERSISTENT_KEYS = ("params_bytes", "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes")
 
 
 def mode_config(config: ml_collections.ConfigDict, mode: str) -> ml_collections.ConfigDict:
@@ -232,11 +254,16 @@ def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
     return sharding.make_mesh(num_devices, expert=expert, devices=devices)
 
 
-def _per_device_bytes(tree: Any, shardings: Any) -> int:
+def _per_device_bytes(tree: Any, shardings: Any, dtype: Any = None,
+                      itemsize: Optional[int] = None) -> int:
+    """Bytes of ``tree``'s leaves on one device (of ``dtype`` only, when given; each
+    element ``itemsize`` bytes, when given, else its dtype's)."""
     total = 0
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        if dtype is not None and np.dtype(x.dtype) != np.dtype(dtype):
+            continue
         shape = s.shard_shape(tuple(x.shape)) if isinstance(s, NamedSharding) else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * (itemsize or np.dtype(x.dtype).itemsize)
     return total
 
 
@@ -329,11 +356,20 @@ def _state_bytes(exp: Experiment) -> Dict[str, int]:
     params = _per_device_bytes(state.params, state_sh.params)
     copy = state.compute_params
     return {"params_bytes": params,
-            "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
+            # The step hands the optimizer unscaled float32 gradients, laid out like the
+            # params, whatever their dtype (bfloat16 masters cast them afterwards).
+            "grads_bytes": _per_device_bytes(state.params, state_sh.params, itemsize=4),
             "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
             "compute_copy_bytes": (0 if copy is None
                                    else _per_device_bytes(copy, state_sh.compute_params)),
             "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state)}
+
+
+def _float32_state_bytes(exp: Experiment) -> int:
+    """Per-device bytes of the float32 leaves of the params and the optimizer state."""
+    state, state_sh = exp.abstract_state, exp.state_shardings
+    return _per_device_bytes((state.params, state.opt_state),
+                             (state_sh.params, state_sh.opt_state), np.float32)
 
 
 def _lower_step(exp: Experiment, global_batch: int):
@@ -411,6 +447,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
            "grad_allreduce_bytes": gradient_collective_bytes(collectives, dense, sparse),
            "collective_bytes": collective_bytes(collectives)}
     out["total_bytes"] = sum(out[k] for k in MEMORY_KEYS)
+    out["persistent_bytes"] = sum(out[k] for k in PERSISTENT_KEYS)
+    out["float32_state_bytes"] = _float32_state_bytes(exp)
     out["xla_memory"] = None
     if jax.default_backend() != "cpu":
         if not on_cpu:
@@ -433,7 +471,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
 
 
 def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequence[str]] = None,
-                      num_devices: int = 8, *, breakdown: int = 0) -> dict:
+                      num_devices: int = 8, *, breakdown: int = 0,
+                      skip_failed: bool = False) -> dict:
     """:func:`account_mode` for each mode, as the JSON of ``python -m jaxmp.report --config``.
 
     Args:
@@ -441,17 +480,22 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
       modes: keys of :data:`MODES` (default: all, in table order).
       num_devices: data-parallel devices.
       breakdown: top residual groups to keep per mode (0 = none).
+      skip_failed: a mode whose step XLA cannot compile here (e.g. XLA:CPU's limit of
+        2**31 - 1 scatter indices, which top-k compression of a large model exceeds) is
+        left out of ``"modes"`` and its one-line reason put in ``"skipped"``, instead of
+        raising.
 
     Returns:
       ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
       {NAME: {"policy", "strategy", "expert", "params_bytes", "grads_bytes",
       "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes", "activation_bytes",
       "grad_allreduce_bytes", "collective_bytes", "total_bytes"}},
-      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}}}``,
-      bytes per device.
+      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}},
+      "skipped": {NAME: reason}}``, bytes per device.
 
     Raises:
       ValueError: an unknown mode (before any work), or as :func:`account_mode`.
+      jax.errors.JaxRuntimeError: XLA cannot compile a mode's step (unless ``skip_failed``).
     """
     modes = list(MODES) if modes is None else list(modes)
     for mode in modes:
@@ -472,9 +516,19 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
                   "grad_accum_steps": int(t.grad_accum_steps), "seq_len": int(config.data.seq_len)},
         "modes": {},
         "details": {},
+        "skipped": {},
     }
     for mode in modes:
-        row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        try:
+            row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        except jax.errors.JaxRuntimeError as e:
+            if not skip_failed:
+                raise
+            first = " ".join(str(e).split())
+            first = first[:first.find(". ") + 1 or None][:300]  # its first sentence
+            out["skipped"][mode] = (f"XLA cannot compile its step on this machine "
+                                    f"({out['setup']['platform']}): {first}")
+            continue
         out["details"][mode] = {k: row.pop(k)
                                 for k in ("xla_memory", "hlo_source", "attention_path",
                                                         "breakdown") if k in row}
@@ -507,13 +561,18 @@ def format_accounting(report: dict, title: str = "") -> str:
             ("optimizer state", "opt_state_bytes", True),
             ("compute copy", "compute_copy_bytes", True),
             ("top-k residual", "comm_state_bytes", True),
+            ("persistent state", "persistent_bytes", True),
+            ("  of it float32", "float32_state_bytes", True),
             ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
             ("grad reduction", "grad_allreduce_bytes", True))
+    for mode, reason in report.get("skipped", {}).items():
+        lines += ["", f"mode {mode}: not accounted: {reason}"]
     for mode, r in report["modes"].items():
         o = MODES[mode]
         lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale "
                       f"{o['precision.loss_scale']}; Adam moments "
-                      f"{o['optim.mu_dtype'] or 'in the master dtype'}; grad_reduce_dtype "
+                      f"{o['optim.mu_dtype'] or 'in the master dtype'}; update rounding "
+                      f"{o['optim.update_rounding']}; grad_reduce_dtype "
                       f"{o['precision.grad_reduce_dtype']}; grad_compression "
                       f"{o['precision.grad_compression']}"
                   + (f" (ratio {o['precision.topk_ratio']:g})"

@@ -126,7 +126,8 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
     Returns:
       None for ``"none"``. For ``"topk"``: ``{"residual": tree}``, the error-feedback
       memory as a plain nested dict with ``params``' keys (``nnx.to_pure_dict`` layout),
-      each leaf NumPy float32 zeros of shape ``[N, *param.shape]``: row i belongs to device i
+      each leaf float32 zeros of shape ``[N, *param.shape]`` (NumPy's; jax's where
+      ``params`` are traced, under ``jit`` or ``eval_shape``): row i belongs to device i
       (the trainer shards it over the data axis: :func:`jaxmp.train.state.train_state_shardings`).
       The residual is in unscaled gradient units, so a changing loss scale does not corrupt it.
 
@@ -138,9 +139,14 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
     if compression == "none":
         return None
     tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-    # NumPy: host zeros to be device_put onto their shardings, no compile per shape.
-    return {"residual": jax.tree.map(
-        lambda p: np.zeros((int(num_devices),) + tuple(p.shape), np.float32), tree)}
+    # NumPy: host zeros to be device_put onto their shardings, no compile per shape. Traced
+    # (under jit or eval_shape): jax zeros, abstract or laid out by the caller's shardings;
+    # host zeros would be allocated whole (48 GiB for configs/seed_moe.py on 8 devices).
+    def zeros(p):
+        shape = (int(num_devices),) + tuple(p.shape)
+        return (jnp.zeros(shape, jnp.float32) if isinstance(p, jax.core.Tracer)
+                else np.zeros(shape, np.float32))
+    return {"residual": jax.tree.map(zeros, tree)}
 
 
 class LeafReduce(NamedTuple):

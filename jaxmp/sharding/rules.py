@@ -228,6 +228,8 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
 
     def one(x):
         if isinstance(x, nnx.Variable):
+            if not hasattr(x.get_value(), "shape"):  # no array (optax.MaskedNode): no leaf
+                return x
             axes = _leaf_axes(x)
             if axes is None:
                 return x.replace(replicated)

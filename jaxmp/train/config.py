@@ -26,6 +26,7 @@ import math
 import pathlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax.traverse_util import flatten_dict
@@ -38,6 +39,7 @@ from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS
 from jaxmp.models.moe import MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
+from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PRESETS, PolicyRules, canonical_dtype, get_policy_rules
 from jaxmp.train.keys import KEYS
@@ -335,6 +337,7 @@ ALLOWED: Dict[str, Any] = {
     "optim.schedule": Choice(SCHEDULES),
     "optim.mu_dtype": _MOMENT_DTYPE,
     "optim.nu_dtype": _MOMENT_DTYPE,
+    "optim.update_rounding": Choice(UPDATE_ROUNDINGS),
     "data.path": Kind(lambda v: v is None or isinstance(v, str),
                       "a path, a glob or '' (the stdlib corpus)"),
     "data.text_field": Kind(lambda v: isinstance(v, str) and v.strip() != "",
@@ -444,6 +447,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         raise ValueError(f"precision.policy={p.policy!r} is not allowed; it must name a preset "
                          f"({', '.join(PRESETS)}) or a dtype, with optional 'MODULE: POLICY' rules")
     rules = get_policy_rules(p.policy)
+    _check_update_rounding(config.optim.update_rounding, rules)
     loss_scale = get_loss_scale(p.loss_scale)
     comm_kwargs = dict(grad_reduce_dtype=p.grad_reduce_dtype, grad_compression=p.grad_compression,
                        topk_ratio=p.topk_ratio)
@@ -502,6 +506,16 @@ def _apply_init_from(config: ml_collections.ConfigDict, given: Dict[str, Any]) -
             config.data.tokenizer = found[0]
             if found[1] is not None and "data.eod_id" not in given:
                 config.data.eod_id = found[1]
+
+
+def _check_update_rounding(rounding: str, rules: PolicyRules) -> None:
+    """Stochastic or Kahan rounding needs a policy that stores some parameter in 16 bits."""
+    policies = [rules.default] + [policy for _, policy in rules.rules]
+    if rounding != "nearest" and all(jnp.dtype(q.param_dtype).itemsize >= 4 for q in policies):
+        raise ValueError(f"optim.update_rounding={rounding!r} rounds bfloat16/float16 "
+                         f"parameters, but precision.policy={str(rules)!r} keeps every parameter "
+                         f"in float32; use a policy with bfloat16 params (e.g. 'pure_bf16; "
+                         f"router: fp32; norm: fp32') or optim.update_rounding='nearest'")
 
 
 def _check_parallel(config, model: ModelConfig, num_devices: int):

@@ -164,7 +164,7 @@ class Experiment:
         cfg = settings.config
         layout = settings.layout.on(mesh)
         lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
-        optimizer = make_optimizer(cfg.optim, lr_schedule)
+        optimizer = make_optimizer(cfg.optim, lr_schedule, cfg.seed)
 
         # Hardware choices (attention and moe_kernel "auto") follow the devices the step is
         # compiled for, which for a deviceless compile are topology devices (jaxmp.target).

@@ -105,6 +105,8 @@ KEYS: Tuple[Key, ...] = (
     Key("optim.mu_dtype", "", "Adam first moment dtype ('' = master dtype; bfloat16 "
                               "as DeepSeek-V3)"),
     Key("optim.nu_dtype", "", "Adam second moment dtype ('' = master dtype)"),
+    Key("optim.update_rounding", "nearest", "nearest | stochastic | kahan: how updates reach "
+                                            "bfloat16/float16 params (e.g. pure_bf16)"),
     # data
     Key("data.path", "", "'' = the Python standard library's .py files; a directory, a glob, "
                          ".jsonl files, or .bin/.npy token shards"),

@@ -13,6 +13,9 @@ turns into a message and exit status 128 + the signal number (130 for SIGINT, 14
 SIGTERM); rerunning the same command resumes. A signal during start-up (reading the
 data, compiling, restoring) stops at once without saving (nothing was trained), with
 one message. A second signal exits at once, leaving the checkpoints that are complete.
+In a multi-process run, SIGTERM is JAX's preemption notice (SIGINT is passed on to it):
+every process stops, and saves, at the step JAX's preemption sync point names, and
+exits 143 (130 where SIGINT came); a second SIGTERM then changes nothing.
 
 The step compiles in a background thread while the data is read. Every way out of
 :func:`train_and_evaluate` but a signal waits for that thread (a process that exits
@@ -32,6 +35,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 import numpy as np
 from tqdm import tqdm
 
@@ -40,6 +44,7 @@ from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLo
 from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.data import check_data_path
+from jaxmp.train.distributed import preemption_sync
 from jaxmp.train.experiment import Experiment, unmatched_rules
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
@@ -77,6 +82,7 @@ class Interrupted(Exception):
     def __init__(self, signum: int, step: int, saved: bool, directory: pathlib.Path,
                  startup: bool = False):
         self.signum, self.step, self.saved, self.directory = signum, step, saved, directory
+        self.startup = startup
         name = signal.Signals(signum).name
         if startup:
             resumable = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
@@ -97,12 +103,34 @@ class _SignalCatcher:
 
     Once ``training`` is set (the loop runs), the first signal says that a checkpoint
     will be saved; before, it says nothing here: :class:`Interrupted` says what happened.
+
+    With ``sync`` (a multi-process run with JAX's preemption sync manager,
+    :func:`jaxmp.train.distributed.preemption_sync`), SIGTERM is left to JAX's own handler
+    and SIGINT is passed on to it (as a SIGTERM to this process): :meth:`stop` is then
+    :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`, the step at
+    which every process stops, so that all save the same step (a process stopping on its
+    own would wait for the others in its checkpoint's collectives for ever).
     """
 
-    def __init__(self):
+    def __init__(self, sync: bool = False):
         self.signum: Optional[int] = None
         self.training = False
+        self.sync = sync
+        self._stopped = False
         self._previous = {}
+
+    def stop(self, step: int) -> bool:
+        """Whether the loop stops after ``step`` (every process agrees under ``sync``)."""
+        if not self.sync:
+            return self.signum is not None
+        if not self._stopped and multihost_utils.reached_preemption_sync_point(step):
+            self._stopped = True
+            if self.signum is None:  # the notice came to another process (or to JAX's handler)
+                self.signum = signal.SIGTERM
+                sys.stderr.write(f"\nSIGTERM (a preemption notice) at step {step}: every process "
+                                 "stops at this step and saves a checkpoint\n")
+                sys.stderr.flush()
+        return self._stopped
 
     def _handle(self, signum, frame):
         if self.signum is not None:  # the second one: leave now, as the user asked twice
@@ -110,6 +138,8 @@ class _SignalCatcher:
             sys.stderr.flush()
             os._exit(128 + signum)
         self.signum = signum
+        if self.sync:  # to JAX's preemption notifier: every process stops at one step
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.training:
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and "
                              "saving a checkpoint (send it again to exit at once)\n")
@@ -117,7 +147,7 @@ class _SignalCatcher:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT,) if self.sync else (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -434,7 +464,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     check_sample_memory(exp)
     with contextlib.ExitStack() as stack:
-        catcher = stack.enter_context(_SignalCatcher())
+        catcher = stack.enter_context(_SignalCatcher(sync=preemption_sync()))
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
         compilation = _Compilation(exp)  # in the background, while the data is read
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
@@ -459,7 +489,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
         step = start
         catcher.training = catcher.signum is None
-        while step < t.steps and catcher.signum is None:
+        stopping = catcher.signum is not None and not catcher.sync
+        while step < t.steps and not stopping:
             batch = exp.batch_to_device(next(data.train_iter))
             state, metrics = step_fn(state, batch)
             step += 1
@@ -469,7 +500,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 stopwatch.reset()
             for hook in hooks:
                 hook(step, state, metrics)
-        if catcher.signum is not None:
+            stopping = catcher.stop(step)
+        if stopping:
             if step > start and saver.last_saved != step:
                 save(step, state)
             ckpt.close()
