@@ -1,9 +1,13 @@
-"""``python -m jaxmp.export --workdir DIR --out DIR [--step N]``.
+"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf]``.
 
-Writes a training run's checkpoint as ``model.safetensors`` (every array of the model by
-its dotted path), ``config.json`` (model config, precision policy, tokenizer, step) and
-the tokenizer file, with :func:`jaxmp.train.artifacts.export`;
-:func:`jaxmp.train.artifacts.load_export` reads it back into a fresh model.
+``--format jaxmp`` (the default) writes a training run's checkpoint as
+``model.safetensors`` (every array of the model by its dotted path), ``config.json``
+(model config, precision policy, tokenizer, step) and the tokenizer file, with
+:func:`jaxmp.train.artifacts.export`; :func:`jaxmp.train.artifacts.load_export` reads it
+back into a fresh model. ``--format hf`` writes a directory that transformers'
+``AutoModelForCausalLM`` (and, with a Hugging Face tokenizer, ``AutoTokenizer``) loads,
+with :func:`jaxmp.train.artifacts.export_hf`; an architecture that maps to no family is
+a one-line error naming what does not map.
 """
 from __future__ import annotations
 
@@ -19,17 +23,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--workdir", required=True, help="the --workdir of a training run")
     p.add_argument("--out", required=True, help="the export directory (created)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--format", choices=("jaxmp", "hf"), default="jaxmp",
+                   help="jaxmp (default) or hf (a Hugging Face model directory)")
     args = p.parse_args(argv)
     from jaxmp.train import CheckpointError
-    from jaxmp.train.artifacts import export
+    from jaxmp.train.artifacts import export, export_hf
     from jaxmp.train.checkpoint import quiet_orbax_tracebacks
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     try:
-        meta = export(args.workdir, args.out, args.step)
+        meta = (export_hf if args.format == "hf" else export)(args.workdir, args.out, args.step)
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     finally:
         restore()
+    if args.format == "hf":
+        print(f"exported step {meta['step']} of {args.workdir} to {args.out} as "
+              f"{meta['family']}: config.json, safetensors weights"
+              f"{', ' + meta['tokenizer'] if meta['tokenizer'] else ' (no tokenizer.json)'}")
+        return 0
     tok = meta["tokenizer"]
     print(f"exported step {meta['step']} of {args.workdir} to {args.out}: model.safetensors, "
           f"config.json{', ' + tok['file'] if tok['file'] else ''} (tokenizer {tok['kind']}, "

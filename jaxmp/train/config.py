@@ -34,6 +34,7 @@ from jaxmp import sharding
 from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
+from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS
 from jaxmp.models.moe import MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
@@ -211,7 +212,8 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
       where: where the overrides come from, for the error naming an unknown key.
 
     Returns:
-      The completed config (:func:`complete_config`).
+      The completed config (:func:`complete_config`); with ``model.init_from=DIR`` its
+      ``model.*`` keys are DIR's config.json (see :func:`validate_config`).
 
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
@@ -245,7 +247,19 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     if not isinstance(config, (ml_collections.ConfigDict, dict)):
         raise ValueError(f"config file {name}: get_config() returned {config!r} (a "
                          f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
-    return apply_overrides(complete_config(config), overrides, where)
+    given = set(_given(config)) | {text.partition("=")[0].strip() for text in overrides}
+    config = apply_overrides(complete_config(config), overrides, where)
+    if config.model.init_from:  # the architecture from DIR, checked against what is set
+        _apply_init_from(config, {k: _get(config, k) for k in given if _has(config, k)})
+    return config
+
+
+def _has(config: ml_collections.ConfigDict, key: str) -> bool:
+    try:
+        _get(config, key)
+        return True
+    except (KeyError, AttributeError):
+        return False
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict:
@@ -344,6 +358,16 @@ ALLOWED: Dict[str, Any] = {
     "model.norm_eps": Real(),
     "model.aux_loss_weight": Real(),
     "model.bias_update_rate": Real(),
+    "model.rope_layout": Choice(ROPE_LAYOUTS),
+    "model.rope_scaling": Choice(ROPE_SCALINGS),
+    "model.qk_norm": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.qkv_bias": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.tie_embeddings": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.norm_topk_prob": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.routed_scaling_factor": Real(0, lo_open=True),
+    "model.init_from": Kind(lambda v: isinstance(v, str), "'' or a checkpoint directory"),
+    "model.mlp_only_layers": Kind(lambda v: isinstance(v, (tuple, list)) and all(
+        is_int(i) and i >= 0 for i in v), "a tuple of layer indices"),
     # The model's other checks are ModelConfig's; an int32 position is the run's.
     "model.max_len": Kind(lambda v: not is_int(v) or v <= _I32_MAX,
                           "at most 2**31 - 1 (positions are int32)"),
@@ -379,6 +403,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     Returns:
       The :class:`Settings`.
 
+    With ``model.init_from=DIR`` the architecture keys (``model.*`` but ``max_len``,
+    ``attention``, ``moe_kernel``, ``scan_layers``, ``remat``, ``capacity_factor``) are
+    DIR's config.json's (:func:`jaxmp.models.hf.config_from_hf`): one that the config
+    sets to another value is an error; DIR's ``tokenizer.json`` is the data tokenizer
+    unless ``data.tokenizer`` is set.
+
     Raises:
       ValueError: an unknown key (named with the closest valid one); a value outside
         its :data:`ALLOWED` entry; the global batch cannot be split into
@@ -392,7 +422,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         compression outside data parallelism). The message names the value and what is
         allowed.
     """
+    given = _given(config)
     config = complete_config(config)
+    _apply_init_from(config, given)  # a second time (after load_config) changes nothing
     t, d, p = config.train, config.data, config.precision
     keys = list(ALLOWED)
     after = keys.index("optim.learning_rate")  # the batch split is checked after train.*
@@ -426,6 +458,53 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale,
                     comm=comm_kwargs, num_devices=int(num_devices), layout=layout,
                     reduce_dtype=reduce_dtype)
+
+
+def _given(config) -> Dict[str, Any]:
+    """The dotted keys the config file or command line sets, with their values."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return flatten_dict(data, sep=".")
+
+
+def _apply_init_from(config: ml_collections.ConfigDict, given: Dict[str, Any]) -> None:
+    """With ``model.init_from=DIR``: the ``model.*`` architecture keys from DIR's config.json
+    (:func:`jaxmp.models.hf.config_from_hf`), the data tokenizer from DIR's
+    ``tokenizer.json`` unless ``data.tokenizer`` is set.
+
+    Raises:
+      ValueError: a ``model.*`` key the config sets that contradicts DIR's config.json, or
+        a config.json that cannot be represented (one line, named).
+    """
+    path = config.model.init_from
+    if not path:
+        return
+    from jaxmp.models import hf
+
+    arch = hf.config_from_hf(hf.read_config(path))
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for field in defaults:
+        key = f"model.{field}"
+        if field in hf.RUNTIME_FIELDS:  # the run's, but max_len and the balancing from DIR
+            if key not in given and field in ("max_len", "aux_loss_weight", "bias_update_rate") \
+                    and field in arch:
+                config.model[field] = arch[field]
+            continue
+        want = arch.get(field, defaults[field])
+        if key in given:
+            have = given[key]
+            same = (have == want or (isinstance(want, float) and is_real(have)
+                                     and math.isclose(have, want))
+                    or (field == "mlp_only_layers" and tuple(have) == tuple(want)))
+            if not same:
+                raise ValueError(f"{key}={have!r} contradicts {path}/config.json ({want!r}); "
+                                 f"leave it unset with model.init_from")
+        config.model[field] = tuple(want) if isinstance(want, list) else want
+    if "data.tokenizer" not in given:
+        found = hf.tokenizer_eos(path)
+        if found is not None:
+            config.data.tokenizer = found[0]
+            if found[1] is not None and "data.eod_id" not in given:
+                config.data.eod_id = found[1]
 
 
 def _check_update_rounding(rounding: str, rules: PolicyRules) -> None:

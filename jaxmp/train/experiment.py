@@ -63,6 +63,25 @@ def unmatched_rules(rules: PolicyRules, paths) -> List[str]:
             if not any(re.search(pattern, p) for p in paths)]
 
 
+def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) -> TrainState:
+    """The initial train state of ``model.init_from=path``: the checkpoint's weights, each
+    device reading its own slices (:func:`jaxmp.models.hf.load_weights`) onto the state's
+    layout, and a fresh optimizer state."""
+    from jaxmp.models import hf
+
+    with target.compiling_for(mesh):
+        model = hf.load_weights(path, settings.model, settings.rules, mesh=mesh,
+                                rules=layout.state_rules)
+    n = int(mesh.devices.size)
+    comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
+                                      settings.comm["grad_compression"])
+    state = create_train_state(model, optimizer, settings.loss_scale, settings.config.seed,
+                               comm_state=comm_state)[1]
+    # One buffer per leaf: the eager state shares its zero scalars, which the donating
+    # train step may not receive twice.
+    return jax.tree.map(lambda x: x.copy(), jax.device_put(state, shardings))
+
+
 def _cast_copy(params: Any, dtypes: dict) -> Any:
     """ZeRO-1's compute-dtype copy of the master ``params`` (an ``nnx.State``): each
     parameter cast to its module's compute dtype (``dtypes``, from
@@ -191,7 +210,10 @@ class Experiment:
             eval_step=jax.jit(make_eval_step(graphdef, plan=plan),
                               in_shardings=(state_sh, batch_sh)),
             plan=plan,
-            _init=jax.jit(init, out_shardings=state_sh.replace(compute_params=None)),
+            _init=(functools.partial(_init_from, cfg.model.init_from, settings, mesh, layout,
+                                     optimizer, state_sh.replace(compute_params=None))
+                   if cfg.model.init_from else
+                   jax.jit(init, out_shardings=state_sh.replace(compute_params=None))),
             _copy=(jax.jit(copy_fn, out_shardings=state_sh.compute_params)
                    if layout.compute_copy else None))
 
