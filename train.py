@@ -31,10 +31,12 @@ import pathlib  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
+from jaxmp._entry import cpu_without_a_gpu
 from jaxmp.train import distributed
+from jaxmp.train.checkpoint import quiet_orbax_tracebacks
 from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
-from jaxmp.train.config import load_config
+from jaxmp.train.config import config_to_dict, load_config
 
 # Relative config paths that do not exist from the current directory are looked up next
 # to this file (load_config), so the shipped configs work from any directory.
@@ -54,6 +56,8 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process, in [0, num
 _HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout", 30, "Seconds without a heartbeat after "
                                   "which JAX counts a process as dead; the others name a silent "
                                   "process after half of it, and exit with an error.")
+_STARTUP = flags.DEFINE_integer("startup_timeout", 300, "Seconds a multi-process run waits for "
+                                "every process to connect before it exits with an error.")
 
 
 def _parse_flags(argv):
@@ -111,19 +115,23 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+    cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
+    quiet_orbax_tracebacks()  # this process is the trainer's: a failed write is one line
     watchdog = None
     try:
         # Before anything touches the devices; the workdir, for the line of a lost peer.
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                               _HEARTBEAT.value, _WORKDIR.value)
+                               _HEARTBEAT.value, _WORKDIR.value, _STARTUP.value)
         watchdog = distributed.start_watchdog(_WORKDIR.value)  # a peer that dies stops this one
+        # Before any collective: processes with different configs would meet in mismatched ones.
+        distributed.check_same_config(config_to_dict(_LOADED["config"]), _STARTUP.value)
         train_and_evaluate(_LOADED["config"], _WORKDIR.value)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the
         # message says what and why.
         _leave(1, f"train.py: error: {e}", watchdog)
-    except Interrupted as e:
-        _leave(128 + e.signum, f"train.py: {e}", watchdog)
+    except Interrupted as e:  # after the loop, every process of a run stops at the same step
+        _leave(128 + e.signum, f"train.py: {e}", watchdog, ok=not e.startup)
     except KeyboardInterrupt:  # before the trainer's own handler is installed (start-up)
         _leave(130, "train.py: interrupted during start-up; nothing was trained", watchdog)
     except Exception:

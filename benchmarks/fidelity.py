@@ -628,7 +628,15 @@ def compare(plan_: Plan, results: Sequence[Mapping[str, Any]]) -> Dict[str, Any]
 def compilation_cache(directory: Optional[str]):
     """XLA's persistent compilation cache in ``directory`` (a temporary one if None), so the
     seeds of one mode, whose programs are identical, compile once; the previous settings
-    are restored afterwards."""
+    are restored afterwards.
+
+    JAX opens its cache once, at the first compile after the directory is set, and keeps
+    it open: the cache is reset (``compilation_cache.reset_cache``, public in
+    ``jax.experimental``) on entering and on leaving, so that the programs compiled inside
+    go to ``directory`` and those compiled after it to the previous directory again, not
+    to a deleted temporary one."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")
     old = {k: getattr(jax.config, k) for k in keys}
@@ -637,10 +645,12 @@ def compilation_cache(directory: Optional[str]):
         jax.config.update(keys[0], directory or temp)
         jax.config.update(keys[1], 0)
         jax.config.update(keys[2], 0)
+        cc.reset_cache()
         yield
     finally:
         for k, v in old.items():
             jax.config.update(k, v)
+        cc.reset_cache()
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
 

@@ -15,7 +15,11 @@ import numbers
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["Int", "Real", "Choice", "Kind", "is_int", "is_real", "check", "check_int",
-           "check_real", "check_choice"]
+           "check_real", "check_choice", "check_float", "check_matmul", "F32_MAX"]
+
+# float32's largest finite value, (2 - 2**-23) * 2**127 (IEEE 754 binary32), as a Python
+# float: float(np.finfo(np.float32).max). The bound of every float32-held setting.
+F32_MAX = (2.0 - 2.0 ** -23) * 2.0 ** 127
 
 
 def is_int(value: Any) -> bool:
@@ -156,3 +160,26 @@ def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
         raise ValueError(f"{name}={value!r} is not allowed; allowed: "
                          f"{', '.join(str(c) for c in choices)}")
     return value
+
+
+def check_float(name: str, x: Any) -> None:
+    """Raises ``ValueError`` ("NAME must have a floating-point dtype, got int32") unless
+    ``x`` (an array or anything ``jnp.result_type`` takes) has a floating-point dtype."""
+    import jax.numpy as jnp  # jax's dtype rules (bfloat16, float8 are floating)
+
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"{name} must have a floating-point dtype, got {jnp.result_type(x)}")
+
+
+def check_matmul(x: Any, w: Any, k: str = "K", n: str = "N") -> None:
+    """Floating ``x [..., k]`` and a 2-D floating ``w [k, n]``; else a ValueError naming the
+    shapes (``k`` and ``n`` name the dimensions in the message)."""
+    import jax.numpy as jnp
+
+    check_float("x", x)
+    check_float("w", w)
+    if jnp.ndim(w) != 2:
+        raise ValueError(f"w must be a 2-D [{k}, {n}] weight, got shape {jnp.shape(w)}")
+    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
+        raise ValueError(f"x of shape {jnp.shape(x)} must end in {k} = {jnp.shape(w)[0]} "
+                         f"(w of shape {jnp.shape(w)})")

@@ -1,11 +1,15 @@
-"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--force]``.
+"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf] [--force]``.
 
-Writes a training run's checkpoint as ``model.safetensors`` (every array of the model by
-its dotted path), ``config.json`` (model config, precision policy, tokenizer, step) and
-the tokenizer file, with :func:`jaxmp.train.artifacts.export`;
-:func:`jaxmp.train.artifacts.load_export` reads it back into a fresh model. The workdir is
-only read (a trainer may be writing into it); a corrupt newest checkpoint is passed over
-with a warning. ``--out`` must be empty unless ``--force``.
+``--format jaxmp`` (the default) writes a training run's checkpoint as
+``model.safetensors`` (every array of the model by its dotted path), ``config.json``
+(model config, precision policy, tokenizer, step) and the tokenizer file, with
+:func:`jaxmp.train.artifacts.export`; :func:`jaxmp.train.artifacts.load_export` reads it
+back into a fresh model. ``--format hf`` writes a directory that transformers'
+``AutoModelForCausalLM`` (and, with a Hugging Face tokenizer, ``AutoTokenizer``) loads,
+with :func:`jaxmp.train.artifacts.export_hf`; an architecture that maps to no family is
+a one-line error naming what does not map. The workdir is only read (a trainer may be
+writing into it); a corrupt newest checkpoint is passed over with a warning. For
+``--format jaxmp``, ``--out`` must be empty unless ``--force``.
 """
 from __future__ import annotations
 
@@ -22,18 +26,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", required=True, help="the export directory (created; must be empty "
                    "unless --force)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--format", choices=("jaxmp", "hf"), default="jaxmp",
+                   help="jaxmp (default) or hf (a Hugging Face model directory)")
     p.add_argument("--force", action="store_true", help="overwrite the export's files in a "
-                   "directory that is not empty")
+                   "directory that is not empty (--format jaxmp)")
     args = p.parse_args(argv)
     from jaxmp.train import CheckpointError
-    from jaxmp.train.artifacts import export
+    from jaxmp.train.artifacts import export, export_hf
+    from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+    restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     notes = []
     try:
-        meta = export(args.workdir, args.out, args.step, force=args.force, notes=notes)
+        meta = (export_hf(args.workdir, args.out, args.step) if args.format == "hf" else
+                export(args.workdir, args.out, args.step, force=args.force, notes=notes))
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    finally:
+        restore()
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
+    if args.format == "hf":
+        print(f"exported step {meta['step']} of {args.workdir} to {args.out} as "
+              f"{meta['family']}: config.json, safetensors weights"
+              f"{', ' + meta['tokenizer'] if meta['tokenizer'] else ' (no tokenizer.json)'}")
+        return 0
     tok = meta["tokenizer"]
     print(f"exported step {meta['step']} of {args.workdir} to {args.out}: model.safetensors, "
           f"config.json{', ' + tok['file'] if tok['file'] else ''} (tokenizer {tok['kind']}, "
@@ -42,4 +58,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxmp._entry import cpu_without_a_gpu
+
+    cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
     sys.exit(main())

@@ -4,4 +4,7 @@ import sys
 from jaxmp.analysis.report import main
 
 if __name__ == "__main__":
+    from jaxmp._entry import cpu_without_a_gpu
+
+    cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
     sys.exit(main())

@@ -40,10 +40,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jaxmp.models import generate
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import _load
+    from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+    restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     try:
         model, tokenizer, _, _, notes = _load(args.workdir, args.step)
     except (ValueError, CheckpointError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    finally:
+        restore()
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
     prompt = (tokenizer.encode(args.prompt, add_eos=False) if args.prompt
@@ -55,4 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxmp._entry import cpu_without_a_gpu
+
+    cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
     sys.exit(main())

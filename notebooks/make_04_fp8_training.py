@@ -196,7 +196,11 @@ for mode in modes:
 from benchmarks import fidelity
 
 recorded = json.loads((ROOT / "benchmarks" / "fidelity.json").read_text())
-print(recorded["setup"]["command"])
+command = recorded["setup"]["command"].split()
+for flag in ("--json", "--plot"):  # output files: their names, not the recording machine's paths
+    if flag in command:
+        command[command.index(flag) + 1] = Path(command[command.index(flag) + 1]).name
+print(" ".join(command))
 print(fidelity.format_summary(recorded))
 fig = fidelity.plot(recorded)
 display(fig)"""),

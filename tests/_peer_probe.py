@@ -1,19 +1,22 @@
 """One process of a multi-process run that trains nothing: jaxmp.train.distributed's
-start-up (JAX's runtime, the relay, the watchdog) and then a cross-process all-reduce
+start-up (JAX's runtime, the watchdog) and then a cross-process all-reduce
 in a loop, so that a test can kill a peer and read what the survivor says, in a few
 seconds instead of a trainer's compile.
 
     python tests/_peer_probe.py ADDRESS NUM_PROCESSES PROCESS_ID WORKDIR [PAUSE_S]
 
 Creates ``WORKDIR/ready.PROCESS_ID`` once the watchdog runs and the first all-reduce is
-done; with PAUSE_S > 0, first ``WORKDIR/paused.PROCESS_ID`` and then a sleep of PAUSE_S
-seconds between ``initialize`` and the watchdog (a death in that gap). Exits 0 once
-``WORKDIR/stop`` exists.
+done, after writing ``WORKDIR/info.PROCESS_ID`` (JSON: the coordinator address JAX's client
+was given, and this process's thread names); with PAUSE_S > 0, first
+``WORKDIR/paused.PROCESS_ID`` and then a sleep of PAUSE_S seconds between ``initialize`` and
+the watchdog (a death in that gap). Exits 0 once ``WORKDIR/stop`` exists.
 """
 import importlib.util
+import json
 import os
 import pathlib
 import sys
+import threading
 import time
 
 import jax
@@ -40,6 +43,10 @@ total = jax.jit(lambda x: x.sum(), out_shardings=jax.sharding.NamedSharding(
 x = jax.make_array_from_process_local_data(sharding, local)
 try:
     assert float(total(x)) == jax.device_count()
+    from jax._src import distributed as _state
+    (pathlib.Path(workdir) / f"info.{pid}").write_text(json.dumps(
+        {"coordinator_address": _state.global_state.coordinator_address,
+         "threads": [t.name for t in threading.enumerate()]}))
     (pathlib.Path(workdir) / f"ready.{pid}").touch()
     while not (pathlib.Path(workdir) / "stop").exists():
         float(total(x))  # a collective with the peer, as a training step would run

@@ -516,7 +516,7 @@ def test_fsdp_activations_are_counted_from_the_step_and_hold_no_gathered_weight(
                                           "--config.model.d_model=48", "--config.model.d_ff=80",
                                           "--config.model.d_expert=112", "--config.data.seq_len=32"])
         exp = Experiment.create(config, mesh=accounting.data_mesh(8))
-        return exp, accounting._step_residuals(exp)
+        return exp, accounting.step_residuals(exp)
 
     exp, res = residuals_of(remat_setting)
     weights = {tuple(p.shape) for p in jax.tree.leaves(exp.abstract_state.params) if p.ndim >= 2}

@@ -39,9 +39,14 @@ def mesh_of(n):
 def test_bad_settings_name_the_value_and_what_is_allowed(kwargs, match):
     with pytest.raises(ValueError, match=match):
         comm.check_comm_config(**kwargs)
+    # The trainer checks them once, in validate_config (make_train_step takes them as checked).
+    config = small_config()
+    for key, value in kwargs.items():
+        config.precision[key] = value
+    if config.precision.topk_ratio is not True and kwargs.get("topk_ratio") is True:
+        return  # a ConfigDict's float key stores True as 1.0, a valid ratio
     with pytest.raises(ValueError, match=match):
-        make_train_step(None, optax.sgd(0.1), lr_schedule=optax.constant_schedule(0.1),
-                        mesh=mesh_of(8), **kwargs)
+        validate_config(config, 8)
 
 
 def test_bad_precision_keys_fail_config_validation():
@@ -238,6 +243,15 @@ def np_topk_rows(acc, k):
 LR, MOMENTUM = 0.5, 0.9
 
 
+def toy_plan(mesh, state, grad_reduce_dtype="float32", **comm_kwargs):
+    """The data-parallel StepPlan of ``state`` on ``mesh`` and make_train_step's other
+    communication keywords, after the check validate_config makes."""
+    reduce_dtype = comm.check_comm_config(grad_reduce_dtype, **comm_kwargs)
+    plan = sharding.StepPlan(mesh, sharding.layout("dp", 1), state.params, state.params,
+                             reduce_dtype)
+    return plan, comm_kwargs
+
+
 def toy_setup(mesh, loss_scale=None, grad_accum_steps=1, **comm_kwargs):
     optimizer = optax.sgd(LR, momentum=MOMENTUM)  # a state to keep on skipped steps
     model = ToyLM(nnx.Rngs(0))
@@ -248,26 +262,27 @@ def toy_setup(mesh, loss_scale=None, grad_accum_steps=1, **comm_kwargs):
                                          comm_state=comm_state)
     state_sh = train_state_shardings(state, mesh, sharding.DATA_PARALLEL_RULES)
     batch_sh = sharding.batch_sharding(mesh, sharding.DATA_PARALLEL_RULES)
+    plan, comm_kwargs = toy_plan(mesh, state, **comm_kwargs)
     step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=optax.constant_schedule(LR),
-                                   grad_accum_steps=grad_accum_steps, mesh=mesh, **comm_kwargs),
+                                   grad_accum_steps=grad_accum_steps, plan=plan, **comm_kwargs),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
     return step, jax.device_put(state, state_sh), lambda b: jax.device_put(b, batch_sh)
 
 
-def test_the_step_needs_a_data_mesh_and_topk_needs_a_residual():
-    for mesh in (None, Mesh(np.asarray(jax.devices()[:2]), ("model",))):
-        with pytest.raises(ValueError, match="mesh= a jax.sharding.Mesh with a 'data' axis"):
-            make_train_step(None, optax.sgd(0.1), mesh=mesh, lr_schedule=optax.constant_schedule(0.1))
+def test_the_step_needs_a_plan_and_topk_needs_a_residual():
+    # A batch the devices and micro-batches do not divide is validate_config's error
+    # (tests/test_train.py::test_bad_input_is_a_clear_error_before_training).
+    for plan in (None, mesh_of(8)):
+        with pytest.raises(ValueError, match="needs plan= a jaxmp.sharding.StepPlan"):
+            make_train_step(None, optax.sgd(0.1), plan=plan,
+                            lr_schedule=optax.constant_schedule(0.1))
     model = ToyLM(nnx.Rngs(0))
     graphdef, state = create_train_state(model, optax.sgd(0.1), NoOpLossScale(), 0)  # no comm_state
+    plan, kwargs = toy_plan(mesh_of(8), state, grad_compression="topk")
     step = make_train_step(graphdef, optax.sgd(0.1), lr_schedule=optax.constant_schedule(0.1),
-                           mesh=mesh_of(8), grad_compression="topk")
+                           plan=plan, **kwargs)
     with pytest.raises(ValueError, match="comm_state"):
         jax.eval_shape(step, state, toy_batch(0))
-    step = make_train_step(graphdef, optax.sgd(0.1), lr_schedule=optax.constant_schedule(0.1),
-                           mesh=mesh_of(8), grad_reduce_dtype="bfloat16", grad_accum_steps=2)
-    with pytest.raises(ValueError, match="8 devices x 2 micro-batches; use a multiple of 16"):
-        jax.eval_shape(step, state, toy_batch(0))  # 8 rows
 
 
 @pytest.fixture(scope="module")

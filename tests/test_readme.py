@@ -45,8 +45,12 @@ def test_readme_first_screen_trains_samples_and_exports():
 def test_readme_first_lines_are_the_two_commands():
     lines = (ROOT / "README.md").read_text().splitlines()
     block = lines[lines.index("```bash") + 1: lines.index("```bash") + 3]
-    assert block[0].startswith("python3 -m venv .venv && .venv/bin/pip install -e \".[test]\"")
+    install = re.match(r'python3 -m venv \.venv && \.venv/bin/pip install -e "\.\[([a-z,]+)\]" && ',
+                       block[0])
+    assert install and {"train", "test"} <= set(install.group(1).split(","))  # the trainer's extra
     assert "train.py --config configs/tiny_moe.py" in block[0]
     assert block[1] == ".venv/bin/python -m pytest -q"
     ci = (ROOT / ".ci" / "run").read_text()
-    assert ".venv/bin/pip install -q -e \".[test]\"" in ci and ".venv/bin/python -m pytest -q" in ci
+    # CI installs exactly as the README's first command does.
+    assert f'.venv/bin/pip install -q -e ".[{install.group(1)}]"' in ci
+    assert ".venv/bin/python -m pytest -q" in ci

@@ -71,14 +71,6 @@ def test_logical_to_sharding(mesh):
         sharding.logical_to_sharding(("batch", "embed"), mesh, fsdp)
 
 
-def test_check_batch_divisible(mesh):
-    sharding.check_batch_divisible(16, mesh)
-    with pytest.raises(ValueError, match="^global batch 12 is not divisible by the 8 devices of mesh axis 'data'$"):
-        sharding.check_batch_divisible(12, mesh)
-    with pytest.raises(ValueError, match="global batch 0 must be a positive integer"):
-        sharding.check_batch_divisible(0, mesh)
-
-
 CONFIG = dict(vocab_size=64, num_layers=2, d_model=32, num_heads=4, d_ff=64, max_len=8,
               num_experts=4, num_shared_experts=1, top_k=2, d_expert=16, first_dense_layers=1)
 
@@ -128,7 +120,6 @@ def test_sharded_forward_equals_unsharded(mesh, rules, capacity_factor):
     want, want_dropped = jax.jit(fwd)(state, toks)
     state_sh = sharding.state_shardings(state, mesh, rules)
     batch_sh = sharding.batch_sharding(mesh, rules)
-    sharding.check_batch_divisible(toks.shape[0], mesh, rules)
     def constraints():
         eqns = jax.make_jaxpr(fwd)(state, toks).jaxpr.eqns
         return [e.params["sharding"].spec for e in eqns if e.primitive.name == "sharding_constraint"]

@@ -10,17 +10,26 @@ Per device, in bytes, for the config's layout (``parallel.strategy`` and
     the master weights ``TrainState.params`` as stored (float32 in every mixed mode):
     the device's shard under ``zero1`` and ``fsdp``, everything under ``dp``.
 ``grads_bytes``
-    the gradient buffer: one value per parameter in its master dtype (what
-    :func:`jaxmp.optim.apply_gradients` receives), laid out like ``params_bytes``.
+    the gradient buffer: one float32 value per parameter (what the step hands
+    :func:`jaxmp.optim.apply_gradients`, unscaled), laid out like ``params_bytes``.
 ``opt_state_bytes``
     ``optimizer.init(params)`` of the real optimizer (moments in ``optim.mu_dtype`` /
-    ``nu_dtype`` plus the int32 step counts), laid out like the master weights.
+    ``nu_dtype`` plus the int32 step counts, and with ``optim.update_rounding=kahan`` a
+    compensation buffer per bfloat16 parameter), laid out like the master weights.
 ``compute_copy_bytes``
     the compute-dtype copy of the parameters the state keeps between steps under
     ``zero1`` (``TrainState.compute_params``, replicated); 0 otherwise.
 ``comm_state_bytes``
     the top-k error-feedback residual (:func:`jaxmp.comm.init_comm_state`), one float32
     row per device; 0 without compression.
+``persistent_bytes``
+    what stays in memory between steps: ``params_bytes + opt_state_bytes +
+    compute_copy_bytes + comm_state_bytes`` (divided by the parameter count, the table's
+    bytes per parameter: 8 for float32 masters with bf16 moments, 6 for bfloat16 masters
+    with stochastic rounding, 8 with Kahan's bfloat16 compensation; divided by the data
+    axis under ``zero1`` and ``fsdp``, plus ZeRO-1's replicated compute copy).
+``float32_state_bytes``
+    of ``params_bytes + opt_state_bytes``, the float32 leaves' bytes.
 ``activation_bytes``
     the residuals that the forward pass of the train step's loss
     (:func:`jaxmp.train.step.loss_fn`) saves for its backward pass at the per-device
@@ -93,6 +102,10 @@ __all__ = [
     "data_mesh",
     "account_mode",
     "accounting_report",
+    "micro_batch",
+    "step_residuals",
+    "state_bytes",
+    "lower_train_step",
     "format_accounting",
 ]
 
@@ -130,17 +143,30 @@ _MODE_TABLE = (
                        "",         "float32",  "none"),
     ("fp8_blockwise",  "fp8_blockwise; router: fp32; norm: fp32",  "none",
                        "",         "float32",  "none"),
+    # bfloat16 master weights (the router and norms stay float32) with bf16 moments: 6
+    # bytes of persistent state per parameter with stochastic rounding, 8 with Kahan's
+    # bfloat16 compensation buffer (jaxmp.optim.with_update_rounding); bf16_moments is
+    # the float32-master baseline at 8.
+    ("pure_bf16_stochastic", "pure_bf16; router: fp32; norm: fp32", "none",
+                       "bfloat16", "float32",  "none"),
+    ("pure_bf16_kahan", "pure_bf16; router: fp32; norm: fp32",     "none",
+                       "bfloat16", "float32",  "none"),
 )
+_UPDATE_ROUNDING = {"pure_bf16_stochastic": "stochastic", "pure_bf16_kahan": "kahan"}
 
 MODES: Mapping[str, Mapping[str, Any]] = {
     name: {"precision.policy": policy, "precision.loss_scale": loss_scale,
            "optim.mu_dtype": moments, "optim.nu_dtype": moments,
            "precision.grad_reduce_dtype": reduce, "precision.grad_compression": compression,
-           "precision.topk_ratio": TOPK_RATIO}
+           "precision.topk_ratio": TOPK_RATIO,
+           "optim.update_rounding": _UPDATE_ROUNDING.get(name, "nearest")}
     for name, policy, loss_scale, moments, reduce, compression in _MODE_TABLE}
 
 MEMORY_KEYS = ("params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
                "comm_state_bytes", "activation_bytes")
+# What stays in memory between steps: the master weights, the optimizer state (moments,
+# Kahan compensation), ZeRO-1's compute copy and the top-k residual.
+PERSISTENT_KEYS = ("params_bytes", "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes")
 
 
 def mode_config(config: ml_collections.ConfigDict, mode: str) -> ml_collections.ConfigDict:
@@ -232,11 +258,16 @@ def data_mesh(num_devices: int, expert: int = 1) -> Mesh:
     return sharding.make_mesh(num_devices, expert=expert, devices=devices)
 
 
-def _per_device_bytes(tree: Any, shardings: Any) -> int:
+def _per_device_bytes(tree: Any, shardings: Any, dtype: Any = None,
+                      itemsize: Optional[int] = None) -> int:
+    """Bytes of ``tree``'s leaves on one device (of ``dtype`` only, when given; each
+    element ``itemsize`` bytes, when given, else its dtype's)."""
     total = 0
     for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        if dtype is not None and np.dtype(x.dtype) != np.dtype(dtype):
+            continue
         shape = s.shard_shape(tuple(x.shape)) if isinstance(s, NamedSharding) else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        total += int(np.prod(shape, dtype=np.int64)) * (itemsize or np.dtype(x.dtype).itemsize)
     return total
 
 
@@ -282,14 +313,15 @@ def _memory_analysis(compiled) -> Optional[dict]:
     return {k: int(getattr(stats, k)) for k in keys if hasattr(stats, k)}
 
 
-def _micro_batch(exp: Experiment) -> jax.ShapeDtypeStruct:
-    """The per-device micro-batch of token ids: ``[batch / accum / devices, seq_len]``."""
+def micro_batch(exp: Experiment) -> jax.ShapeDtypeStruct:
+    """The per-device micro-batch of token ids, abstract: int32 ``[train.batch_size /
+    train.grad_accum_steps / devices, data.seq_len]``."""
     t = exp.config.train
     return jax.ShapeDtypeStruct((t.batch_size // t.grad_accum_steps // exp.num_devices,
                                  exp.config.data.seq_len), jnp.int32)
 
 
-def _step_residuals(exp: Experiment) -> List[Residual]:
+def step_residuals(exp: Experiment) -> List[Residual]:
     """The residuals the train step's loss keeps at the per-device micro-batch.
 
     Under ``fsdp`` the loss runs as in the step: inside ``shard_map`` (over one device)
@@ -298,7 +330,7 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
     count is what that policy saves with the model's remat policy, not what plain autodiff of whole
     parameters would save.
     """
-    state, micro = exp.abstract_state, _micro_batch(exp)
+    state, micro = exp.abstract_state, micro_batch(exp)
 
     def loss(params, biases, rest, loss_scale, batch):
         return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
@@ -323,21 +355,38 @@ def _step_residuals(exp: Experiment) -> List[Residual]:
                            {"inputs": micro, "targets": micro}, argnums=0)
 
 
-def _state_bytes(exp: Experiment) -> Dict[str, int]:
-    """Per-device params, gradient, optimizer-state, compute-copy and top-k residual bytes."""
+def state_bytes(exp: Experiment) -> Dict[str, int]:
+    """Per-device bytes of the persistent train state, from its abstract shapes and shardings.
+
+    Returns:
+      ``{"params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
+      "comm_state_bytes"}``: the master weights, their gradient (one master-dtype value
+      per parameter, laid out like it), the optimizer state, ZeRO-1's compute-dtype copy
+      and the top-k residual, in bytes on one device.
+    """
     state, state_sh = exp.abstract_state, exp.state_shardings
     params = _per_device_bytes(state.params, state_sh.params)
     copy = state.compute_params
     return {"params_bytes": params,
-            "grads_bytes": params,  # one master-dtype value per parameter, laid out like it
+            # The step hands the optimizer unscaled float32 gradients, laid out like the
+            # params, whatever their dtype (bfloat16 masters cast them afterwards).
+            "grads_bytes": _per_device_bytes(state.params, state_sh.params, itemsize=4),
             "opt_state_bytes": _per_device_bytes(state.opt_state, state_sh.opt_state),
             "compute_copy_bytes": (0 if copy is None
                                    else _per_device_bytes(copy, state_sh.compute_params)),
             "comm_state_bytes": _per_device_bytes(state.comm_state, state_sh.comm_state)}
 
 
-def _lower_step(exp: Experiment, global_batch: int):
-    """The experiment's jitted train step lowered with abstract inputs (nothing allocated)."""
+def _float32_state_bytes(exp: Experiment) -> int:
+    """Per-device bytes of the float32 leaves of the params and the optimizer state."""
+    state, state_sh = exp.abstract_state, exp.state_shardings
+    return _per_device_bytes((state.params, state.opt_state),
+                             (state_sh.params, state_sh.opt_state), np.float32)
+
+
+def lower_train_step(exp: Experiment, global_batch: int):
+    """The experiment's jitted train step lowered for a ``[global_batch, data.seq_len]``
+    batch, with abstract inputs (nothing allocated): a ``jax.stages.Lowered``."""
     return exp.train_step.lower(exp.abstract_state, exp.abstract_batch(global_batch))
 
 
@@ -384,7 +433,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     n, t = exp.num_devices, exp.config.train
     state = exp.abstract_state
 
-    lowered = _lower_step(exp, t.batch_size)
+    lowered = lower_train_step(exp, t.batch_size)
     on_cpu = mesh.devices.flat[0].platform == "cpu"
     hlo, compiled, hlo_source = _partitioned_hlo(lowered, on_cpu)
     settings = exp.settings.comm
@@ -402,15 +451,17 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     sparse = ([comm.topk_count(d, settings["topk_ratio"]) for d in dense]
               if settings["grad_compression"] == "topk" else [])
 
-    residuals = _step_residuals(exp)
+    residuals = step_residuals(exp)
     collectives = hlo_collectives(hlo)
     out = {"policy": cfg.precision.policy, "strategy": exp.layout.strategy,
            "expert": exp.layout.expert,
-           **_state_bytes(exp),
+           **state_bytes(exp),
            "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
            "grad_allreduce_bytes": gradient_collective_bytes(collectives, dense, sparse),
            "collective_bytes": collective_bytes(collectives)}
     out["total_bytes"] = sum(out[k] for k in MEMORY_KEYS)
+    out["persistent_bytes"] = sum(out[k] for k in PERSISTENT_KEYS)
+    out["float32_state_bytes"] = _float32_state_bytes(exp)
     out["xla_memory"] = None
     if jax.default_backend() != "cpu":
         if not on_cpu:
@@ -418,7 +469,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
         elif exp.layout.strategy == "dp" and exp.layout.expert == 1:
             # One device with its share of the batch: the same per-device program.
             one = Experiment.create(cfg, mesh=data_mesh(1))
-            out["xla_memory"] = _memory_analysis(_lower_step(one, t.batch_size // n).compile())
+            out["xla_memory"] = _memory_analysis(lower_train_step(one, t.batch_size // n).compile())
     out["hlo_source"] = hlo_source
     m = exp.model_config
     out["attention_path"] = resolve_attention(m.attention,
@@ -433,7 +484,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
 
 
 def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequence[str]] = None,
-                      num_devices: int = 8, *, breakdown: int = 0) -> dict:
+                      num_devices: int = 8, *, breakdown: int = 0,
+                      skip_failed: bool = False) -> dict:
     """:func:`account_mode` for each mode, as the JSON of ``python -m jaxmp.report --config``.
 
     Args:
@@ -441,17 +493,22 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
       modes: keys of :data:`MODES` (default: all, in table order).
       num_devices: data-parallel devices.
       breakdown: top residual groups to keep per mode (0 = none).
+      skip_failed: a mode whose step XLA cannot compile here (e.g. XLA:CPU's limit of
+        2**31 - 1 scatter indices, which top-k compression of a large model exceeds) is
+        left out of ``"modes"`` and its one-line reason put in ``"skipped"``, instead of
+        raising.
 
     Returns:
       ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
       {NAME: {"policy", "strategy", "expert", "params_bytes", "grads_bytes",
       "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes", "activation_bytes",
       "grad_allreduce_bytes", "collective_bytes", "total_bytes"}},
-      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}}}``,
-      bytes per device.
+      "details": {NAME: {"xla_memory", "hlo_source", "attention_path"[, "breakdown"]}},
+      "skipped": {NAME: reason}}``, bytes per device.
 
     Raises:
       ValueError: an unknown mode (before any work), or as :func:`account_mode`.
+      jax.errors.JaxRuntimeError: XLA cannot compile a mode's step (unless ``skip_failed``).
     """
     modes = list(MODES) if modes is None else list(modes)
     for mode in modes:
@@ -472,9 +529,19 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
                   "grad_accum_steps": int(t.grad_accum_steps), "seq_len": int(config.data.seq_len)},
         "modes": {},
         "details": {},
+        "skipped": {},
     }
     for mode in modes:
-        row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        try:
+            row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
+        except jax.errors.JaxRuntimeError as e:
+            if not skip_failed:
+                raise
+            first = " ".join(str(e).split())
+            first = first[:first.find(". ") + 1 or None][:300]  # its first sentence
+            out["skipped"][mode] = (f"XLA cannot compile its step on this machine "
+                                    f"({out['setup']['platform']}): {first}")
+            continue
         out["details"][mode] = {k: row.pop(k)
                                 for k in ("xla_memory", "hlo_source", "attention_path",
                                                         "breakdown") if k in row}
@@ -507,13 +574,18 @@ def format_accounting(report: dict, title: str = "") -> str:
             ("optimizer state", "opt_state_bytes", True),
             ("compute copy", "compute_copy_bytes", True),
             ("top-k residual", "comm_state_bytes", True),
+            ("persistent state", "persistent_bytes", True),
+            ("  of it float32", "float32_state_bytes", True),
             ("activations", "activation_bytes", False), ("total memory", "total_bytes", False),
             ("grad reduction", "grad_allreduce_bytes", True))
+    for mode, reason in report.get("skipped", {}).items():
+        lines += ["", f"mode {mode}: not accounted: {reason}"]
     for mode, r in report["modes"].items():
         o = MODES[mode]
         lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale "
                       f"{o['precision.loss_scale']}; Adam moments "
-                      f"{o['optim.mu_dtype'] or 'in the master dtype'}; grad_reduce_dtype "
+                      f"{o['optim.mu_dtype'] or 'in the master dtype'}; update rounding "
+                      f"{o['optim.update_rounding']}; grad_reduce_dtype "
                       f"{o['precision.grad_reduce_dtype']}; grad_compression "
                       f"{o['precision.grad_compression']}"
                   + (f" (ratio {o['precision.topk_ratio']:g})"

@@ -147,8 +147,9 @@ def get_target(name: str) -> GpuTarget:
     capability 9 and above, A100's below; NVLink 450 GB/s per direction).
 
     Raises:
-      ValueError: an unknown name, an unreadable file, or a proto without the fields the
-        report needs.
+      ValueError: an unknown name, an unreadable file, a proto without the fields the
+        report needs, or (where XLA's GPU compiler is installed) one it cannot parse; a
+        file's error names the file.
     """
     key = str(name).upper()
     if key in _TARGETS:
@@ -161,7 +162,22 @@ def get_target(name: str) -> GpuTarget:
         except OSError as e:
             raise ValueError(f"--target {name!r}: cannot read the target description: "
                              f"{e.strerror}") from None
-        return _target(os.path.basename(name), proto, 450e9, f"user file {name}")
+        except UnicodeDecodeError:
+            raise ValueError(f"--target {name!r}: not a GpuTargetConfigProto text file (not "
+                             f"UTF-8 text)") from None
+        try:
+            target = _target(os.path.basename(name), proto, 450e9, f"user file {name}")
+        except ValueError as e:
+            raise ValueError(f"--target {name!r}: {e}") from None
+        if plugin_problem() is None:  # XLA's own parse, where its GPU compiler is here
+            from jax.experimental import topologies
+            try:
+                topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                             target_config=proto)
+            except Exception as e:  # noqa: BLE001 - XLA's parse error, in one line
+                raise ValueError(f"--target {name!r}: not a GpuTargetConfigProto text file "
+                                 f"({' '.join(str(e).split())[:200]})") from None
+        return target
     raise ValueError(f"--target {name!r}: allowed: {', '.join(TARGETS)}, or the path of a "
                      f"GpuTargetConfigProto .pbtxt file")
 

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from jaxmp.analysis.accounting import (MODES, _lower_step, _micro_batch, _state_bytes,
-                                       _step_residuals,
-                                       data_mesh, mode_config)
+from jaxmp.analysis.accounting import (MODES, data_mesh, lower_train_step, micro_batch,
+                                       mode_config, state_bytes, step_residuals)
 from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.models.attention import Attention, cudnn_support, trace_cudnn_without_gpu
 from jaxmp.models.transformer import REMAT_POLICIES
@@ -38,7 +37,7 @@ def _attention_residual_bytes(exp: Experiment) -> int:
         cfg.d_model, cfg.num_heads, cfg.rope_theta, path="blocks/0/attn", rules=rules,
         rngs=nnx.Rngs(0), implementation=cfg.attention, recompute_core=cfg.remat == "attention"))
     graphdef, params = nnx.split(module, nnx.Param)
-    micro = _micro_batch(exp)
+    micro = micro_batch(exp)
     # The residual stream's dtype: the embedding's output dtype.
     x = jax.ShapeDtypeStruct(micro.shape + (cfg.d_model,), rules.resolve("embed").output_dtype)
     res = saved_residuals(lambda p, x: nnx.merge(graphdef, p)(x).astype(jnp.float32).sum(),
@@ -61,7 +60,7 @@ def _step_flops(config: ml_collections.ConfigDict) -> Tuple[Optional[float], Opt
     forward pass (measured: a checkpointed attention core compiles to the un-checkpointed
     program), which XLA:GPU, whose barriers hold until scheduling, does not."""
     exp = Experiment.create(config, mesh=data_mesh(1))
-    lowered = _lower_step(exp, config.train.batch_size)
+    lowered = lower_train_step(exp, config.train.batch_size)
     if exp.mesh.devices.flat[0].platform == "cpu":
         return _cost_flops(lowered.cost_analysis()), None
     return _cost_flops(lowered.cost_analysis()), _cost_flops(lowered.compile().cost_analysis())
@@ -137,9 +136,9 @@ def activation_settings(config: ml_collections.ConfigDict, mode: str = "mixed_bf
             trace_only = attention == "cudnn" and not cudnn_support(jnp.bfloat16, head_dim)[0]
             with trace_cudnn_without_gpu() if trace_only else contextlib.nullcontext():
                 exp = Experiment.create(cfg, mesh=mesh)
-                activations = sum(r.nbytes for r in _step_residuals(exp) if r.kind == "computed")
+                activations = sum(r.nbytes for r in step_residuals(exp) if r.kind == "computed")
                 attention_bytes = _attention_residual_bytes(exp)
-            state = _state_bytes(exp)
+            state = state_bytes(exp)
             rows.append({"attention": attention, "remat": remat, "activation_bytes": activations,
                          "attention_bytes_per_layer": attention_bytes,
                          "total_bytes": sum(state.values()) + activations,
@@ -162,7 +161,7 @@ def activation_settings(config: ml_collections.ConfigDict, mode: str = "mixed_bf
                       t.batch_size // t.grad_accum_steps // num_devices,
                       "seq_len": int(base.data.seq_len), "num_layers": int(base.model.num_layers),
                       "scan_layers": bool(base.model.scan_layers),
-                      "state_bytes": sum(_state_bytes(exp).values())}}
+                      "state_bytes": sum(state_bytes(exp).values())}}
 
 
 def format_settings(report: dict) -> str:

@@ -38,11 +38,13 @@
     and whether it fits, the largest buffers, kernels by kind, GEMM FLOPs against
     6 x active params x tokens, collectives, and a roofline bound on the step time and
     MFU. ``--target`` takes H100, H200, H800, A100 or the path of a
-    ``GpuTargetConfigProto`` text file.
+    ``GpuTargetConfigProto`` text file; ``--top K`` lists the K largest buffers (default
+    10). The exit status is 1 when the step does not fit the GPU's memory.
 
 ``--json OUT`` also writes the printed tables to ``OUT`` as JSON: one top-level key per
 mode (``"article"``, ``"cost"``), or for ``--config`` the accounting report itself
-(``{"model": ..., "setup": ..., "modes": {NAME: {...}}, "details": ...}``).
+(``{"model": ..., "setup": ..., "modes": {NAME: {...}}, "details": ..., "skipped": {NAME:
+reason}}``: a mode whose step XLA cannot compile here is left out, with its reason).
 """
 from __future__ import annotations
 
@@ -76,6 +78,11 @@ def output_problem(path: str) -> Optional[str]:
     out = pathlib.Path(path)
     if out.is_dir():
         return f"{path} is a folder; give a file path"
+    for parent in out.absolute().parents:  # the first that exists must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                return f"cannot write {path}: {parent} is a file, not a folder"
+            break
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent):
@@ -269,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--autotune_results", metavar="FILE",
                    help="with --target: XLA autotune results from a real GPU of that kind "
                         "(benchmarks/gpu_suite.py writes them)")
-    g.add_argument("--top", type=int, default=10, help="with --target: largest buffers listed")
+    g.add_argument("--top", type=int, default=None,
+                   help="with --target: largest buffers listed (default 10)")
     a = p.add_argument_group("--config options")
     a.add_argument("--modes", default=None,
                    help="comma-separated precision modes (default: all of "
@@ -322,6 +330,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--target compiles a config's step: give --config PATH")
     if args.autotune_results and not args.target:
         parser.error("--autotune_results goes with --target")
+    if args.top is not None and args.top < 0:
+        parser.error(f"--top must be an integer >= 0, got {args.top}")
+    if args.top is not None and not args.target:
+        parser.error("--top goes with --target (the largest buffers of the GPU compile)")
     if args.config and args.target:
         return _main_target(parser, args)
     if args.config:
@@ -389,7 +401,12 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
                          "trainer's precision.loss_scale=dynamic starts at 256 (the seed "
                          "article's value), dynamic:init=2**15 there gives the mode's")
         print("\n".join(notes))
-        out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown)
+        out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown,
+                                           skip_failed=True)
+        if not out["modes"]:  # not one mode could be compiled: say why, in one line each
+            for mode, reason in out["skipped"].items():
+                print(f"{parser.prog}: error: mode {mode}: {reason}", file=sys.stderr)
+            return 1
         if args.settings:
             out["settings"] = remat.activation_settings(
                 config, next(iter(out["modes"])), args.devices, flops=args.flops)
@@ -408,8 +425,8 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
 def _main_target(parser: argparse.ArgumentParser, args) -> int:
     if args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}")
-    if args.top < 0:
-        parser.error(f"--top must be >= 0, got {args.top}")
+    if args.top is None:
+        args.top = 10
     for flag in ("modes", "settings", "flops", "breakdown"):
         if getattr(args, flag):
             parser.error(f"--{flag} is a CPU accounting option; --target compiles the config as it "
@@ -437,6 +454,12 @@ def _main_target(parser: argparse.ArgumentParser, args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+    mem = out["memory"]
+    if not mem["fits"]:  # a plan that cannot run is a failure, for scripts too
+        print(f"{parser.prog}: the step needs {mem['total_bytes'] / 2**20:,.1f} MiB per device, "
+              f"more than {gpu.FIT_MARGIN:.0%} of {out['target']['name']}'s "
+              f"{mem['device_bytes'] / 2**20:,.1f} MiB: it does not fit", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,7 +7,9 @@
 * :mod:`~jaxmp.models.moe`: router, routed and shared experts, auxiliary-loss-free biases;
 * :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer` (scanned
   layers, per-block rematerialization);
-* :mod:`~jaxmp.models.sampling`: :func:`generate`.
+* :mod:`~jaxmp.models.sampling`: :func:`generate`;
+* :mod:`~jaxmp.models.hf`: :func:`from_pretrained` / :func:`save_pretrained`, Hugging Face
+  checkpoints of the Llama, Qwen, Mixtral and DeepSeek-V3 families.
 """
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, attention_core
 from jaxmp.models.layers import (
@@ -32,6 +34,7 @@ from jaxmp.models.moe import (
     expert_capacity,
     update_router_bias,
 )
+from jaxmp.models.hf import from_pretrained, save_pretrained
 from jaxmp.models.sampling import generate
 from jaxmp.models.transformer import (
     FLOAT32_ISLANDS,
@@ -50,5 +53,5 @@ __all__ = [
     "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
     "Block", "FLOAT32_ISLANDS", "ATTENTION_IMPLEMENTATIONS", "attention_core", "REMAT_POLICIES",
     "layer_stacks", "FP8_EXCLUDED", "FP8State", "add_fp8_states", "matmul",
-    "capture_matmul_operands",
+    "capture_matmul_operands", "from_pretrained", "save_pretrained",
 ]

@@ -56,11 +56,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp import target
-from jaxmp.models.layers import add_fp8_states, apply_rope, make_param, matmul
+from jaxmp.models.layers import (
+    RMSNorm,
+    Rope,
+    add_fp8_states,
+    apply_rope,
+    make_param,
+    matmul,
+    yarn_mscale,
+)
 from jaxmp.precision import ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
-__all__ = ["Attention", "ATTENTION_IMPLEMENTATIONS", "cudnn_support", "xla_support",
+__all__ = ["Attention", "MLAttention", "ATTENTION_IMPLEMENTATIONS", "cudnn_support", "xla_support",
            "resolve_attention",
            "attention_core", "trace_cudnn_without_gpu"]
 
@@ -218,41 +226,60 @@ def _padding_masks(t: int, lengths: Optional[jax.Array]):
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
-                   lengths: Optional[jax.Array] = None) -> jax.Array:
+                   lengths: Optional[jax.Array] = None,
+                   scale: Optional[float] = None) -> jax.Array:
     """Causal ``softmax(q k^T / sqrt(h)) v`` on one path, softmax statistics in float32.
 
     Args:
-      q, k, v: ``[B, T, H, h]`` in the compute dtype (one dtype for all three).
+      q: ``[B, T, H, h]``; k: ``[B, T, K, h]``; v: ``[B, T, K, h_v]``, in the compute
+        dtype (one dtype for all three). ``K < H`` is grouped-query attention (Ainslie et
+        al. 2023): query head ``n`` attends with key/value head ``n // (H / K)``, as
+        transformers' ``repeat_kv``. ``h_v`` may be smaller than ``h`` (MLA).
       implementation: ``"reference"``, ``"xla"`` or ``"cudnn"`` (resolved: see
         :func:`resolve_attention`).
       lengths: optional int ``[B]``, the non-padding tokens of each sequence (right
         padding); positions ``>= lengths[b]`` neither attend nor are attended to and
         their output rows are exactly 0, gradient included.
+      scale: the score scale; None = ``1 / sqrt(h)``.
 
     Returns:
-      ``[B, T, H, h]`` in ``q``'s dtype.
+      ``[B, T, H, h_v]`` in ``q``'s dtype.
 
     Raises:
-      ValueError: an unknown implementation, or q/k/v of different shapes or dtypes.
+      ValueError: an unknown implementation, or q/k/v of shapes or dtypes that do not fit.
     """
     if implementation not in ("reference", "xla", "cudnn"):
         raise ValueError(f"attention implementation {implementation!r}; allowed: reference, xla, "
                          f"cudnn (resolve 'auto' with resolve_attention first)")
-    if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype) or q.ndim != 4:
-        raise ValueError(f"q, k, v must be [B, T, H, h] of one shape and dtype, got "
-                         f"{q.shape} {q.dtype}, {k.shape} {k.dtype}, {v.shape} {v.dtype}")
+    if (q.ndim != 4 or k.shape != v.shape[:-1] + k.shape[-1:] or q.shape[:2] != k.shape[:2]
+            or q.shape[-1] != k.shape[-1] or k.shape[2] < 1 or q.shape[2] % k.shape[2]
+            or not q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q [B, T, H, h], k [B, T, K, h], v [B, T, K, h_v] with K dividing H "
+                         f"and one dtype expected, got {q.shape} {q.dtype}, {k.shape} {k.dtype}, "
+                         f"{v.shape} {v.dtype}")
     t = q.shape[1]
     attend, query_valid = _padding_masks(t, lengths)
+    groups = q.shape[2] // k.shape[2]
     if implementation == "reference":
+        if groups > 1:  # query head n reads key/value head n // groups (GQA, Ainslie et al.)
+            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1])
+        scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
         probs = ops.masked_softmax(scores, attend, axis=-1, dtype=q.dtype)
         return jnp.einsum("bhqs,bshk->bqhk", probs, v)
     padding = {} if lengths is None else dict(
         query_seq_lengths=jnp.asarray(lengths, jnp.int32),
         key_value_seq_lengths=jnp.asarray(lengths, jnp.int32))
+    hv = v.shape[-1]
+    if hv > q.shape[-1]:
+        raise ValueError(f"a value head of {hv} > query head {q.shape[-1]} runs only on the "
+                         f"reference path")
+    if hv < q.shape[-1]:  # the fused paths take one head size: pad v with zeros, then cut
+        v = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - hv),))
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
-                                       **padding)
+                                       scale=scale, **padding)
+    if hv < q.shape[-1]:
+        out = out[..., :hv]
     if query_valid is not None:  # a select, not a product: 0 * inf would be NaN
         out = jnp.where(query_valid[:, :, None, None], out, jnp.zeros((), out.dtype))
     return out
@@ -263,8 +290,8 @@ class Attention(nnx.Module):
 
     Args:
       d_model: model width.
-      num_heads: heads H; must divide ``d_model``, and ``d_model / H`` must be even.
-      rope_theta: the RoPE base.
+      num_heads: query heads H.
+      rope_theta: the RoPE base (used when ``rope`` is None).
       path: attribute path, e.g. ``blocks/0/attn``.
       rules: per-module precision rules.
       rngs: NNX rngs.
@@ -277,9 +304,18 @@ class Attention(nnx.Module):
         saveable (``model.remat="attention"``: selective activation recomputation,
         Korthikanti et al. 2022, section 4.2): the backward pass keeps q, k, v and
         recomputes the scores, softmax and context instead of keeping them.
+      num_kv_heads: key/value heads K dividing H (grouped-query attention); 0 = H.
+      head_dim: per-head width, even; 0 = ``d_model / H``.
+      qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), modules
+        ``{path}/q_norm`` and ``{path}/k_norm`` (float32 islands by the ``norm`` pattern).
+      qkv_bias: biases on the q, k, v projections (Qwen2).
+      norm_eps: epsilon of the q/k norms.
+      rope: a :class:`~jaxmp.models.layers.Rope`; None = plain RoPE of base ``rope_theta``.
 
-    Parameters: ``wq``, ``wk``, ``wv`` [d_model, H, head_dim] (``embed``, ``heads``,
-    ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``, ``head_dim``, ``embed``).
+    Parameters: ``wq`` [d_model, H, head_dim], ``wk``, ``wv`` [d_model, K, head_dim]
+    (``embed``, ``heads``, ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``,
+    ``head_dim``, ``embed``); with ``qkv_bias`` ``bq`` [H, head_dim], ``bk``, ``bv``
+    [K, head_dim] (``heads``, ``head_dim``).
 
     Raises:
       ValueError: from :func:`resolve_attention` (e.g. ``"cudnn"`` off a GPU).
@@ -287,21 +323,43 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, rope_theta: float = 10000.0, *, path: str,
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
-                 implementation: str = "reference", recompute_core: bool = False):
+                 implementation: str = "reference", recompute_core: bool = False,
+                 num_kv_heads: int = 0, head_dim: int = 0, qk_norm: bool = False,
+                 qkv_bias: bool = False, norm_eps: float = 1e-6, rope: Optional[Rope] = None):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.rope_theta = rope_theta
+        self.rope = rope
         d, h = d_model, num_heads
-        k = d // h
+        k = head_dim or d // h
+        kv = num_kv_heads or h
         self.implementation = resolve_attention(implementation, self.policy.compute_dtype, k)
         self.recompute_core = bool(recompute_core)
         dt = self.policy.param_dtype
-        for name in ("wq", "wk", "wv"):
-            setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std), (d, h, k), dt,
-                                           ("embed", "heads", "head_dim")))
+        for name, heads in (("wq", h), ("wk", kv), ("wv", kv)):
+            setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std),
+                                           (d, heads, k), dt, ("embed", "heads", "head_dim")))
         self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt,
                              ("heads", "head_dim", "embed"))
         add_fp8_states(self, ("wq", "wk", "wv", "wo"))
+        if qkv_bias:
+            for name, heads in (("bq", h), ("bk", kv), ("bv", kv)):
+                setattr(self, name, make_param(rngs, nnx.initializers.zeros, (heads, k), dt,
+                                               ("heads", "head_dim")))
+        if qk_norm:
+            self.q_norm = RMSNorm(k, norm_eps, path=f"{path}/q_norm", rules=rules, rngs=rngs,
+                                  axis="head_dim")
+            self.k_norm = RMSNorm(k, norm_eps, path=f"{path}/k_norm", rules=rules, rngs=rngs,
+                                  axis="head_dim")
+
+    def _project(self, x, name):
+        p = self.policy
+        y = matmul(self, x, f"w{name}", "btd,dhk->bthk")
+        if hasattr(self, f"b{name}"):
+            y = y + p.cast_to_compute(getattr(self, f"b{name}")[...])
+        if hasattr(self, f"{name}_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            y = p.cast_to_compute(getattr(self, f"{name}_norm")(y))
+        return y
 
     def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:
         """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``.
@@ -314,10 +372,97 @@ class Attention(nnx.Module):
         positions = jnp.arange(x.shape[1])
         # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for
         # backward), or to FP8 by the policy's recipe (layers.matmul).
-        q = apply_rope(matmul(self, x, "wq", "btd,dhk->bthk"), positions, self.rope_theta)
-        k = apply_rope(matmul(self, x, "wk", "btd,dhk->bthk"), positions, self.rope_theta)
-        v = matmul(self, x, "wv", "btd,dhk->bthk")
+        q = apply_rope(self._project(x, "q"), positions, self.rope_theta, self.rope)
+        k = apply_rope(self._project(x, "k"), positions, self.rope_theta, self.rope)
+        v = self._project(x, "v")
         core = functools.partial(attention_core, implementation=self.implementation)
+        if self.recompute_core:
+            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
+        out = core(q, k, v, lengths=lengths)
+        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd"))
+
+
+class MLAttention(nnx.Module):
+    """Multi-head Latent Attention (DeepSeek-V2 report, arXiv:2405.04434, section 2.1).
+
+    ``q = W_qb RMSNorm(W_qa x)`` (or ``W_q x`` without ``q_lora_rank``), split per head
+    into ``qk_nope_head_dim`` plain and ``qk_rope_head_dim`` rotated dimensions;
+    ``[c_kv, k_rope] = W_kva x``, ``[k_nope, v] = W_kvb RMSNorm(c_kv)`` per head, and the
+    one rotated key ``k_rope`` is shared by all heads. Scores are scaled by
+    ``(qk_nope + qk_rope)^-1/2``, times ``yarn_mscale(factor, mscale_all_dim)^2`` under
+    yarn scaling (as transformers' ``DeepseekV3Attention``). The latent norms' epsilon is
+    1e-6 (transformers' ``DeepseekV3RMSNorm`` default, whatever ``rms_norm_eps`` says).
+
+    Module paths: the module's own (projections), ``{path}/q_a_norm`` and
+    ``{path}/kv_a_norm`` (RMSNorms; float32 islands by the ``norm`` pattern).
+
+    Parameters: ``wq`` [d, H, nope + rope] or ``wq_a`` [d, q_lora] and ``wq_b``
+    [q_lora, H, nope + rope]; ``wkv_a`` [d, kv_lora + rope]; ``wkv_b`` [kv_lora, H,
+    nope + v]; ``wo`` [H, v, d]. Logical axes ``embed``, ``heads``, ``head_dim``; the
+    latent widths are not split (None).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: Rope,
+                 path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
+                 out_std: float = 0.02, implementation: str = "reference",
+                 recompute_core: bool = False):
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.rope = rope
+        d, h = d_model, num_heads
+        self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.kv_lora_rank = kv_lora_rank
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        self.implementation = resolve_attention(implementation, self.policy.compute_dtype, qk)
+        self.recompute_core = bool(recompute_core)
+        self.scale = qk ** -0.5
+        if rope.scaling == "yarn" and rope.mscale_all_dim:
+            self.scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        dt = self.policy.param_dtype
+        normal = nnx.initializers.normal(init_std)
+        names = []
+        if q_lora_rank:
+            self.wq_a = make_param(rngs, normal, (d, q_lora_rank), dt, ("embed", None))
+            self.q_a_norm = RMSNorm(q_lora_rank, 1e-6, path=f"{path}/q_a_norm", rules=rules,
+                                    rngs=rngs, axis=None)
+            self.wq_b = make_param(rngs, normal, (q_lora_rank, h, qk), dt,
+                                   (None, "heads", "head_dim"))
+            names += ["wq_a", "wq_b"]
+        else:
+            self.wq = make_param(rngs, normal, (d, h, qk), dt, ("embed", "heads", "head_dim"))
+            names.append("wq")
+        self.wkv_a = make_param(rngs, normal, (d, kv_lora_rank + qk_rope_head_dim), dt,
+                                ("embed", None))
+        self.kv_a_norm = RMSNorm(kv_lora_rank, 1e-6, path=f"{path}/kv_a_norm", rules=rules,
+                                 rngs=rngs, axis=None)
+        self.wkv_b = make_param(rngs, normal, (kv_lora_rank, h, qk_nope_head_dim + v_head_dim),
+                                dt, (None, "heads", "head_dim"))
+        self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, v_head_dim, d), dt,
+                             ("heads", "head_dim", "embed"))
+        add_fp8_states(self, tuple(names) + ("wkv_a", "wkv_b", "wo"))
+
+    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:
+        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``."""
+        p = self.policy
+        x = p.cast_to_compute(x)
+        positions = jnp.arange(x.shape[1])
+        if hasattr(self, "wq"):
+            q = matmul(self, x, "wq", "btd,dhk->bthk")
+        else:
+            c = p.cast_to_compute(self.q_a_norm(matmul(self, x, "wq_a", "btd,dr->btr")))
+            q = matmul(self, c, "wq_b", "btr,rhk->bthk")
+        q_rot = apply_rope(q[..., self.nope:], positions, rope=self.rope)
+        q = jnp.concatenate([q[..., :self.nope], q_rot], axis=-1)
+        kv_a = matmul(self, x, "wkv_a", "btd,dr->btr")
+        c_kv = p.cast_to_compute(self.kv_a_norm(kv_a[..., :self.kv_lora_rank]))
+        k_rot = apply_rope(kv_a[..., None, self.kv_lora_rank:], positions, rope=self.rope)
+        kv = matmul(self, c_kv, "wkv_b", "btr,rhk->bthk")
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:3] + k_rot.shape[3:])],
+                            axis=-1)
+        core = functools.partial(attention_core, implementation=self.implementation,
+                                 scale=self.scale)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths)

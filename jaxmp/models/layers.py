@@ -20,8 +20,12 @@ them to mesh axes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-from typing import Optional, Sequence
+import math
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +35,8 @@ from jaxmp.precision import fp8, ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
 __all__ = ["make_param", "RMSNorm", "Embed", "Head", "SwiGLU", "apply_rope", "FP8State",
-           "add_fp8_states", "matmul", "capture_matmul_operands"]
+           "add_fp8_states", "matmul", "capture_matmul_operands", "Rope", "ROPE_LAYOUTS",
+           "ROPE_SCALINGS"]
 
 
 class FP8State(nnx.Variable):
@@ -133,15 +138,18 @@ class RMSNorm(nnx.Module):
 
     The result is computed in ``policy.compute_dtype`` from ``x`` rounded to it, or
     from ``x`` itself when the compute dtype holds every value of ``x``'s dtype.
-    Parameter ``scale`` [dim] (``embed``), ones, in ``policy.param_dtype``.
+    Parameter ``scale`` [dim] (logical axis ``axis``, default ``embed``; ``head_dim`` for
+    the per-head q/k norms of Qwen3, None for MLA's latent norms), ones, in
+    ``policy.param_dtype``.
     """
 
-    def __init__(self, dim: int, eps: float, *, path: str, rules: PolicyRules, rngs: nnx.Rngs):
+    def __init__(self, dim: int, eps: float, *, path: str, rules: PolicyRules, rngs: nnx.Rngs,
+                 axis: Optional[str] = "embed"):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.eps = eps
         self.scale = make_param(rngs, nnx.initializers.ones, (dim,), self.policy.param_dtype,
-                                ("embed",))
+                                (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., dim] -> [..., dim] in ``policy.output_dtype``."""
@@ -161,14 +169,33 @@ class Embed(nnx.Module):
 
     The table is normal(0.02) (GPT-2) in ``policy.param_dtype``; looked-up rows are cast
     to the compute, then the output dtype.
+
+    With ``head_path`` (tied embeddings, ``ModelConfig.tie_embeddings``) the table is the
+    output projection too: :meth:`attend` multiplies by its transpose in the policy that
+    ``head_path`` resolves to (``head_policy``), as :class:`Head` would.
+
+    Raises:
+      ValueError: tied embeddings whose head policy has an FP8 recipe (not supported).
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, path: str, rules: PolicyRules,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, head_path: Optional[str] = None):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.table = make_param(rngs, nnx.initializers.normal(0.02), (vocab_size, d_model),
                                 self.policy.param_dtype, ("vocab", "embed"))
+        self.head_policy: Optional[Policy] = None
+        if head_path is not None:
+            self.head_policy = rules.resolve(head_path)
+            if self.head_policy.fp8 is not None:
+                raise ValueError(f"model.tie_embeddings=True with an FP8 policy for "
+                                 f"{head_path!r}; allowed: a non-FP8 head policy")
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied output projection: [..., d_model] -> [..., vocab] in the head's compute
+        dtype (``x @ table.T``)."""
+        p = self.head_policy
+        return ops.cast_matmul(p.cast_to_compute(x), self.table[...], "...d,vd->...v")
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int [B, T] -> [B, T, d_model] in ``policy.output_dtype``."""
@@ -247,7 +274,8 @@ class SwiGLU(nnx.Module):
         return p.cast_to_output(_swiglu(self, p.cast_to_compute(x)))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0,
+               rope: Optional[Rope] = None) -> jax.Array:
     """Rotary position embedding (Su et al. 2021, RoFormer, eq. 34), half-split layout.
 
     Dimension ``i < h/2`` is paired with ``i + h/2`` (GPT-NeoX / LLaMA layout) and the
@@ -260,12 +288,120 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
       x: [..., T, H, h] queries or keys, h even.
       positions: [T] integer positions.
       theta: the base.
+      rope: a :class:`Rope` (partial rotary, interleaved layout, llama3/yarn scaling);
+        when given, ``theta`` is ignored. None or a plain one is the rotation above.
 
     Returns:
       Rotated ``x``, same shape and dtype.
     """
+    if rope is not None and not rope.is_plain():
+        return jax.checkpoint(functools.partial(_rope_general, rope=rope),
+                              policy=jax.checkpoint_policies.nothing_saveable)(x, positions)
+    if rope is not None:
+        theta = rope.theta
     return jax.checkpoint(functools.partial(_rope, theta=theta),
                           policy=jax.checkpoint_policies.nothing_saveable)(x, positions)
+
+
+ROPE_LAYOUTS = ("half", "interleaved")
+ROPE_SCALINGS = ("none", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """The rotary embedding of released checkpoints: base, rotated width, layout, scaling.
+
+    Attributes:
+      theta: the base (Su et al. 2021).
+      dim: rotated dimensions per head (even); the first ``dim`` of the head are rotated,
+        the rest pass through (partial rotary, GPT-NeoX / GLM); 0 = the whole head.
+      layout: ``"half"`` pairs dimension ``i`` with ``i + dim/2`` (GPT-NeoX / LLaMA);
+        ``"interleaved"`` pairs ``2i`` with ``2i + 1`` (RoFormer, DeepSeek's
+        ``rope_interleave``).
+      scaling: ``"none"``, ``"llama3"`` (Llama 3.1 frequency-band interpolation) or
+        ``"yarn"`` (Peng et al. 2023, YaRN, with DeepSeek's ``mscale`` /
+        ``mscale_all_dim``); formulas as transformers' ``modeling_rope_utils``
+        (``_compute_llama3_parameters``, ``_compute_yarn_parameters`` with ``truncate``).
+      factor: context extension factor (llama3, yarn).
+      original_max_len: the pre-extension context (llama3, yarn).
+      low_freq_factor, high_freq_factor: llama3's band edges.
+      beta_fast, beta_slow: yarn's ramp edges in rotations.
+      mscale, mscale_all_dim: yarn's attention-factor scalars (0 = unset).
+    """
+
+    theta: float = 10000.0
+    dim: int = 0
+    layout: str = "half"
+    scaling: str = "none"
+    factor: float = 1.0
+    original_max_len: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    def is_plain(self) -> bool:
+        """True for the whole-head, half-split, unscaled RoPE of :func:`apply_rope`'s default."""
+        return self.dim == 0 and self.layout == "half" and self.scaling == "none"
+
+    def inv_freq(self, dim: int) -> Tuple[np.ndarray, float]:
+        """``(inverse frequencies float64 [dim/2], attention factor)`` for ``dim`` rotated
+        dimensions; the factor multiplies cos and sin (1 unless yarn)."""
+        inv = 1.0 / self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        if self.scaling == "llama3":
+            low_wl = self.original_max_len / self.low_freq_factor
+            high_wl = self.original_max_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wl, inv / self.factor, inv)
+            smooth = ((self.original_max_len / wavelen - self.low_freq_factor)
+                      / (self.high_freq_factor - self.low_freq_factor))
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+            return np.where(medium, smoothed, scaled), 1.0
+        if self.scaling == "yarn":
+            def correction(rotations):
+                return (dim * math.log(self.original_max_len / (rotations * 2 * math.pi))
+                        / (2 * math.log(self.theta)))
+
+            low = max(math.floor(correction(self.beta_fast)), 0)
+            high = min(math.ceil(correction(self.beta_slow)), dim - 1)
+            if low == high:
+                high += 0.001
+            ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+            extrapolate = 1 - ramp
+            inv = inv / self.factor * (1 - extrapolate) + inv * extrapolate
+            if self.mscale and self.mscale_all_dim:
+                factor = yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                    self.factor, self.mscale_all_dim)
+            else:
+                factor = yarn_mscale(self.factor)
+            return inv, factor
+        return inv, 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 mscale ln(factor) + 1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_general(x, positions, rope: Rope):
+    h = x.shape[-1]
+    r = rope.dim or h
+    inv, factor = rope.inv_freq(r)
+    angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv, jnp.float32)[None, :]
+    cos = (jnp.cos(angle) * factor)[:, None, :]
+    sin = (jnp.sin(angle) * factor)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    xr, rest = x32[..., :r], x32[..., r:]
+    if rope.layout == "half":
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(xr.shape)
+    return jnp.concatenate([out, rest], axis=-1).astype(x.dtype)
 
 
 def _rope(x, positions, theta):

@@ -184,7 +184,8 @@ class Routing(NamedTuple):
       logits: float32 [..., num_experts], from ``ops.router_logits``.
       scores: float32 [..., num_experts], softmax or sigmoid of the logits (no bias).
       expert_ids: int32 [..., top_k], experts chosen by top-k of ``scores + bias``.
-      gates: float32 [..., top_k], ``scores`` at ``expert_ids`` normalized to sum to 1.
+      gates: float32 [..., top_k], ``scores`` at ``expert_ids`` normalized to sum to 1
+        (unless the router's ``norm_topk_prob`` is False), times ``routed_scaling_factor``.
     """
 
     logits: jax.Array
@@ -212,6 +213,13 @@ class Router(nnx.Module):
       rules: per-module precision rules.
       rngs: NNX rngs.
 
+      norm_topk_prob: normalize the chosen scores to sum to 1 (False: the raw scores,
+        transformers' Qwen3-MoE ``norm_topk_prob=False``).
+      routed_scaling_factor: multiplies the gates (DeepSeek-V3's 2.5).
+      n_group, topk_group: group-limited routing (DeepSeek-V3 report, section 2.1.2):
+        only experts in the ``topk_group`` of ``n_group`` groups with the best sum of
+        their two highest biased scores are eligible; ``topk_group == n_group`` is off.
+
     Variables: ``kernel`` [d_model, E] (``embed``, ``expert_logit``) in ``policy.param_dtype``;
     ``bias`` :class:`RouterBias` float32 [E] (``expert_logit``: never split, every device
     routes to every expert), zeros.
@@ -221,15 +229,23 @@ class Router(nnx.Module):
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_fn: str = "softmax", *,
-                 path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02):
+                 path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+                 n_group: int = 1, topk_group: int = 1):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn={score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and "
+                             f"topk_group={topk_group} be in [1, n_group]")
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.top_k = top_k
         self.score_fn = score_fn
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.n_group, self.topk_group = int(n_group), int(topk_group)
         self.kernel = make_param(rngs, nnx.initializers.normal(init_std), (d_model, num_experts),
                                  self.policy.param_dtype, ("embed", "expert_logit"))
         self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32),
@@ -246,11 +262,32 @@ class Router(nnx.Module):
         else:
             scores = jax.nn.sigmoid(logits)
         # The bias steers selection only; gates stay the bias-free scores (DeepSeek-V3 2.1.2).
-        _, expert_ids = jax.lax.top_k(scores + self.bias[...].astype(jnp.float32), self.top_k)
+        choice = scores + self.bias[...].astype(jnp.float32)
+        if self.topk_group < self.n_group:  # group-limited: experts of the best groups only
+            choice = self._group_limited(choice)
+        _, expert_ids = jax.lax.top_k(choice, self.top_k)
         chosen = jnp.take_along_axis(scores, expert_ids, axis=-1)
-        # Sigmoid scores can all underflow to 0: keep the denominator positive.
-        gates = chosen / jnp.maximum(chosen.sum(-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+        if self.norm_topk_prob:
+            # Sigmoid scores can all underflow to 0: keep the denominator positive.
+            gates = chosen / jnp.maximum(chosen.sum(-1, keepdims=True),
+                                         jnp.finfo(jnp.float32).tiny)
+        else:
+            gates = chosen
+        if self.routed_scaling_factor != 1.0:
+            gates = gates * jnp.float32(self.routed_scaling_factor)
         return Routing(logits, scores, expert_ids.astype(jnp.int32), gates)
+
+    def _group_limited(self, choice: jax.Array) -> jax.Array:
+        """``choice`` [..., E] with the experts outside the ``topk_group`` best of ``n_group``
+        groups set to -inf; a group's score is the sum of its two best choices
+        (DeepSeek-V3's ``noaux_tc``, transformers' ``DeepseekV3TopkRouter``)."""
+        e = choice.shape[-1]
+        grouped = choice.reshape(choice.shape[:-1] + (self.n_group, e // self.n_group))
+        best = jax.lax.top_k(grouped, min(2, e // self.n_group))[0].sum(-1)  # [..., G]
+        _, groups = jax.lax.top_k(best, self.topk_group)
+        keep = jax.nn.one_hot(groups, self.n_group, dtype=jnp.bool_).any(-2)  # [..., G]
+        keep = jnp.repeat(keep, e // self.n_group, axis=-1)
+        return jnp.where(keep, choice, -jnp.inf)
 
 
 def expert_capacity(capacity_factor: float, group_size: int, top_k: int, num_experts: int) -> int:
@@ -497,16 +534,18 @@ class MoE(nnx.Module):
         ``path/experts``, ``path/shared_experts``.
       rules: per-module precision rules. rngs: NNX rngs.
       init_std / out_std: normal init std of input / output projections.
+      router_options: ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``,
+        ``topk_group`` of :class:`Router`.
     """
 
     def __init__(self, d_model: int, num_experts: int, num_shared_experts: int, top_k: int,
                  d_expert: int, score_fn: str = "softmax", capacity_factor=None, *, path: str,
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
-                 moe_kernel: str = "ragged_dot"):
+                 moe_kernel: str = "ragged_dot", **router_options):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.router = Router(d_model, num_experts, top_k, score_fn, path=f"{path}/router",
-                             rules=rules, rngs=rngs, init_std=init_std)
+                             rules=rules, rngs=rngs, init_std=init_std, **router_options)
         self.experts = RoutedExperts(num_experts, d_model, d_expert, capacity_factor,
                                      path=f"{path}/experts", rules=rules, rngs=rngs,
                                      init_std=init_std, out_std=out_std, moe_kernel=moe_kernel)

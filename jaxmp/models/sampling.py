@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jaxmp.models.moe import valid_tokens
 from jaxmp.models.transformer import MoETransformer
@@ -53,7 +52,8 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
       max_new_tokens: tokens to add (>= 0).
       temperature: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
       rng: a ``jax.random`` key or an int seed.
-      progress: show a progress bar (tqdm, on stderr) over the new tokens.
+      progress: show a progress bar (tqdm, on stderr) over the new tokens; tqdm is
+        the ``train`` extra's, imported only then.
       vocab_limit: sample only ids below it: the tokenizer's vocabulary size when the
         model's ``vocab_size`` is padded beyond it (e.g. to a multiple of 128), so that
         no id the tokenizer lacks is ever emitted; None = ``vocab_size``.
@@ -90,8 +90,11 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
     temp = jnp.float32(temperature)
     ids = ids.astype(np.int32)
     buffer = np.zeros((ids.shape[0], cfg.max_len), np.int32)
-    for _ in tqdm(range(max_new_tokens), desc="sample", unit="tok", disable=not progress,
-                  file=sys.stderr, leave=False):
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm import tqdm
+        steps = tqdm(steps, desc="sample", unit="tok", file=sys.stderr, leave=False)
+    for _ in steps:
         ctx = ids[:, -cfg.max_len:]
         n = ctx.shape[1]
         buffer[:, :n] = ctx

@@ -13,15 +13,19 @@ policy once, at construction)::
 
     embed                              token embedding
     blocks/{i}/attn_norm               RMSNorm before attention
-    blocks/{i}/attn                    attention (q, k, v, o projections)
+    blocks/{i}/attn                    attention (q, k, v, o projections; MLA's too)
+    blocks/{i}/attn/q_norm, k_norm     per-head q/k RMSNorm       (qk_norm, Qwen3)
+    blocks/{i}/attn/q_a_norm, kv_a_norm  MLA's latent RMSNorms   (kv_lora_rank > 0)
     blocks/{i}/ffn_norm                RMSNorm before the FFN
-    blocks/{i}/mlp                     dense SwiGLU FFN      (i < first_dense_layers)
+    blocks/{i}/mlp                     dense SwiGLU FFN      (i < first_dense_layers or
+                                       i in mlp_only_layers)
     blocks/{i}/moe                     MoE layer (sets only its output dtype)
     blocks/{i}/moe/router              router (float32 logits island always)
     blocks/{i}/moe/experts             routed experts
     blocks/{i}/moe/shared_experts      shared experts (when num_shared_experts > 0)
     final_norm                         final RMSNorm
-    head                               output projection
+    head                               output projection (with tie_embeddings, the
+                                       policy of the product by embed's table)
 
 Routers and norms compute in float32 by default (:data:`FLOAT32_ISLANDS`, appended after
 the user's rules by :func:`jaxmp.precision.policy.with_float32_islands`): ``"mixed_bf16"`` alone
@@ -108,8 +112,8 @@ from flax import nnx
 
 from jaxmp._checks import check_int
 
-from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention
-from jaxmp.models.layers import Embed, Head, RMSNorm, SwiGLU
+from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAttention
+from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, RMSNorm, Rope, SwiGLU
 from jaxmp.models.moe import MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
@@ -140,8 +144,8 @@ class ModelConfig:
     Attributes:
       vocab_size: tokens in the vocabulary (>= 1).
       num_layers: Transformer blocks (>= 1).
-      d_model: residual width; ``num_heads`` must divide it.
-      num_heads: attention heads; ``d_model / num_heads`` must be even (RoPE rotates pairs).
+      d_model: residual width.
+      num_heads: attention (query) heads; the rotated head width must be even.
       d_ff: hidden width of the dense SwiGLU FFN (needed when a dense layer exists).
       max_len: longest sequence, in tokens.
       rope_theta: RoPE base (Su et al. 2021; 10000).
@@ -164,13 +168,47 @@ class ModelConfig:
         :func:`~jaxmp.models.moe.resolve_moe_kernel`).
       attention: the attention core's path, one of
         :data:`~jaxmp.models.attention.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
-        fused kernel where it runs, else XLA; see :mod:`jaxmp.models.attention`).
+        fused kernel where it runs, else jaxmp's float32-island ``"reference"``, never
+        ``"xla"``; see :func:`~jaxmp.models.attention.resolve_attention`).
       scan_layers: stack the blocks and run them with ``jax.lax.scan`` (module
         docstring); False runs them in a Python loop.
       remat: per-block rematerialization, one of :data:`REMAT_POLICIES` (module
         docstring says what each keeps).
 
-    MoE fields are ignored when ``num_experts == 0``.
+      num_kv_heads: key/value heads (grouped-query attention, Ainslie et al. 2023);
+        must divide ``num_heads``; 0 = ``num_heads``, stored resolved.
+      head_dim: per-head width; 0 = ``d_model / num_heads`` (``num_heads`` must then
+        divide ``d_model``), stored resolved.
+      qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3): modules
+        ``blocks/{i}/attn/q_norm``, ``.../k_norm``.
+      qkv_bias: biases on the q, k, v projections (Qwen2).
+      tie_embeddings: the output head is the embedding table transposed (no ``head``
+        module; the ``head`` path's policy still governs the product).
+      rope_dim: rotated dimensions per head (partial rotary); 0 = all of them.
+      rope_layout: ``"half"`` (GPT-NeoX / LLaMA pairs ``i, i + d/2``) or
+        ``"interleaved"`` (pairs ``2i, 2i + 1``, DeepSeek).
+      rope_scaling: ``"none"``, ``"llama3"`` or ``"yarn"``; the ``rope_*`` fields below
+        are its parameters (:class:`~jaxmp.models.layers.Rope`).
+      rope_factor, rope_original_max_len, rope_low_freq_factor, rope_high_freq_factor,
+        rope_beta_fast, rope_beta_slow, rope_mscale, rope_mscale_all_dim: as the
+        transformers ``rope_scaling`` keys ``factor``, ``original_max_position_embeddings``,
+        ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ``beta_slow``,
+        ``mscale``, ``mscale_all_dim``.
+      norm_topk_prob: normalize the chosen experts' scores to sum to 1 (today's routing);
+        False keeps the raw scores (Qwen3-MoE's option).
+      routed_scaling_factor: multiplies the routed experts' gates (DeepSeek-V3: 2.5).
+      n_group, topk_group: group-limited routing (DeepSeek-V3); ``topk_group ==
+        n_group`` (1, 1) is off.
+      mlp_only_layers: layer indices with a dense FFN though ``>= first_dense_layers``
+        (Qwen-MoE's ``mlp_only_layers``).
+      q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
+        Multi-head Latent Attention (DeepSeek-V2/V3) when ``kv_lora_rank > 0``
+        (:class:`~jaxmp.models.attention.MLAttention`; ``q_lora_rank`` 0 = a plain q
+        projection); RoPE then rotates the ``qk_rope_head_dim`` part.
+
+    MoE fields are ignored when ``num_experts == 0``. With every architecture feature at
+    its default the model is the one before they existed (the same parameters, the same
+    program).
     """
 
     vocab_size: int
@@ -194,6 +232,33 @@ class ModelConfig:
     attention: str = "auto"
     scan_layers: bool = False
     remat: str = "none"
+    # Architecture features of open model families (jaxmp.models.hf); the defaults are off.
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    rope_dim: int = 0
+    rope_layout: str = "half"
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    mlp_only_layers: Tuple[int, ...] = ()
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         def need(ok, msg):
@@ -203,11 +268,59 @@ class ModelConfig:
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "max_len"):
             v = getattr(self, name)
             check_int(name, v, 1)
-        need(self.d_model % self.num_heads == 0,
-             f"num_heads={self.num_heads} must divide d_model={self.d_model}")
-        need(self.head_dim % 2 == 0,
-             f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE "
-             f"(d_model={self.d_model}, num_heads={self.num_heads})")
+        for name in ("num_kv_heads", "head_dim", "rope_dim", "q_lora_rank", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "rope_original_max_len"):
+            check_int(name, getattr(self, name), 0)
+        check_int("n_group", self.n_group, 1)
+        check_int("topk_group", self.topk_group, 1)
+        object.__setattr__(self, "mlp_only_layers",
+                           tuple(int(i) for i in (self.mlp_only_layers or ())))
+        head_dim_set = self.head_dim != 0
+        if self.head_dim == 0:
+            need(self.d_model % self.num_heads == 0,
+                 f"num_heads={self.num_heads} must divide d_model={self.d_model} "
+                 f"(or set head_dim)")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        need(self.num_heads % self.num_kv_heads == 0,
+             f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.is_mla:
+            need(self.qk_rope_head_dim % 2 == 0,
+                 f"qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+        elif self.rope_dim:
+            need(self.rope_dim % 2 == 0 and self.rope_dim <= self.head_dim,
+                 f"rope_dim={self.rope_dim} must be even and at most head_dim={self.head_dim}")
+        else:
+            need(self.head_dim % 2 == 0,
+                 f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE "
+                 f"(d_model={self.d_model}, num_heads={self.num_heads})" if not head_dim_set
+                 else f"head_dim={self.head_dim} must be even for RoPE")
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1 "
+                                               f"with kv_lora_rank > 0 (MLA)")
+            need(not (self.qk_norm or self.qkv_bias),
+                 "qk_norm and qkv_bias are not defined for MLA (kv_lora_rank > 0)")
+        need(self.rope_layout in ROPE_LAYOUTS,
+             f"rope_layout={self.rope_layout!r}; allowed: {', '.join(ROPE_LAYOUTS)}")
+        need(self.rope_scaling in ROPE_SCALINGS,
+             f"rope_scaling={self.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling != "none":
+            need(self.rope_factor > 0 and self.rope_original_max_len >= 1,
+                 f"rope_scaling={self.rope_scaling!r} needs rope_factor > 0 (got "
+                 f"{self.rope_factor}) and rope_original_max_len >= 1 (got "
+                 f"{self.rope_original_max_len})")
+        if self.rope_scaling == "llama3":
+            need(self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
+                 f"llama3 scaling needs rope_high_freq_factor={self.rope_high_freq_factor} > "
+                 f"rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+        need(self.routed_scaling_factor > 0,
+             f"routed_scaling_factor={self.routed_scaling_factor} must be > 0")
+        need(all(0 <= i < self.num_layers for i in self.mlp_only_layers),
+             f"mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in "
+             f"[0, num_layers={self.num_layers})")
         need(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0")
         need(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
         need(self.num_experts >= 0, f"num_experts={self.num_experts} must be >= 0 (0 = all dense)")
@@ -244,16 +357,23 @@ class ModelConfig:
                  f"use at most num_experts / top_k = {self.num_experts / self.top_k:g}")
             need(self.moe_kernel in MOE_KERNELS,
                  f"moe_kernel={self.moe_kernel!r}; allowed: {', '.join(MOE_KERNELS)}")
+            need(self.num_experts % self.n_group == 0 and self.topk_group <= self.n_group,
+                 f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                 f"topk_group={self.topk_group} be at most n_group")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """Builds a config from an ``ml_collections.ConfigDict`` (or any mapping).
+
+        The run config's ``model.init_from`` (where the weights come from, not a shape
+        field) is left out.
 
         Raises:
           ValueError: a key that is not a field (listed), a missing required field, or
             a value that fails validation.
         """
         data = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+        data.pop("init_from", None)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:
@@ -265,19 +385,34 @@ class ModelConfig:
         return cls(**data)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+    def is_mla(self) -> bool:
+        """Multi-head Latent Attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope(self) -> Rope:
+        """The :class:`~jaxmp.models.layers.Rope` these fields describe."""
+        return Rope(theta=self.rope_theta, dim=0 if self.is_mla else self.rope_dim,
+                    layout=self.rope_layout, scaling=self.rope_scaling, factor=self.rope_factor,
+                    original_max_len=self.rope_original_max_len,
+                    low_freq_factor=self.rope_low_freq_factor,
+                    high_freq_factor=self.rope_high_freq_factor,
+                    beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow,
+                    mscale=self.rope_mscale, mscale_all_dim=self.rope_mscale_all_dim)
 
     @property
     def num_dense_layers(self) -> int:
-        return self.num_layers if self.num_experts == 0 else self.first_dense_layers
+        if self.num_experts == 0:
+            return self.num_layers
+        return sum(not self.is_moe_layer(i) for i in range(self.num_layers))
 
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.num_dense_layers
+        return (self.num_experts > 0 and i >= self.first_dense_layers
+                and i not in self.mlp_only_layers)
 
 
 def _std(config: ModelConfig):
@@ -336,11 +471,25 @@ class Block(nnx.Module):
         std, out_std = _std(config)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/attn_norm",
                                  rules=rules, rngs=rngs)
-        self.attn = Attention(config.d_model, config.num_heads, config.rope_theta,
-                              path=f"{path}/attn",
-                              rules=rules, rngs=rngs, init_std=std, out_std=out_std,
-                              implementation=config.attention,
-                              recompute_core=config.remat == "attention")
+        if config.is_mla:
+            self.attn = MLAttention(config.d_model, config.num_heads,
+                                    q_lora_rank=config.q_lora_rank,
+                                    kv_lora_rank=config.kv_lora_rank,
+                                    qk_nope_head_dim=config.qk_nope_head_dim,
+                                    qk_rope_head_dim=config.qk_rope_head_dim,
+                                    v_head_dim=config.v_head_dim, rope=config.rope,
+                                    path=f"{path}/attn", rules=rules, rngs=rngs, init_std=std,
+                                    out_std=out_std, implementation=config.attention,
+                                    recompute_core=config.remat == "attention")
+        else:
+            self.attn = Attention(config.d_model, config.num_heads, config.rope_theta,
+                                  path=f"{path}/attn",
+                                  rules=rules, rngs=rngs, init_std=std, out_std=out_std,
+                                  implementation=config.attention,
+                                  recompute_core=config.remat == "attention",
+                                  num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                  qk_norm=config.qk_norm, qkv_bias=config.qkv_bias,
+                                  norm_eps=config.norm_eps, rope=config.rope)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm",
                                 rules=rules, rngs=rngs)
         if config.is_moe_layer(index):
@@ -349,7 +498,9 @@ class Block(nnx.Module):
                            config.d_expert, config.score_fn, config.capacity_factor,
                            path=f"{path}/moe",
                            rules=rules, rngs=rngs, init_std=std, out_std=out_std,
-                           moe_kernel=config.moe_kernel)
+                           moe_kernel=config.moe_kernel, norm_topk_prob=config.norm_topk_prob,
+                           routed_scaling_factor=config.routed_scaling_factor,
+                           n_group=config.n_group, topk_group=config.topk_group)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs,
@@ -432,17 +583,17 @@ def _gathered(state, dtypes: dict, gather):
     return nnx.from_flat_state(flat)
 
 
-def _call_gathered(module: nnx.Module, *args):
-    """``module(*args)``, with its parameters gathered first inside an FSDP step (under
+def _call_gathered(module: nnx.Module, *args, method: str = "__call__"):
+    """``module.method(*args)``, with its parameters gathered first inside an FSDP step (under
     :func:`jaxmp.sharding.fsdp_checkpoint_policy`: the backward pass gathers them again)."""
     gather = param_gather()
     if gather is None:
-        return module(*args)
+        return getattr(module, method)(*args)
     graphdef, state = nnx.split(module)
     dtypes = param_compute_dtypes(module)
 
     def run(state, *args):
-        return nnx.merge(graphdef, _gathered(state, dtypes, gather))(*args)
+        return getattr(nnx.merge(graphdef, _gathered(state, dtypes, gather)), method)(*args)
 
     return jax.checkpoint(run, policy=fsdp_checkpoint_policy())(state, *args)
 
@@ -472,7 +623,8 @@ class MoETransformer(nnx.Module):
                             FP8_EXCLUDED)
         self.rules = rules
         self.config = config
-        self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs)
+        self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs,
+                           head_path="head" if config.tie_embeddings else None)
         blocks = [Block(config, i, rules=rules, rngs=rngs) for i in range(config.num_layers)]
         if config.scan_layers:
             self.stacks = nnx.List([_stack([blocks[i] for i in layers])
@@ -481,7 +633,9 @@ class MoETransformer(nnx.Module):
             self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, path="final_norm", rules=rules,
                                   rngs=rngs)
-        self.head = Head(config.d_model, config.vocab_size, path="head", rules=rules, rngs=rngs)
+        if not config.tie_embeddings:
+            self.head = Head(config.d_model, config.vocab_size, path="head", rules=rules,
+                             rngs=rngs)
 
     def layer_blocks(self):
         """The model's :class:`Block` s in layer order: one per layer, or one per stack."""
@@ -552,7 +706,11 @@ class MoETransformer(nnx.Module):
                 s = None if s is None else jax.tree.map(lambda x: x[None], s)
             if s is not None:
                 stats.append(s)
-        logits = _call_gathered(self.head, _call_gathered(self.final_norm, h))
+        h = _call_gathered(self.final_norm, h)
+        if cfg.tie_embeddings:
+            logits = _call_gathered(self.embed, h, method="attend")
+        else:
+            logits = _call_gathered(self.head, h)
         if stats:
             stats = MoEStats(*(jnp.concatenate(parts) for parts in zip(*stats)))
             balance, counts = jnp.sum(stats.balance_loss), stats.expert_counts

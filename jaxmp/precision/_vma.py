@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["varying_axes", "match_varying"]
+__all__ = ["varying_axes", "match_varying", "as_axes"]
+
+
+def as_axes(entry) -> tuple:
+    """Mesh axis names as a tuple: None -> ``()``, ``"data"`` -> ``("data",)``, a sequence
+    -> its tuple. Takes a ``PartitionSpec`` entry, a sharding rule's target or a
+    collective's ``axis_name``."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def varying_axes(x) -> frozenset:

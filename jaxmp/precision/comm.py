@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp._checks import check_choice, check_int, check_real
+from jaxmp._checks import check_choice, check_float, check_int, check_real
 from jaxmp.precision._fp8.quant import _F32, BLOCK, E4M3, _quantize_blocks
 from jaxmp.precision._paths import leaf_names
+from jaxmp.precision._vma import as_axes
 from jaxmp.precision.loss_scale import LossScale
-from jaxmp.precision.ops import _check_float
 from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
@@ -126,7 +126,8 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
     Returns:
       None for ``"none"``. For ``"topk"``: ``{"residual": tree}``, the error-feedback
       memory as a plain nested dict with ``params``' keys (``nnx.to_pure_dict`` layout),
-      each leaf NumPy float32 zeros of shape ``[N, *param.shape]``: row i belongs to device i
+      each leaf float32 zeros of shape ``[N, *param.shape]`` (NumPy's; jax's where
+      ``params`` are traced, under ``jit`` or ``eval_shape``): row i belongs to device i
       (the trainer shards it over the data axis: :func:`jaxmp.train.state.train_state_shardings`).
       The residual is in unscaled gradient units, so a changing loss scale does not corrupt it.
 
@@ -138,9 +139,14 @@ def init_comm_state(params: Any, num_devices: int, compression: str = "none") ->
     if compression == "none":
         return None
     tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-    # NumPy: host zeros to be device_put onto their shardings, no compile per shape.
-    return {"residual": jax.tree.map(
-        lambda p: np.zeros((int(num_devices),) + tuple(p.shape), np.float32), tree)}
+    # NumPy: host zeros to be device_put onto their shardings, no compile per shape. Traced
+    # (under jit or eval_shape): jax zeros, abstract or laid out by the caller's shardings;
+    # host zeros would be allocated whole (48 GiB for configs/seed_moe.py on 8 devices).
+    def zeros(p):
+        shape = (int(num_devices),) + tuple(p.shape)
+        return (jnp.zeros(shape, jnp.float32) if isinstance(p, jax.core.Tracer)
+                else np.zeros(shape, np.float32))
+    return {"residual": jax.tree.map(zeros, tree)}
 
 
 class LeafReduce(NamedTuple):
@@ -357,7 +363,7 @@ def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[d
     """
     dtype = check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
     if grad_compression == "none":
-        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        axes = as_axes(axis_name)
         whole = jax.tree.map(lambda _: LeafReduce(axes), grads)
         mean = reduce_gradients(grads, whole, jax.lax.axis_size(axes), dtype)
         return loss_scale.unscale(mean), comm_state
@@ -402,7 +408,7 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int) ->
       ValueError: a non-floating ``x``, or ``split_axis`` / ``concat_axis`` out of range
         or on the last axis.
     """
-    _check_float("x", x)
+    check_float("x", x)
     x = jnp.asarray(x)
     last = x.ndim - 1
     for name, ax in (("split_axis", split_axis), ("concat_axis", concat_axis)):

@@ -257,8 +257,11 @@ def interpret_mode():
     the context its ``wgmma`` callback is replaced by :func:`_interpret_wgmma`, the same
     computation that also reads a trailing transpose of an operand's view; restored on exit.
     Nor can it run ``plgpu.layout_cast`` (a register-layout hint, the identity on values,
-    which ``dw`` uses): it is given the identity as its CPU lowering (kept after exit; it
-    is reached only by interpreted kernels).
+    which ``dw`` uses): it is given the identity as its CPU lowering inside the context
+    (``mlir._platform_specific_lowerings``, jax 0.10.2's table of them). On exit the
+    process is as it was: the ``wgmma`` callback and the CPU lowering table are put back
+    (a lowering present before is restored, one added here removed), and the interpret
+    flag is reset by JAX's own context manager.
 
     Raises:
       ImportError: this jax has no such module (a jax other than the pinned one).
@@ -267,8 +270,11 @@ def interpret_mode():
     from jax._src.pallas.mosaic_gpu import core as gpu_core
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, params
 
-    mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+    cpu_lowerings = mlir._platform_specific_lowerings["cpu"]
+    missing = object()
+    lowering = cpu_lowerings.get(gpu_core.layout_cast_p, missing)
     original = gpu_callbacks.wgmma
+    mlir.register_lowering(gpu_core.layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
     gpu_callbacks.wgmma = _interpret_wgmma
     try:
         with params.force_gpu_interpret_mode(params.InterpretGPUParams(
@@ -276,6 +282,10 @@ def interpret_mode():
             yield
     finally:
         gpu_callbacks.wgmma = original
+        if lowering is missing:
+            cpu_lowerings.pop(gpu_core.layout_cast_p, None)
+        else:
+            cpu_lowerings[gpu_core.layout_cast_p] = lowering
 
 
 def _interpret_wgmma(*, token, device_id, grid_point_coords, thread_id,
@@ -329,9 +339,12 @@ def _interpret_wgmma(*, token, device_id, grid_point_coords, thread_id,
 
 # --- Weight-gradient kernel --------------------------------------------------------------
 # Copied from jax 0.10.2, jax/experimental/pallas/ops/gpu/transposed_ragged_dot_mgpu.py
-# (Copyright 2025 The JAX Authors, Apache License 2.0), with ``num_sms`` an argument
-# instead of ``jax.devices()[0].core_count`` (see the module docstring). Unchanged
-# otherwise.
+# (Copyright 2025 The JAX Authors, Apache License 2.0), reformatted. One line differs: JAX's
+# ``num_sms = jax.devices()[0].core_count`` (its line 192) is the keyword argument
+# ``num_sms`` here. JAX's function takes no SM count, and that line reads the host's first
+# device, a CPU without ``core_count`` in a deviceless compile and in interpret mode, while
+# the grid must match the compile target's SMs. tests/test_grouped_gemm_copy.py compares the
+# two syntax trees, so any other difference (or a change in a new jax) fails a test.
 
 def _transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m: int, block_n: int, block_k: int,
                            max_concurrent_steps: int, grid_block_n: int, num_sms: int):
@@ -390,7 +403,9 @@ def _transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m: int, block_n: int,
                         indices = plgpu.layout_cast(
                             jax.lax.broadcasted_iota(jnp.int32, (block_k, block_m), 0),
                             plgpu.Layout.WGMMA)
-                        lhs_smem[...] = lhs_reg * (indices >= start_index).astype(lhs_smem.dtype)
+                        lhs_mask = (indices >= start_index).astype(lhs_smem.dtype)
+                        lhs_reg = lhs_reg * lhs_mask
+                        lhs_smem[...] = lhs_reg
                         plgpu.commit_smem()
 
                     @pl.when(block_idx == group_num_blocks_gmem[g_i] - 1)
@@ -401,7 +416,9 @@ def _transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m: int, block_n: int,
                         indices = plgpu.layout_cast(
                             jax.lax.broadcasted_iota(jnp.int32, (block_k, block_m), 0),
                             plgpu.Layout.WGMMA)
-                        lhs_smem[...] = lhs_reg * (indices <= last_index).astype(lhs_smem.dtype)
+                        lhs_mask = (indices <= last_index).astype(lhs_smem.dtype)
+                        lhs_reg = lhs_reg * lhs_mask
+                        lhs_smem[...] = lhs_reg
                         plgpu.commit_smem()
 
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
@@ -438,13 +455,14 @@ def _transposed_ragged_dot(lhs, rhs, *, group_sizes, block_m: int, block_n: int,
                     g_i, pl.ds(m_i * block_m, block_m), pl.ds(n_i * block_n, block_n)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    # The one difference: jax 0.10.2 has ``num_sms = jax.devices()[0].core_count`` here.
+    compiler_params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((g, m, n), lhs.dtype),
         grid=(num_sms,),
         grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=compiler_params,
     )
     return kernel(group_sizes, group_starts, group_ends, group_num_blocks, group_block_starts,
                   lhs, rhs)

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._checks import F32_MAX
+
 __all__ = [
     "LossScale",
     "NoOpLossScale",
@@ -54,8 +56,6 @@ __all__ = [
     "get_loss_scale",
     "as_loss_scale",
 ]
-
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _is_float_array(x) -> bool:
@@ -213,7 +213,7 @@ class StaticLossScale(LossScale):
         if np.ndim(loss_scale) != 0:
             raise ValueError(f"loss_scale must be a scalar, got shape {np.shape(loss_scale)}")
         value = _concrete(loss_scale)
-        if value is not None and not (np.isfinite(value) and 0 < value <= _F32_MAX):
+        if value is not None and not (np.isfinite(value) and 0 < value <= F32_MAX):
             raise ValueError(f"loss_scale must be a positive finite float32, got {value}")
         object.__setattr__(self, "loss_scale", jnp.asarray(loss_scale, jnp.float32))
 
@@ -264,7 +264,7 @@ class DynamicLossScale(LossScale):
 
     def __init__(self, *, loss_scale=256.0, growth_interval=2000, growth_factor=2.0,
                  backoff_factor=0.5, hysteresis=1, min_loss_scale=1.0,
-                 max_loss_scale=_F32_MAX, counter=0, hysteresis_counter=None):
+                 max_loss_scale=F32_MAX, counter=0, hysteresis_counter=None):
         if hysteresis_counter is None:
             hysteresis_counter = hysteresis
         values = dict(loss_scale=loss_scale, growth_interval=growth_interval,
@@ -274,11 +274,11 @@ class DynamicLossScale(LossScale):
                       hysteresis_counter=hysteresis_counter)
         c = {k: _concrete(v) for k, v in values.items()}
         checks = [
-            ("min_loss_scale", lambda v: 0 < v <= _F32_MAX, "a positive finite float32"),
-            ("max_loss_scale", lambda v: 0 < v <= _F32_MAX, "a positive finite float32"),
+            ("min_loss_scale", lambda v: 0 < v <= F32_MAX, "a positive finite float32"),
+            ("max_loss_scale", lambda v: 0 < v <= F32_MAX, "a positive finite float32"),
             ("loss_scale", lambda v: np.isfinite(v) and v > 0, "a positive finite float32"),
             ("growth_interval", lambda v: _int32_at_least(v, 1), "an int32 >= 1"),
-            ("growth_factor", lambda v: 1 <= v <= _F32_MAX, "a finite float32 >= 1"),
+            ("growth_factor", lambda v: 1 <= v <= F32_MAX, "a finite float32 >= 1"),
             ("backoff_factor", lambda v: 0 < v <= 1, "in (0, 1]"),
             ("hysteresis", lambda v: _int32_at_least(v, 1), "an int32 >= 1"),
             ("counter", lambda v: _int32_at_least(v, 0), "an int32 >= 0"),

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._checks import Int, check_int, check_real
+from jaxmp._checks import Int, check_float, check_int, check_matmul, check_real
 
 __all__ = [
     "rms_norm",
@@ -65,23 +65,6 @@ __all__ = [
 _F32 = jnp.float32
 
 
-def _check_float(name: str, x: Any) -> None:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise ValueError(f"{name} must have a floating-point dtype, got {jnp.result_type(x)}")
-
-
-def _check_matmul(x: Any, w: Any, k: str = "K", n: str = "N") -> None:
-    """Floating ``x [..., k]`` and a 2-D floating ``w [k, n]``; else a ValueError naming the
-    shapes (``k`` and ``n`` name the dimensions in the message)."""
-    _check_float("x", x)
-    _check_float("w", w)
-    if jnp.ndim(w) != 2:
-        raise ValueError(f"w must be a 2-D [{k}, {n}] weight, got shape {jnp.shape(w)}")
-    if jnp.ndim(x) < 1 or jnp.shape(x)[-1] != jnp.shape(w)[0]:
-        raise ValueError(f"x of shape {jnp.shape(x)} must end in {k} = {jnp.shape(w)[0]} "
-                         f"(w of shape {jnp.shape(w)})")
-
-
 def _out_dtype(x: Any, dtype: Any) -> jnp.dtype:
     """The result dtype: ``dtype`` if given (must be floating), else the dtype of ``x``."""
     if dtype is None:
@@ -95,7 +78,7 @@ def _out_dtype(x: Any, dtype: Any) -> jnp.dtype:
 def _check_feature_param(name: str, p: Any, x: Any) -> None:
     if p is None:
         return
-    _check_float(name, p)
+    check_float(name, p)
     if jnp.shape(p) != jnp.shape(x)[-1:]:
         raise ValueError(f"{name} must have shape {jnp.shape(x)[-1:]} (the last axis of x, "
                          f"shape {jnp.shape(x)}), got {jnp.shape(p)}")
@@ -133,7 +116,7 @@ def rms_norm(x: jax.Array, scale: Optional[jax.Array] = None, eps: float = 1e-6,
       ValueError: ``x`` or ``scale`` is not floating point, ``scale`` is not ``[D]``,
         ``eps`` is negative or not finite, or ``dtype`` is not floating.
     """
-    _check_float("x", x)
+    check_float("x", x)
     _check_feature_param("scale", scale, x)
     _check_eps(eps)
     out = _out_dtype(x, dtype)
@@ -206,7 +189,7 @@ def layer_norm(x: jax.Array, scale: Optional[jax.Array] = None,
       ValueError: a non-floating input, ``scale``/``bias`` not ``[D]``, a bad ``eps``,
         or a non-floating ``dtype``.
     """
-    _check_float("x", x)
+    check_float("x", x)
     _check_feature_param("scale", scale, x)
     _check_feature_param("bias", bias, x)
     _check_eps(eps)
@@ -303,7 +286,7 @@ def softmax(x: jax.Array, axis: Any = -1, where: Optional[jax.Array] = None,
       ValueError: ``x`` is not floating point, ``dtype`` is not a floating dtype, or
         ``where`` is not boolean / does not broadcast to ``x``.
     """
-    _check_float("x", x)
+    check_float("x", x)
     out = _out_dtype(x, dtype)
     x = jnp.asarray(x)
     mask = None if where is None else _broadcast_mask(where, x.shape, "where")
@@ -364,7 +347,7 @@ def log_softmax(x: jax.Array, axis: Any = -1, dtype: Any = None) -> jax.Array:
     Raises:
       ValueError: ``x`` is not floating point or ``dtype`` is not a floating dtype.
     """
-    _check_float("x", x)
+    check_float("x", x)
     out = _out_dtype(x, dtype)
     return jax.nn.log_softmax(jnp.asarray(x).astype(_F32), axis=axis).astype(out)
 
@@ -391,7 +374,7 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, axis: Any = -1,
       ValueError: ``scores`` is not floating point, ``mask`` is not boolean or does
         not broadcast to ``scores``, or ``dtype`` is not floating.
     """
-    _check_float("scores", scores)
+    check_float("scores", scores)
     out = _out_dtype(scores, dtype)
     scores = jnp.asarray(scores)
     m = _broadcast_mask(mask, scores.shape, "mask")
@@ -430,7 +413,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
         integer, or the shapes of ``logits``, ``labels`` and ``mask`` disagree (the
         message names them).
     """
-    _check_float("logits", logits)
+    check_float("logits", logits)
     if jnp.ndim(logits) < 1:
         raise ValueError(f"logits must have a class axis [..., V], got shape {jnp.shape(logits)}")
     if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
@@ -526,7 +509,7 @@ def router_logits(x: jax.Array, w: jax.Array) -> jax.Array:
     Raises:
       ValueError: non-floating inputs, ``w`` not 2-D, or ``x``'s last axis != ``D``.
     """
-    _check_matmul(x, w, "D", "E")
+    check_matmul(x, w, "D", "E")
     return jnp.matmul(jnp.asarray(x).astype(_F32), jnp.asarray(w).astype(_F32),
                       precision=jax.lax.Precision.HIGHEST)
 
@@ -581,8 +564,8 @@ def cast_matmul(x: jax.Array, w: jax.Array, spec: Optional[str] = None, *,
     Raises:
       ValueError: a non-floating ``x`` or ``w``, or both ``spec`` and ``group_sizes``.
     """
-    _check_float("x", x)
-    _check_float("w", w)
+    check_float("x", x)
+    check_float("w", w)
     if spec is not None and group_sizes is not None:
         raise ValueError(f"give spec ({spec!r}) or group_sizes, not both")
     x, w = jnp.asarray(x), jnp.asarray(w)

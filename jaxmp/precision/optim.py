@@ -18,6 +18,12 @@ DeepSeek-V3 (technical report, section 3.3) keeps float32 master weights and sto
 both AdamW moments in bfloat16; :func:`scale_by_adam` allows that through
 ``mu_dtype``/``nu_dtype`` while doing the moment arithmetic in float32.
 
+bfloat16 master weights (the ``pure_bf16`` preset) lose every update below half an ulp
+under round to nearest (case MW-1); :func:`with_update_rounding` applies the updates by
+stochastic rounding (Zamirai et al. 2020; Ozkara et al., AISTATS 2025) or by Kahan-
+compensated summation (optimi) instead, with its counter and compensation in the
+optimizer state, so the bitwise skip, checkpoints and sharding cover them.
+
 Threading a loss scale through your own train step::
 
     policy = jaxmp.get_policy("mixed_fp16")
@@ -70,6 +76,11 @@ __all__ = [
     "accumulator_init",
     "accumulate",
     "accumulated_mean",
+    "UPDATE_ROUNDINGS",
+    "stochastic_round",
+    "UpdateRoundingState",
+    "RoundedTransformation",
+    "with_update_rounding",
 ]
 
 
@@ -275,7 +286,9 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
     2. ``grad_norm`` = global L2 norm of those float32 gradients;
     3. cast each gradient to its param's dtype (the master dtype, normally float32);
     4. ``finite = all_finite(grads) & grads_finite``; one verdict for all devices;
-    5. ``optimizer.update`` and ``optax.apply_updates``;
+    5. ``optimizer.update`` and ``optax.apply_updates`` (round to nearest), or, for a
+       :class:`RoundedTransformation` (:func:`with_update_rounding`), its own
+       ``apply_updates`` (stochastic rounding or a Kahan-compensated sum);
     6. keep the new params, optimizer state (every leaf, counts included) and
        ``new_extra`` only if ``finite`` and they are all finite themselves, by a
        leafwise select (case LS-6): a skipped step is bitwise a no-op, whatever NaN the
@@ -283,7 +296,8 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
     7. ``loss_scale.adjust(finite)``: the scale reacts to gradient overflow only.
 
     Args:
-      optimizer: any optax ``GradientTransformation`` (also ``optax.MultiSteps``).
+      optimizer: any optax ``GradientTransformation`` (also ``optax.MultiSteps``), or a
+        :class:`RoundedTransformation` from :func:`with_update_rounding`.
       grads: gradient tree, same structure and shapes as ``params``; any float dtypes.
       opt_state: ``optimizer.init(params)`` or a later state.
       params: the master weights.
@@ -322,7 +336,10 @@ def apply_gradients(optimizer: optax.GradientTransformation, grads: Any, opt_sta
         finite = finite & grads_finite
 
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    if isinstance(optimizer, RoundedTransformation):  # stochastic or Kahan (bf16 masters)
+        new_params, new_opt_state = optimizer.apply_updates(params, updates, new_opt_state)
+    else:
+        new_params = optax.apply_updates(params, updates)
     applied = finite & all_finite((new_params, new_opt_state, new_extra))
     params, opt_state = select_tree(applied, (new_params, new_opt_state), (params, opt_state))
     if extra is not None:
@@ -414,3 +431,210 @@ def accumulated_mean(acc: GradAccumulator) -> tuple:
                                    if _is_float(s) else s),
                         acc.grad_sum)
     return mean, acc.finite
+
+
+# --- Low-precision master weights: how an update is rounded into a bfloat16 parameter ----
+
+UPDATE_ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _is_low_precision(x) -> bool:
+    return hasattr(x, "dtype") and jnp.dtype(x.dtype) in _LOW_PRECISION
+
+
+def _uniform_bits(key: jax.Array, shape) -> jax.Array:
+    """uint32 random bits of ``shape``, each a function of ``key`` and its flat index only.
+
+    ``jax.random.bits`` with a threefry key is counter based (Salmon et al. 2011, "Parallel
+    random numbers: as easy as 1, 2, 3"): under ``jax.threefry_partitionable`` (set here
+    while tracing; JAX's default since 0.5) element ``i`` is threefry2x32 of (key, i),
+    whatever the sharding, so each device of a sharded leaf computes only its own slice of
+    the one-device bits.
+    """
+    with jax.threefry_partitionable(True):  # read when traced: whatever the process's flag
+        return jax.random.bits(key, tuple(shape), jnp.uint32)
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    """Rounds ``x`` to ``dtype`` up or down at random, so that ``E[round(x)] = x``.
+
+    bfloat16 (Zamirai et al. 2020, "Revisiting BFloat16 Training", section 3; torchao's
+    ``_fp32_to_bf16_sr``): ``x`` is read as float32 bits, 16 uniform random bits are
+    added below the bfloat16 mantissa and the low 16 bits are cut off. ``x`` rounds away
+    from zero with probability (distance to the value toward zero) / (its ulp), the same
+    rule on normals and subnormals and for either sign (sign-magnitude bits). A finite
+    ``x`` within one ulp above the largest bfloat16 rounds to +-inf with that probability
+    (round to nearest gives inf past half an ulp); inf and NaN pass through unchanged.
+
+    float16: the two float16 neighbours of ``x`` bracket it and the upper one is taken
+    with probability (|x| - |lower|) / (|upper| - |lower|), drawn from 24 random bits
+    (the same rule; above 65504 the upper neighbour is inf, one ulp of 32 away).
+
+    Args:
+      x: any float array (cast to float32 first; bfloat16/float16 inputs are exact).
+      dtype: ``bfloat16`` or ``float16`` (names as :func:`canonical_dtype`).
+      key: a threefry PRNG key; element ``i`` of the result depends only on ``key``, ``i``
+        and ``x[i]`` (:func:`with_update_rounding` derives the key from the seed, the
+        step and the leaf).
+
+    Returns:
+      An array of ``dtype`` with the shape of ``x``.
+
+    Raises:
+      ValueError: ``dtype`` is not bfloat16 or float16.
+    """
+    dtype = canonical_dtype(dtype)
+    if dtype not in _LOW_PRECISION:
+        raise ValueError(f"stochastic_round rounds to bfloat16 or float16, not {dtype}")
+    x = jnp.asarray(x).astype(jnp.float32)
+    bits = _uniform_bits(key, x.shape)
+    if dtype == jnp.bfloat16:
+        xb = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        # A finite float32 plus at most 0xFFFF stays below the NaN patterns: the largest
+        # finite (0x7F7FFFFF) reaches 0x7F80FFFE, which truncates to inf.
+        cut = (xb + (bits >> 16)) >> 16
+        out = jax.lax.bitcast_convert_type(cut.astype(jnp.uint16), jnp.bfloat16)
+    else:
+        info = jnp.finfo(dtype)
+        near = x.astype(dtype)
+        zero = jnp.zeros((), dtype)
+        # The neighbour toward zero, and the one away from it.
+        lower = jnp.where(jnp.abs(near.astype(jnp.float32)) > jnp.abs(x),
+                          jnp.nextafter(near, zero), near)
+        away = jnp.where(x < 0, jnp.asarray(-jnp.inf, dtype), jnp.asarray(jnp.inf, dtype))
+        upper = jnp.nextafter(lower, away)
+        lo32, up32 = jnp.abs(lower.astype(jnp.float32)), jnp.abs(upper.astype(jnp.float32))
+        top_ulp = float(info.max) - float(jnp.nextafter(jnp.asarray(info.max, dtype), zero))
+        width = jnp.where(jnp.isinf(up32), top_ulp, up32 - lo32)
+        frac = (jnp.abs(x) - lo32) / jnp.where(width > 0, width, 1.0)
+        u = (bits >> 8).astype(jnp.float32) * (2.0 ** -24)  # uniform on [0, 1)
+        out = jnp.where(u < frac, upper, lower)
+    return jnp.where(jnp.isfinite(x), out, x.astype(dtype))
+
+
+class UpdateRoundingState(NamedTuple):
+    """State of :func:`with_update_rounding`.
+
+    Attributes:
+      inner: the wrapped optimizer's state.
+      count: int32 scalar, updates applied so far; the step of the stochastic counter.
+        It advances only with the rest of the optimizer state, so a skipped step
+        (:func:`apply_gradients` selects the old state back) draws no bits.
+      compensation: ``kahan`` only (None otherwise): a tree like the params, each
+        bfloat16/float16 leaf's lost low-order part in that leaf's dtype (built with
+        ``jax.tree.map`` over the params, so NNX variables keep their sharding metadata
+        and the buffer is sharded like its parameter); ``optax.MaskedNode()`` at float32
+        leaves, which are updated exactly as without rounding.
+    """
+
+    inner: Any
+    count: jax.Array
+    compensation: Any
+
+
+class RoundedTransformation(NamedTuple):
+    """An optax-style transformation that also says how its updates reach the params.
+
+    ``init`` and ``update`` are those of an ``optax.GradientTransformation`` (the updates
+    pass through unchanged; ``update`` advances the counter). ``apply_updates(params,
+    updates, state) -> (new_params, new_state)`` replaces ``optax.apply_updates``;
+    :func:`apply_gradients` calls it. Wrap nothing around it (an ``optax.chain`` or
+    ``optax.MultiSteps`` would drop ``apply_updates``): it is the outermost transformation.
+    """
+
+    init: Any
+    update: Any
+    apply_updates: Any
+
+
+def with_update_rounding(optimizer: optax.GradientTransformation, rounding: str = "nearest",
+                         seed: int = 0):
+    """How ``optimizer``'s updates are added to bfloat16/float16 master weights.
+
+    Round to nearest loses every update below half an ulp of the weight (2**-9 to 2**-8
+    of |w| in bfloat16; case MW-1), so pure-bfloat16 weights stop learning at small
+    learning rates. Two remedies keep 16-bit weights learning:
+
+    * ``"stochastic"``: ``w <- stochastic_round(w + u)`` (:func:`stochastic_round`),
+      unbiased, E[w_new] = w + u. Zamirai et al. 2020, "Revisiting BFloat16 Training";
+      Ozkara et al., AISTATS 2025 (arXiv 2502.20566), bfloat16 with stochastic rounding
+      matching bf16/fp32 mixed precision up to 6.7B; torchao's
+      ``_AdamW(bf16_stochastic_round=True)``, llm.c. The random bits are counter based:
+      ``threefry(key(seed), count, leaf index, element index)`` (:func:`_uniform_bits`),
+      so a resumed run, a resharded one (zero1, fsdp) and one device draw the same bits.
+    * ``"kahan"``: Kahan-compensated summation (Kahan 1965; optimi's Kahan-summation
+      optimizers, ``optimi.utils.kahan``): a buffer ``c`` per parameter in its dtype keeps
+      what rounding lost, ``y = c + u`` (float32), ``w_new = round(w + y)``,
+      ``c_new = round(y - (w_new - w))``. Deterministic; costs one 16-bit buffer per
+      parameter (8 bytes per parameter with bfloat16 moments and no float32 anywhere).
+    * ``"nearest"``: returns ``optimizer`` itself (``optax.apply_updates``: round to
+      nearest, as without this wrapper).
+
+    Only bfloat16/float16 leaves are rounded this way; float32 leaves (norm scales and the
+    router kept in float32 by a policy rule) get ``w + u`` in float32, as always.
+    Under :func:`apply_gradients` a skipped step keeps the params, the compensation and
+    the counter bitwise (the state is selected back), so the next step draws the bits
+    the skipped one would have.
+
+    Args:
+      optimizer: the optax transformation computing the updates (clipping included).
+      rounding: one of :data:`UPDATE_ROUNDINGS`.
+      seed: int in [0, 2**31 - 1), the stochastic bits' seed (the trainer's ``seed``).
+
+    Returns:
+      ``optimizer`` for ``"nearest"``; else a :class:`RoundedTransformation` with state
+      :class:`UpdateRoundingState`.
+
+    Raises:
+      ValueError: ``rounding`` not in :data:`UPDATE_ROUNDINGS`; a bad ``seed``.
+    """
+    if rounding not in UPDATE_ROUNDINGS:
+        raise ValueError(f"update rounding {rounding!r} is not allowed; allowed: "
+                         f"{', '.join(UPDATE_ROUNDINGS)}")
+    if rounding == "nearest":
+        return optimizer
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31 - 1:
+        raise ValueError(f"seed={seed!r} is not allowed; it must be an int in [0, 2**31 - 1)")
+    kahan = rounding == "kahan"
+
+    def init_fn(params):
+        comp = None
+        if kahan:
+            comp = jax.tree.map(lambda p: (jnp.zeros(jnp.shape(p), jnp.asarray(p).dtype)
+                                           if _is_low_precision(p) else optax.MaskedNode()),
+                                params)
+        return UpdateRoundingState(inner=optimizer.init(params),
+                                   count=jnp.zeros([], jnp.int32), compensation=comp)
+
+    def update_fn(updates, state, params=None):
+        updates, inner = optimizer.update(updates, state.inner, params)
+        return updates, UpdateRoundingState(inner=inner, count=optax.safe_increment(state.count),
+                                            compensation=state.compensation)
+
+    def apply_fn(params, updates, state):
+        flat_p, treedef = jax.tree.flatten(params)
+        flat_u = treedef.flatten_up_to(updates)
+        if kahan:
+            flat_c = treedef.flatten_up_to(state.compensation)
+        step_key = jax.random.fold_in(jax.random.key(seed, impl="threefry2x32"), state.count)
+        new_p, new_c = [], []
+        for i, (p, u) in enumerate(zip(flat_p, flat_u)):
+            if not _is_low_precision(p):
+                new_p.append(jnp.asarray(p + u).astype(jnp.asarray(p).dtype))
+                new_c.append(flat_c[i] if kahan else None)
+                continue
+            p32 = p.astype(jnp.float32)
+            if kahan:
+                y = flat_c[i].astype(jnp.float32) + u.astype(jnp.float32)
+                w = (p32 + y).astype(p.dtype)
+                new_p.append(w)
+                new_c.append((y - (w.astype(jnp.float32) - p32)).astype(p.dtype))
+            else:
+                new_p.append(stochastic_round(p32 + u.astype(jnp.float32), p.dtype,
+                                              jax.random.fold_in(step_key, i)))
+        comp = treedef.unflatten(new_c) if kahan else None
+        return treedef.unflatten(new_p), state._replace(compensation=comp)
+
+    return RoundedTransformation(init_fn, update_fn, apply_fn)

@@ -69,6 +69,9 @@ PRESETS: Mapping[str, str] = {
     "mixed_fp16": "params=float32,compute=float16,output=float32",
     # Pure bfloat16: parameters too. Kept for comparison; small updates are lost (case MW-1).
     "bf16": "params=bfloat16,compute=bfloat16,output=bfloat16",
+    # bfloat16 master weights with a float32 loss: pair with optim.update_rounding=stochastic
+    # or kahan (jaxmp.optim.with_update_rounding), else small updates are lost as with bf16.
+    "pure_bf16": "params=bfloat16,compute=bfloat16,output=float32",
     # mixed_bf16 with the module's matmuls in FP8 by a jaxmp.fp8 recipe (jaxmp.precision.fp8).
     "fp8_tensorwise": "params=float32,compute=bfloat16,output=float32,fp8=tensorwise",
     "fp8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
@@ -212,8 +215,9 @@ def get_policy(spec: Union[str, Policy, Any]) -> Policy:
     sets all three. jaxmp adds the key ``fp8`` (default ``none``): ``fp8=tensorwise``,
     ``rowwise``, ``blockwise``, ``delayed`` or ``delayed/HISTORY[/MARGIN]`` puts the
     module's matmuls in FP8 by that :class:`jaxmp.fp8.Recipe`. Presets: ``fp32``,
-    ``mixed_bf16``, ``mixed_fp16``, ``bf16``, ``fp8_tensorwise``, ``fp8_delayed``,
-    ``fp8_rowwise``, ``fp8_blockwise`` (see :data:`PRESETS`; each ``fp8_*`` is
+    ``mixed_bf16``, ``mixed_fp16``, ``bf16``, ``pure_bf16`` (bfloat16 master weights,
+    float32 output; see :func:`jaxmp.optim.with_update_rounding`), ``fp8_tensorwise``,
+    ``fp8_delayed``, ``fp8_rowwise``, ``fp8_blockwise`` (see :data:`PRESETS`; each ``fp8_*`` is
     ``mixed_bf16`` plus its recipe). Unlike jmp, ``half`` always means float16 (jmp picks
     bfloat16 on TPU), so a config means the same on every backend.
 

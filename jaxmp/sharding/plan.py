@@ -17,21 +17,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.precision import comm
-from jaxmp.precision._vma import varying_axes
+from jaxmp.precision._vma import as_axes, varying_axes
 from jaxmp.sharding.context import in_step
 from jaxmp.sharding.rules import DATA_AXIS, EXPERT_AXIS, Layout, state_shardings
 
 __all__ = ["StepPlan", "fsdp_checkpoint_policy"]
 
 
-def _entry_axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _spec_axes(spec) -> set:
-    return {a for entry in spec for a in _entry_axes(entry)}
+    return {a for entry in spec for a in as_axes(entry)}
 
 
 def _is_spec(x) -> bool:
@@ -93,7 +87,7 @@ class StepPlan:
             scatter, dim = None, 0
             if not fsdp:
                 for d, entry in enumerate(state_spec):
-                    if DATA_AXIS in _entry_axes(entry) and DATA_AXIS not in used_c:
+                    if DATA_AXIS in as_axes(entry) and DATA_AXIS not in used_c:
                         scatter, dim = DATA_AXIS, d
             sums = tuple(a for a in self.axes if a not in used_c and a != scatter)
             return comm.LeafReduce(sums, scatter, dim, divided=fsdp and DATA_AXIS in used_c)
@@ -103,7 +97,7 @@ class StepPlan:
         self.gather = None
         if fsdp:
             split = {name for name, target in layout.compute_rules
-                     if DATA_AXIS in _entry_axes(target)}
+                     if DATA_AXIS in as_axes(target)}
             total = self.total
 
             def gather(value, logical_axes, dtype):
@@ -149,7 +143,7 @@ class StepPlan:
         def one(x, dtype, state_spec, compute_spec):
             x = x.astype(dtype)
             for d, entry in enumerate(state_spec):
-                if DATA_AXIS in _entry_axes(entry) and DATA_AXIS not in _spec_axes(compute_spec):
+                if DATA_AXIS in as_axes(entry) and DATA_AXIS not in _spec_axes(compute_spec):
                     x = jax.lax.all_gather(x, DATA_AXIS, axis=d, tiled=True, to="invarying")
             return x
 

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp._checks import Int, check_choice, check_int
+from jaxmp.precision._vma import as_axes
 # The collectives' default axis (jaxmp.comm) is the data axis of every mesh here.
 from jaxmp.precision.comm import DATA_AXIS
 
@@ -27,7 +28,6 @@ __all__ = [
     "logical_to_sharding",
     "state_shardings",
     "batch_sharding",
-    "check_batch_divisible",
 ]
 
 # Every logical name the models use; a rule table must map each (None = replicated).
@@ -101,9 +101,7 @@ class Layout:
         def fit(rules):
             out = []
             for name, target in rules:
-                axes = (() if target is None else (target,) if isinstance(target, str)
-                        else tuple(target))
-                kept = tuple(a for a in axes if a in mesh.axis_names)
+                kept = tuple(a for a in as_axes(target) if a in mesh.axis_names)
                 out.append((name, None if not kept else kept[0] if len(kept) == 1 else kept))
             return tuple(out)
 
@@ -191,8 +189,7 @@ def logical_to_sharding(logical_axes: Sequence[Optional[str]], mesh: Mesh,
         if name not in table:
             raise ValueError(f"logical axis {name!r} has no rule; the rules map {sorted(table)}")
         target = table[name]
-        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-        for a in axes:
+        for a in as_axes(target):
             if a not in mesh.axis_names:
                 raise ValueError(f"rule {name!r} -> {target!r}: mesh axis {a!r} is not in the mesh "
                                  f"axes {mesh.axis_names}")
@@ -228,6 +225,8 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
 
     def one(x):
         if isinstance(x, nnx.Variable):
+            if not hasattr(x.get_value(), "shape"):  # no array (optax.MaskedNode): no leaf
+                return x
             axes = _leaf_axes(x)
             if axes is None:
                 return x.replace(replicated)
@@ -243,24 +242,3 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules) -> Any:
 def batch_sharding(mesh: Mesh, rules: Rules) -> NamedSharding:
     """Sharding of a [B, T] token batch: B over the ``batch`` rule's mesh axes, T whole."""
     return logical_to_sharding(("batch", None), mesh, rules)
-
-
-def check_batch_divisible(global_batch: int, mesh: Mesh,
-                          rules: Rules = DATA_PARALLEL_RULES) -> None:
-    """Checks that the global batch splits evenly over the mesh axes of ``batch``.
-
-    Raises:
-      ValueError: e.g. "global batch 12 is not divisible by the 8 devices of mesh axis
-        'data'", or a global batch < 1.
-    """
-    if not Int(1).ok(global_batch):
-        raise ValueError(f"global batch {global_batch!r} must be a positive integer")
-    target = _as_dict(rules).get("batch")
-    axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-    if global_batch % n:
-        names = ", ".join(repr(a) for a in axes)
-        raise ValueError(f"global batch {global_batch} is not divisible by the {n} devices of "
-                         f"mesh axis {names}")
-
-

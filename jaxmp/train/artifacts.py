@@ -232,6 +232,39 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
     return meta
 
 
+def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
+              step: Optional[int] = None) -> dict:
+    """Writes a checkpoint as a Hugging Face model directory (``--format hf``).
+
+    :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
+    of the family the architecture maps to; a Hugging Face tokenizer is written as
+    ``tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-document token
+    (``eos_token``), which ``transformers.AutoTokenizer`` reads. A byte or SentencePiece
+    tokenizer has no such file: none is written (``tokenizer`` is None in the result).
+
+    Returns:
+      ``{"family", "step", "tokenizer"}`` (``tokenizer``: the file written or None).
+
+    Raises:
+      ValueError: an architecture that maps to no family (the field named), before
+        anything is written; and as :func:`load`.
+    """
+    from jaxmp.models.hf import save_pretrained
+
+    model, tokenizer, _, saved_step, notes = _load(workdir, step)  # read-only, one checkpoint
+    for note in notes:
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    out = pathlib.Path(out).expanduser()
+    family = save_pretrained(model, str(out))
+    file = None
+    if isinstance(tokenizer, HFTokenizer):
+        file = tokenizer.save(out).name
+        eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, indent=2) + "\n")
+    return {"family": family, "step": int(saved_step), "tokenizer": file}
+
+
 def load_export(directory: str | os.PathLike) -> Tuple[MoETransformer, Any, dict]:
     """A fresh model built from an :func:`export` directory, and its tokenizer.
 

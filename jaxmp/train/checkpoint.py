@@ -3,9 +3,15 @@
 A checkpoint step directory holds four items, written by one
 ``orbax.checkpoint.CheckpointManager``:
 
-* ``state``: the :class:`~jaxmp.train.state.TrainState` (params, optimizer state, loss
-  scale with every field, router biases, counters, rng), restored onto the shardings
-  of a template so it lands on the mesh it is used on;
+* ``state``: the :class:`~jaxmp.train.state.TrainState` as
+  :meth:`~jaxmp.train.Experiment.checkpoint_template` holds it: the master weights,
+  the optimizer state, the loss scale with every field, the router biases, the rest of
+  the model's state (FP8 amax histories), the counters (step, skipped and consecutive
+  skips, divergent steps), the loss and gradient-norm running means, the rng and the
+  top-k residual (``comm_state``); ZeRO-1's compute-dtype copy is left out and rebuilt.
+  It is restored onto the shardings of a template so it lands on the mesh it is used on
+  (a top-k residual saved for another number of devices is resharded,
+  :func:`reshard_residual`);
 * ``data``: the grain iterator state (JSON), so a resumed run sees exactly the batches
   an uninterrupted run would have seen;
 * ``config``: the run's config (JSON), checked against the current one on resume;
@@ -13,8 +19,8 @@ A checkpoint step directory holds four items, written by one
   save time (:func:`state_checksums`), a SHA-256 digest of each JSON item (``data``,
   ``config``) and of ``verify`` itself (:func:`json_digest`), whether the state was
   healthy (its latest step applied and not divergent), and what the state was saved for
-  (the number of data-parallel devices). Every item of a checkpoint is thus checked on
-  restore.
+  (the trainer's ``meta``: the number of devices, ``parallel.strategy`` and
+  ``parallel.expert``). Every item of a checkpoint is thus checked on restore.
 
 Rotation keeps the ``keep`` newest checkpoints and, outside that count, the newest healthy
 one: checkpoints saved while a run stalls or diverges (a SIGTERM then) never push out the
@@ -70,10 +76,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxmp._checks import check_int
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import all_finite
+from jaxmp.train.keys import KEYS
 
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
            "state_checksums", "json_digest", "config_differences", "residual_adapter",
-           "reshard_residual"]
+           "reshard_residual", "quiet_orbax_tracebacks"]
 
 # 1: array checksums only; 2: also the digests of the JSON items and the health flag.
 _FORMAT = 2
@@ -101,13 +108,20 @@ def _lookup(config: dict, dotted: str):
     return node
 
 
+_DEFAULTS = {k.name: k.default for k in KEYS}
+
+
 def config_differences(saved: dict, current: dict) -> list:
     """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
-    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`."""
+    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`. A key the saved config
+    does not have (added to jaxmp after it was written, e.g. ``optim.update_rounding``)
+    differs only when the current value is not that key's default."""
     diffs = []
     for section in INCOMPATIBLE_KEYS:
         a, b = (flatten_dict({section: _lookup(c, section)}, sep=".") for c in (saved, current))
         for key in sorted(set(a) | set(b)):
+            if key not in a and key in _DEFAULTS and b.get(key) == _DEFAULTS[key]:
+                continue  # a newer key at its default: the checkpoint ran with that behaviour
             if (key not in MAY_CHANGE_KEYS
                 and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):
                 diffs.append((key, a.get(key), b.get(key)))
@@ -164,20 +178,40 @@ def _closed_loop_noise(unraisable) -> bool:
             and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
 
 
-def _quiet_orbax_tracebacks() -> None:
-    for name in ("absl", "asyncio"):  # orbax logs through absl.logging
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropOrbaxTracebacks) for f in logger.filters):
-            logger.addFilter(_DropOrbaxTracebacks())
-    if not getattr(sys.unraisablehook, "_jaxmp", False):
-        previous = sys.unraisablehook
+def quiet_orbax_tracebacks() -> Callable[[], None]:
+    """Drops orbax's tracebacks for a failed checkpoint write, process-wide; for entry points.
 
-        def hook(unraisable):
-            if not _closed_loop_noise(unraisable):
-                previous(unraisable)
+    Adds a :class:`_DropOrbaxTracebacks` filter to the ``absl`` logger (orbax logs through
+    absl.logging) and the ``asyncio`` logger, and wraps ``sys.unraisablehook`` to drop
+    tensorstore's ``RuntimeError('Event loop is closed')`` after a failed write
+    (:func:`_closed_loop_noise`). :class:`Checkpointer` raises each failure as a
+    :class:`CheckpointError` with its cause in one line, so these are noise; but they are
+    process-wide settings, so library code never makes them: ``train.py`` and the
+    ``python -m jaxmp.export`` / ``jaxmp.sample`` commands call this once at start.
 
-        hook._jaxmp = True
-        sys.unraisablehook = hook
+    Returns:
+      A function that removes the two filters and puts back the ``sys.unraisablehook``
+      found, if the hook is still the one installed here.
+    """
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    added = _DropOrbaxTracebacks()
+    for logger in loggers:
+        logger.addFilter(added)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop_noise(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+    def restore() -> None:
+        for logger in loggers:
+            logger.removeFilter(added)
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+    return restore
 
 
 _ODD1, _ODD2 = np.uint32(2654435761), np.uint32(2246822519)  # Knuth's multiplicative constants
@@ -292,7 +326,6 @@ class Checkpointer:
         self._pending: Optional[int] = None  # the step being written in the background
         self.keep = int(keep)
         self._meta: dict = {}  # step -> {"healthy": bool or None, "eval_loss": float or None}
-        _quiet_orbax_tracebacks()
         if self.read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is not a directory of checkpoints")
         # A trainer removes the temporary directories of saves a killed run left; a reader

@@ -26,17 +26,19 @@ import math
 import pathlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
-from jaxmp._checks import Choice, Int, Kind, Real, is_int, is_real
+from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
+from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS
 from jaxmp.models.moe import MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
+from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PRESETS, PolicyRules, canonical_dtype, get_policy_rules
 from jaxmp.train.keys import KEYS
@@ -47,7 +49,6 @@ __all__ = ["default_config", "complete_config", "load_config", "apply_overrides"
            "config_to_dict", "Settings", "ALLOWED", "validate_config",
            "flat_keys", "closest_key"]
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _I32_MAX = 2**31 - 1  # the train state's step counters and the model's positions are int32
 _REPO = pathlib.Path(__file__).resolve().parents[2]  # where configs/ and train.py live
 
@@ -211,7 +212,8 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
       where: where the overrides come from, for the error naming an unknown key.
 
     Returns:
-      The completed config (:func:`complete_config`).
+      The completed config (:func:`complete_config`); with ``model.init_from=DIR`` its
+      ``model.*`` keys are DIR's config.json (see :func:`validate_config`).
 
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
@@ -245,7 +247,19 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     if not isinstance(config, (ml_collections.ConfigDict, dict)):
         raise ValueError(f"config file {name}: get_config() returned {config!r} (a "
                          f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
-    return apply_overrides(complete_config(config), overrides, where)
+    given = set(_given(config)) | {text.partition("=")[0].strip() for text in overrides}
+    config = apply_overrides(complete_config(config), overrides, where)
+    if config.model.init_from:  # the architecture from DIR, checked against what is set
+        _apply_init_from(config, {k: _get(config, k) for k in given if _has(config, k)})
+    return config
+
+
+def _has(config: ml_collections.ConfigDict, key: str) -> bool:
+    try:
+        _get(config, key)
+        return True
+    except (KeyError, AttributeError):
+        return False
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict:
@@ -263,8 +277,9 @@ class Settings:
       rules: the user's :class:`~jaxmp.precision.policy.PolicyRules` (before the model
         adds its float32 islands).
       loss_scale: the initial loss scale.
-      comm: ``make_train_step``'s gradient-communication keywords
-        (``grad_reduce_dtype``, ``grad_compression``, ``topk_ratio``).
+      comm: the gradient-communication settings as given (``grad_reduce_dtype``,
+        ``grad_compression``, ``topk_ratio``), checked by
+        :func:`jaxmp.comm.check_comm_config`.
       num_devices: devices of the mesh (the batch is split over all of them).
       layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy``,
         ``parallel.expert`` and ``parallel.dispatch_dtype``.
@@ -308,7 +323,7 @@ ALLOWED: Dict[str, Any] = {
     "train.sample_tokens": Int(0),
     "train.sample_temperature": Real(0, text="a finite number >= 0 (0 = greedy)"),
     "train.sample_prompt": Kind(lambda v: isinstance(v, str), "a string"),
-    "optim.learning_rate": Real(0, _F32_MAX, lo_open=True,
+    "optim.learning_rate": Real(0, F32_MAX, lo_open=True,
                                 text="a number > 0 that float32 can hold"),
     "optim.warmup_steps": Int(0, _I32_MAX),
     "optim.decay_steps": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = train.steps)"),
@@ -321,6 +336,7 @@ ALLOWED: Dict[str, Any] = {
     "optim.schedule": Choice(SCHEDULES),
     "optim.mu_dtype": _MOMENT_DTYPE,
     "optim.nu_dtype": _MOMENT_DTYPE,
+    "optim.update_rounding": Choice(UPDATE_ROUNDINGS),
     "data.path": Kind(lambda v: v is None or isinstance(v, str),
                       "a path, a glob or '' (the stdlib corpus)"),
     "data.text_field": Kind(lambda v: isinstance(v, str) and v.strip() != "",
@@ -342,6 +358,16 @@ ALLOWED: Dict[str, Any] = {
     "model.norm_eps": Real(),
     "model.aux_loss_weight": Real(),
     "model.bias_update_rate": Real(),
+    "model.rope_layout": Choice(ROPE_LAYOUTS),
+    "model.rope_scaling": Choice(ROPE_SCALINGS),
+    "model.qk_norm": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.qkv_bias": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.tie_embeddings": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.norm_topk_prob": Kind(lambda v: isinstance(v, bool), "True or False"),
+    "model.routed_scaling_factor": Real(0, lo_open=True),
+    "model.init_from": Kind(lambda v: isinstance(v, str), "'' or a checkpoint directory"),
+    "model.mlp_only_layers": Kind(lambda v: isinstance(v, (tuple, list)) and all(
+        is_int(i) and i >= 0 for i in v), "a tuple of layer indices"),
     # The model's other checks are ModelConfig's; an int32 position is the run's.
     "model.max_len": Kind(lambda v: not is_int(v) or v <= _I32_MAX,
                           "at most 2**31 - 1 (positions are int32)"),
@@ -377,6 +403,12 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     Returns:
       The :class:`Settings`.
 
+    With ``model.init_from=DIR`` the architecture keys (``model.*`` but ``max_len``,
+    ``attention``, ``moe_kernel``, ``scan_layers``, ``remat``, ``capacity_factor``) are
+    DIR's config.json's (:func:`jaxmp.models.hf.config_from_hf`): one that the config
+    sets to another value is an error; DIR's ``tokenizer.json`` is the data tokenizer
+    unless ``data.tokenizer`` is set.
+
     Raises:
       ValueError: an unknown key (named with the closest valid one); a value outside
         its :data:`ALLOWED` entry; the global batch cannot be split into
@@ -390,7 +422,9 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         compression outside data parallelism). The message names the value and what is
         allowed.
     """
+    given = _given(config)
     config = complete_config(config)
+    _apply_init_from(config, given)  # a second time (after load_config) changes nothing
     t, d, p = config.train, config.data, config.precision
     keys = list(ALLOWED)
     after = keys.index("optim.learning_rate")  # the batch split is checked after train.*
@@ -422,6 +456,7 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         raise ValueError(f"precision.policy={p.policy!r} is not allowed; it must name a preset "
                          f"({', '.join(PRESETS)}) or a dtype, with optional 'MODULE: POLICY' rules")
     rules = get_policy_rules(p.policy)
+    _check_update_rounding(config.optim.update_rounding, rules)
     loss_scale = get_loss_scale(p.loss_scale)
     comm_kwargs = dict(grad_reduce_dtype=p.grad_reduce_dtype, grad_compression=p.grad_compression,
                        topk_ratio=p.topk_ratio)
@@ -433,6 +468,63 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale,
                     comm=comm_kwargs, num_devices=int(num_devices), layout=layout,
                     reduce_dtype=reduce_dtype)
+
+
+def _given(config) -> Dict[str, Any]:
+    """The dotted keys the config file or command line sets, with their values."""
+    data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return flatten_dict(data, sep=".")
+
+
+def _apply_init_from(config: ml_collections.ConfigDict, given: Dict[str, Any]) -> None:
+    """With ``model.init_from=DIR``: the ``model.*`` architecture keys from DIR's config.json
+    (:func:`jaxmp.models.hf.config_from_hf`), the data tokenizer from DIR's
+    ``tokenizer.json`` unless ``data.tokenizer`` is set.
+
+    Raises:
+      ValueError: a ``model.*`` key the config sets that contradicts DIR's config.json, or
+        a config.json that cannot be represented (one line, named).
+    """
+    path = config.model.init_from
+    if not path:
+        return
+    from jaxmp.models import hf
+
+    arch = hf.config_from_hf(hf.read_config(path))
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for field in defaults:
+        key = f"model.{field}"
+        if field in hf.RUNTIME_FIELDS:  # the run's, but max_len and the balancing from DIR
+            if key not in given and field in ("max_len", "aux_loss_weight", "bias_update_rate") \
+                    and field in arch:
+                config.model[field] = arch[field]
+            continue
+        want = arch.get(field, defaults[field])
+        if key in given:
+            have = given[key]
+            same = (have == want or (isinstance(want, float) and is_real(have)
+                                     and math.isclose(have, want))
+                    or (field == "mlp_only_layers" and tuple(have) == tuple(want)))
+            if not same:
+                raise ValueError(f"{key}={have!r} contradicts {path}/config.json ({want!r}); "
+                                 f"leave it unset with model.init_from")
+        config.model[field] = tuple(want) if isinstance(want, list) else want
+    if "data.tokenizer" not in given:
+        found = hf.tokenizer_eos(path)
+        if found is not None:
+            config.data.tokenizer = found[0]
+            if found[1] is not None and "data.eod_id" not in given:
+                config.data.eod_id = found[1]
+
+
+def _check_update_rounding(rounding: str, rules: PolicyRules) -> None:
+    """Stochastic or Kahan rounding needs a policy that stores some parameter in 16 bits."""
+    policies = [rules.default] + [policy for _, policy in rules.rules]
+    if rounding != "nearest" and all(jnp.dtype(q.param_dtype).itemsize >= 4 for q in policies):
+        raise ValueError(f"optim.update_rounding={rounding!r} rounds bfloat16/float16 "
+                         f"parameters, but precision.policy={str(rules)!r} keeps every parameter "
+                         f"in float32; use a policy with bfloat16 params (e.g. 'pure_bf16; "
+                         f"router: fp32; norm: fp32') or optim.update_rounding='nearest'")
 
 
 def _check_parallel(config, model: ModelConfig, num_devices: int):

@@ -1,4 +1,6 @@
-"""Byte-level language-model data pipeline built on grain.
+"""Language-model data pipeline built on grain: text tokenized by bytes, a trained BPE
+or a SentencePiece model (:mod:`jaxmp.train.tokenizer`), or pre-tokenized ``.bin`` /
+``.npy`` token shards (:func:`create_pipeline`).
 
 Documents (the Python standard library's own ``.py`` files by default, or the
 user's text / ``.jsonl`` files) are split into train and eval by document, each

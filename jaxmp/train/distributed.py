@@ -29,28 +29,35 @@ checkpoint to resume from, and leave with status :data:`PEER_LOST_EXIT` without 
 the interpreter's shutdown (``os._exit``: their main thread may be blocked in a collective
 that can never finish).
 
-JAX's own client would otherwise terminate the process from C++ (``client.h``: a logged
-fatal error, a stack trace, ``Fatal Python error: Aborted``) as soon as it polls the
-error: ``heartbeat_timeout`` seconds after a process other than 0 dies, but at once when
-process 0, which hosts the coordination service, dies, racing the watchdog's line. Its
-binding's ``missed_heartbeat_callback`` (``jax._src.lib._jax.get_distributed_runtime_client``;
-``jax.distributed.initialize`` does not pass it), meant to replace that abort, cannot be
-used in jax 0.10.2 (nor on jax's main branch of 2026-08-08): jaxlib casts the Python
-callable to ``std::function<void(absl::Status)>``, and nanobind has no caster for
-``absl::Status``, so its first call throws ``std::bad_cast`` in the coordination agent's
-thread and the process terminates (``terminate called after throwing an instance of
-'std::bad_cast'``) before any Python runs. So each process other than 0 reaches the coordination
-service through a :class:`CoordinatorRelay` of its own (loopback, started by
-:func:`initialize`): when process 0's end of the relayed connection closes, the relay
-reports process 0 lost before JAX's client can see the connection close. A process that
-sends the watchdog nothing for half the heartbeat timeout (stopped, or on a machine that
-vanished without closing its connections), or that dies between
-``jax.distributed.initialize`` and its first word to the watchdog, is named after that
-half, before JAX's heartbeat check can abort anyone. Started from a cluster's
-environment (no relay), the death of process 0 still races JAX's abort.
+Nothing of this module sits in JAX's coordination path: every process reaches process 0's
+coordination service directly, and the watchdog is a connection of its own beside it. So
+when process 0, which hosts the service, dies, JAX's client in the other processes may
+terminate them from C++ (``client.h``: a logged fatal error, ``Fatal Python error:
+Aborted``) before the watchdog's line is written; either way the survivors stop within
+seconds, and the checkpoints written so far resume exactly. (JAX's binding's
+``missed_heartbeat_callback``, which would replace that abort, cannot be used in jax
+0.10.2: nanobind has no caster for its ``absl::Status`` argument, and its first call
+terminates the process.) A process that sends the watchdog nothing for half the
+heartbeat timeout (stopped, or on a machine that vanished without closing its
+connections), or that dies between ``jax.distributed.initialize`` and its first word to
+the watchdog, is named after that half, before JAX's heartbeat check can abort anyone.
+
+Start-up is bounded and says what it waits for (:func:`initialize`): process 0 checks
+that the coordinator's port is free before JAX binds it, each process says which
+processes it waits for, and one that is still waiting after ``startup_timeout`` seconds
+leaves with one line. :func:`check_same_config` then compares the processes' configs
+through JAX's key-value store, before any collective.
+
+A preemption notice (SIGTERM) reaches JAX's own handler, which
+``jax.distributed.initialize`` installs (its preemption sync manager): the training loop
+asks :func:`jax.experimental.multihost_utils.reached_preemption_sync_point` at every step,
+so that all processes stop, and save, at the same step (:func:`preemption_sync`).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import pathlib
 import re
@@ -64,10 +71,11 @@ import jax
 
 from jaxmp._checks import check_int
 
-__all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "CoordinatorRelay", "start_watchdog",
-           "last_checkpoint", "PEER_LOST_EXIT"]
+__all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "start_watchdog", "last_checkpoint",
+           "PEER_LOST_EXIT", "check_same_config", "preemption_sync"]
 
 PEER_LOST_EXIT = 1  # the status of a process whose peer was lost (as for any other error)
+_SAY_WAITING_S = 30.0  # a start-up still connecting after this long says what it waits for
 _KEY = "jaxmp/peer-watchdog"  # where process 0 publishes its watchdog port (JAX's key-value store)
 
 # Variables by which a scheduler names a multi-process job that jax.distributed.initialize()
@@ -109,14 +117,15 @@ def _stop(peer: int, how: str) -> None:
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, heartbeat_timeout: int = 30,
-               workdir=None) -> str:
+               workdir=None, startup_timeout: int = 300) -> str:
     """Starts JAX's multi-controller runtime when asked to, or when a cluster is detected.
 
-    Must run before anything touches JAX's devices. With explicit arguments, a process
-    other than 0 reaches the coordination service through its own
-    :class:`CoordinatorRelay`, so that the death of process 0 is this module's one line
-    and not JAX's abort (see the module's docstring); from a cluster's environment the
-    process id is known only inside ``jax.distributed.initialize``, and there is no relay.
+    Must run before anything touches JAX's devices. With explicit arguments, process 0
+    first checks that the coordinator's port is free on this host (a port in use is a
+    one-line error, not JAX's crash), each process writes to stderr which processes it
+    waits for once it has waited 30 s (or half of ``startup_timeout``), and a process still
+    waiting after ``startup_timeout`` seconds leaves with one line and
+    :data:`PEER_LOST_EXIT` (JAX's own timeout aborts from C++).
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service.
@@ -125,16 +134,21 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
       heartbeat_timeout: seconds without a heartbeat after which a process counts as
         dead and the others fail (JAX's default is 100).
       workdir: the run's directory, whose last checkpoint the line of a lost peer names.
+      startup_timeout: seconds to wait for every process to connect (>= 1; JAX's
+        ``initialization_timeout`` defaults to 300).
 
     Returns:
       A line saying what was done (``"single process"``, or the process and count).
 
     Raises:
       ValueError: some but not all of the three given, a malformed address, a bad count
-        or id, or a heartbeat timeout below 1.
+        or id, a heartbeat or start-up timeout below 1, or (process 0) a coordinator port
+        already in use.
     """
     given = [v is not None for v in (coordinator_address, num_processes, process_id)]
     check_int("--heartbeat_timeout", heartbeat_timeout, 1,
+              allowed="an integer number of seconds >= 1")
+    check_int("--startup_timeout", startup_timeout, 1,
               allowed="an integer number of seconds >= 1")
     if any(given) and not all(given):
         raise ValueError("--coordinator_address, --num_processes and --process_id go together: "
@@ -151,13 +165,35 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
             raise ValueError(f"--num_processes={num_processes} must be >= 1")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"--process_id={process_id} must be in [0, {num_processes})")
+        if process_id == 0:
+            _check_port_free(coordinator_address)
         _RUN.update(process_id=process_id, num_processes=num_processes, address=coordinator_address)
-        reach = coordinator_address
-        if process_id != 0:
-            reach = CoordinatorRelay(coordinator_address, _coordinator_closed).address
         _leave_quietly_at_exit()
-        jax.distributed.initialize(reach, num_processes, process_id,
-                                   heartbeat_timeout_seconds=heartbeat_timeout)
+        if num_processes > 1:
+            others = [p for p in range(num_processes) if p != process_id]
+            awaited = (f"process{'es' if len(others) > 1 else ''} "
+                       f"{', '.join(map(str, others))} to connect to {coordinator_address}"
+                       if process_id == 0 else
+                       f"process 0's coordinator at {coordinator_address} and the other "
+                       "processes")
+        else:
+            awaited = "nothing"
+        timers = [threading.Timer(min(_SAY_WAITING_S, startup_timeout / 2), _say,
+                                  (f"process {process_id} of {num_processes}: waiting up to "
+                                   f"{startup_timeout} s for {awaited} (--startup_timeout)",)),
+                  threading.Timer(startup_timeout, _startup_timed_out,
+                                  (process_id, num_processes, coordinator_address,
+                                   startup_timeout))]
+        for timer in timers:
+            timer.daemon = True
+            timer.start()
+        try:  # JAX's own limit later than ours: its timeout is an abort with a C++ stack
+            jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                                       initialization_timeout=startup_timeout + 60,
+                                       heartbeat_timeout_seconds=heartbeat_timeout)
+        finally:
+            for timer in timers:
+                timer.cancel()
         return f"process {process_id} of {num_processes} (coordinator {coordinator_address})"
     if any(os.environ.get(v) for v in CLUSTER_ENV_VARS):
         try:
@@ -172,19 +208,112 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     return "single process"
 
 
+def _say(line: str) -> None:
+    """Writes ``train.py: line`` to stderr at once (the trainer's voice, as :func:`_stop`)."""
+    sys.stderr.flush()
+    os.write(2, f"train.py: {line}\n".encode())
+
+
+def _check_port_free(address: str) -> None:
+    """Raises ValueError when the port of ``address`` is already bound on this host (JAX's
+    coordination service binds every interface of it: ``[::]:PORT``)."""
+    port = int(address.rsplit(":", 1)[1])
+    families = [(socket.AF_INET, "0.0.0.0")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, host in families:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+                s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--coordinator_address={address}: port {port} is already in "
+                                 f"use on this host (another run, or another program); choose "
+                                 f"a free port for every process") from None
+            if family == socket.AF_INET6:  # no IPv6 here: the IPv4 check stands
+                continue
+            raise ValueError(f"--coordinator_address={address}: port {port} cannot be bound on "
+                             f"this host ({e.strerror or e})") from None
+
+
+def _startup_timed_out(process_id: int, num_processes: int, address: str, seconds: int) -> None:
+    """The one line of a start-up that waited ``seconds`` for its peers, then the exit."""
+    what = ("not every process connected" if process_id == 0 else
+            "process 0's coordinator or another process did not answer")
+    line = (f"\ntrain.py: error: process {process_id} of {num_processes}: {what} to {address} "
+            f"within {seconds} s (--startup_timeout); start all {num_processes} processes with "
+            f"the same --coordinator_address and --num_processes\n")
+    os.write(2, line.encode())
+    os._exit(PEER_LOST_EXIT)
+
+
+def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
+    """Refuses to go on unless every process was given the same config.
+
+    Each process publishes its config (JSON) in JAX's distributed key-value store and
+    compares the SHA-256 digest of every other process's with its own, before any
+    collective (processes with different configs would otherwise meet in mismatched
+    collectives: gloo's ``collective mismatch`` abort). A no-op for one process.
+
+    Args:
+      config_dict: the run's config as plain values (``config_to_dict``).
+      timeout_s: seconds to wait for another process's config.
+
+    Raises:
+      ValueError: a process's config differs; the line names the first differing keys.
+    """
+    from jax._src import distributed as _state  # the running service: its key-value store
+    state = _state.global_state
+    if state.client is None or state.num_processes <= 1:
+        return
+    text = json.dumps(config_dict, sort_keys=True, default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    me = state.process_id
+    state.client.key_value_set(f"jaxmp/config/{me}", text)
+    for other in range(state.num_processes):
+        if other == me:
+            continue
+        theirs = state.client.blocking_key_value_get(f"jaxmp/config/{other}", timeout_s * 1000)
+        if hashlib.sha256(theirs.encode()).hexdigest() == digest:
+            continue
+        mine, their = _flatten(config_dict), _flatten(json.loads(theirs))
+        keys = sorted(k for k in set(mine) | set(their) if mine.get(k) != their.get(k))
+        shown = "; ".join(f"{k}: {mine.get(k, '(none)')!r} here, {their.get(k, '(none)')!r} "
+                          f"there" for k in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        raise ValueError(f"process {me} and process {other} were given different configs "
+                         f"({shown}{more}); give every process the same --config and "
+                         f"--config.KEY=VALUE flags")
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    """``{"a.b": value}`` of a nested dict (JSON's values, round-tripped)."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = json.loads(json.dumps(v, default=str))
+    return out
+
+
+def preemption_sync() -> bool:
+    """True in a multi-process run whose processes agree on the step at which to stop
+    through JAX's preemption sync manager (``jax_enable_preemption_service``, on by
+    default): SIGTERM is then JAX's to catch, and the loop asks
+    :func:`jax.experimental.multihost_utils.reached_preemption_sync_point` every step."""
+    from jax._src import distributed as _state
+    state = _state.global_state
+    return (state.client is not None and state.num_processes > 1
+            and state.preemption_sync_manager is not None)
+
+
 def _leave_quietly_at_exit() -> None:
     """At the interpreter's exit (registered after JAX's own clean-up, so run before it:
     ``atexit`` runs last-in first-out), closed connections are this process's own doing."""
     import atexit
     atexit.register(_LEAVING.set)
-
-
-def _coordinator_closed() -> None:
-    """Process 0's end of a relayed connection closed while this process runs on."""
-    said = _WATCHDOG.said_bye.get(0) if _WATCHDOG is not None else None
-    _stop(0, "stopped with an error (see its output)" if said == "error" else
-          "exited without a word (killed or crashed)" if said is None else
-          "exited before this process")
 
 
 def _serve(server: socket.socket, handle: Callable[[socket.socket], None], name: str,
@@ -202,84 +331,6 @@ def _serve(server: socket.socket, handle: Callable[[socket.socket], None], name:
             else:
                 handle(conn)
     threading.Thread(target=accept, name=name, daemon=True).start()
-
-
-class CoordinatorRelay:
-    """A loopback TCP relay between JAX's client in this process and the coordination
-    service of process 0, which reports a connection closed from process 0's end
-    before JAX's client can see it close.
-
-    Each connection accepted on ``127.0.0.1`` is joined to a new connection to the
-    coordinator and the bytes are copied both ways (the coordination traffic only:
-    key-value store, barriers, heartbeats; the collectives have their own connections).
-    When the coordinator's end closes, unless this process is leaving by itself
-    (:func:`_leave_quietly_at_exit`, :meth:`PeerWatchdog.leave`) or JAX's client closed
-    its end first, ``on_close()`` runs and the client's end is left open: ``on_close``
-    exits the process (:func:`_stop`). A coordinator not yet listening closes the
-    accepted connection, and JAX's client retries as it would against the service.
-
-    Args:
-      address: the coordinator's ``host:port`` (a bracketed IPv6 host allowed).
-      on_close: ``on_close()``, called from the relay's thread.
-
-    Attributes:
-      address: ``127.0.0.1:PORT`` for ``jax.distributed.initialize`` to connect to.
-    """
-
-    def __init__(self, address: str, on_close: Callable[[], None]):
-        host, port = address.rsplit(":", 1)
-        self._upstream, self._on_close = (host.strip("[]"), int(port)), on_close
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
-        _serve(self._server, self._relay, "jaxmp-relay")
-
-    def _relay(self, down: socket.socket) -> None:
-        try:
-            up = socket.create_connection(self._upstream, timeout=30)
-        except OSError:
-            down.close()  # not listening yet (or unreachable): the client retries
-            return
-        up.settimeout(None)
-        for conn in (up, down):
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_closed = threading.Event()
-        threading.Thread(target=self._copy, args=(down, up, client_closed),
-                         name="jaxmp-relay", daemon=True).start()
-        threading.Thread(target=self._copy, args=(up, down, None, client_closed),
-                         name="jaxmp-relay", daemon=True).start()
-
-    def _copy(self, src: socket.socket, dst: socket.socket,
-              closes: Optional[threading.Event] = None,
-              closed_first: Optional[threading.Event] = None) -> None:
-        """Copies ``src`` to ``dst`` until either closes. From the client (``closes``
-        given): sets ``closes``. From the coordinator: ``on_close()`` if the coordinator's
-        end closed first (not ``closed_first``, nor a failed write to the client)."""
-        src_closed = False
-        while True:
-            try:
-                data = src.recv(1 << 16)
-            except OSError:
-                data = b""
-            if not data:
-                src_closed = True
-                break
-            try:
-                dst.sendall(data)
-            except OSError:
-                break
-        if closes is not None:
-            if not src_closed:  # the coordinator's end failed: the other thread sees it close
-                return
-            closes.set()
-        elif src_closed and not (_LEAVING.is_set() or closed_first.is_set()):
-            self._on_close()  # exits the process unless it is leaving by itself meanwhile
-            if _LOST.is_set():  # another thread is writing the line: keep the client's end open
-                threading.Event().wait()
-        for conn in (dst, src):
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 def last_checkpoint(workdir) -> str:
@@ -465,7 +516,7 @@ def start_watchdog(workdir, silence_s: Optional[float] = None) -> Optional[PeerW
     state = _state.global_state  # (not jax.process_count(): that would start the backend)
     if state.client is None or state.num_processes <= 1:
         return None
-    address = _RUN["address"] or state.coordinator_address  # not the relay's
+    address = _RUN["address"] or state.coordinator_address
     host = address.rsplit(":", 1)[0].strip("[]")
     if silence_s is None:
         silence_s = _RUN["heartbeat_timeout"] / 2

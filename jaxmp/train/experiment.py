@@ -63,6 +63,25 @@ def unmatched_rules(rules: PolicyRules, paths) -> List[str]:
             if not any(re.search(pattern, p) for p in paths)]
 
 
+def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) -> TrainState:
+    """The initial train state of ``model.init_from=path``: the checkpoint's weights, each
+    device reading its own slices (:func:`jaxmp.models.hf.load_weights`) onto the state's
+    layout, and a fresh optimizer state."""
+    from jaxmp.models import hf
+
+    with target.compiling_for(mesh):
+        model = hf.load_weights(path, settings.model, settings.rules, mesh=mesh,
+                                rules=layout.state_rules)
+    n = int(mesh.devices.size)
+    comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
+                                      settings.comm["grad_compression"])
+    state = create_train_state(model, optimizer, settings.loss_scale, settings.config.seed,
+                               comm_state=comm_state)[1]
+    # One buffer per leaf: the eager state shares its zero scalars, which the donating
+    # train step may not receive twice.
+    return jax.tree.map(lambda x: x.copy(), jax.device_put(state, shardings))
+
+
 def _cast_copy(params: Any, dtypes: dict) -> Any:
     """ZeRO-1's compute-dtype copy of the master ``params`` (an ``nnx.State``): each
     parameter cast to its module's compute dtype (``dtypes``, from
@@ -148,7 +167,7 @@ class Experiment:
         cfg = settings.config
         layout = settings.layout.on(mesh)
         lr_schedule = make_lr_schedule(cfg.optim, cfg.train.steps)
-        optimizer = make_optimizer(cfg.optim, lr_schedule)
+        optimizer = make_optimizer(cfg.optim, lr_schedule, cfg.seed)
 
         # Hardware choices (attention and moe_kernel "auto") follow the devices the step is
         # compiled for, which for a deviceless compile are topology devices (jaxmp.target).
@@ -182,7 +201,8 @@ class Experiment:
                                grad_accum_steps=cfg.train.grad_accum_steps,
                                loss_spike_factor=cfg.train.loss_spike_factor,
                                grad_norm_spike_factor=cfg.train.grad_norm_spike_factor,
-                               **settings.comm)
+                               grad_compression=settings.comm["grad_compression"],
+                               topk_ratio=settings.comm["topk_ratio"])
         return cls(
             settings=settings, mesh=mesh, layout=layout, rules=model.rules,
             graphdef=graphdef, module_paths=tuple(module_paths(model)),
@@ -193,7 +213,10 @@ class Experiment:
             eval_step=jax.jit(make_eval_step(graphdef, plan=plan),
                               in_shardings=(state_sh, batch_sh)),
             plan=plan,
-            _init=jax.jit(init, out_shardings=state_sh.replace(compute_params=None)),
+            _init=(functools.partial(_init_from, cfg.model.init_from, settings, mesh, layout,
+                                     optimizer, state_sh.replace(compute_params=None))
+                   if cfg.model.init_from else
+                   jax.jit(init, out_shardings=state_sh.replace(compute_params=None))),
             _copy=(jax.jit(copy_fn, out_shardings=state_sh.compute_params)
                    if layout.compute_copy else None))
 

@@ -47,6 +47,39 @@ KEYS: Tuple[Key, ...] = (
                                    "reference)"),
     Key("model.scan_layers", False, "stack the blocks and run them with jax.lax.scan"),
     Key("model.remat", "none", "none | attention | dots_saveable | full (per block)"),
+    Key("model.num_kv_heads", 0, "key/value heads (grouped-query attention; 0 = num_heads)"),
+    Key("model.head_dim", 0, "width of each head (0 = d_model / num_heads)"),
+    Key("model.qk_norm", False, "per-head RMSNorm of q and k before RoPE (Qwen3)"),
+    Key("model.qkv_bias", False, "biases on the q, k, v projections (Qwen2)"),
+    Key("model.tie_embeddings", False, "the output head is the embedding table transposed"),
+    Key("model.rope_dim", 0, "rotated dimensions per head (partial rotary; 0 = all)"),
+    Key("model.rope_layout", "half", "half (pairs i, i+d/2: LLaMA) | interleaved (pairs 2i, "
+                                     "2i+1: DeepSeek)"),
+    Key("model.rope_scaling", "none", "none | llama3 | yarn (context extension of RoPE)"),
+    Key("model.rope_factor", 1.0, "llama3/yarn: context extension factor"),
+    Key("model.rope_original_max_len", 0, "llama3/yarn: the context before extension"),
+    Key("model.rope_low_freq_factor", 1.0, "llama3: low-frequency band edge"),
+    Key("model.rope_high_freq_factor", 4.0, "llama3: high-frequency band edge"),
+    Key("model.rope_beta_fast", 32.0, "yarn: ramp edge in rotations (extrapolation)"),
+    Key("model.rope_beta_slow", 1.0, "yarn: ramp edge in rotations (interpolation)"),
+    Key("model.rope_mscale", 0.0, "yarn: mscale of the attention factor (0 = unset)"),
+    Key("model.rope_mscale_all_dim", 0.0, "yarn: mscale_all_dim (0 = unset; MLA scales "
+                                          "scores by its mscale squared)"),
+    Key("model.norm_topk_prob", True, "normalize the chosen experts' gates to sum to 1"),
+    Key("model.routed_scaling_factor", 1.0, "multiplies the routed experts' gates "
+                                            "(DeepSeek-V3: 2.5)"),
+    Key("model.n_group", 1, "expert groups of group-limited routing (DeepSeek-V3)"),
+    Key("model.topk_group", 1, "groups a token may route to (= n_group: routing not limited)"),
+    Key("model.mlp_only_layers", (), "layer indices with a dense FFN (Qwen-MoE), besides "
+                                     "first_dense_layers"),
+    Key("model.q_lora_rank", 0, "MLA: query latent width (0 = a plain q projection)"),
+    Key("model.kv_lora_rank", 0, "MLA: key/value latent width (> 0 = Multi-head Latent "
+                                 "Attention, DeepSeek-V2/V3)"),
+    Key("model.qk_nope_head_dim", 0, "MLA: per-head q/k width without RoPE"),
+    Key("model.qk_rope_head_dim", 0, "MLA: per-head q/k width with RoPE (one key shared)"),
+    Key("model.v_head_dim", 0, "MLA: per-head value width"),
+    Key("model.init_from", "", "a Hugging Face checkpoint directory: its config.json is the "
+                               "architecture, its weights the start ('' = random init)"),
     # precision
     Key("precision.policy", "mixed_bf16; router: fp32; norm: fp32",
         "a policy, then 'pattern: policy' rules; the first matching module path wins"),
@@ -72,6 +105,8 @@ KEYS: Tuple[Key, ...] = (
     Key("optim.mu_dtype", "", "Adam first moment dtype ('' = master dtype; bfloat16 "
                               "as DeepSeek-V3)"),
     Key("optim.nu_dtype", "", "Adam second moment dtype ('' = master dtype)"),
+    Key("optim.update_rounding", "nearest", "nearest | stochastic | kahan: how updates reach "
+                                            "bfloat16/float16 params (e.g. pure_bf16)"),
     # data
     Key("data.path", "", "'' = the Python standard library's .py files; a directory, a glob, "
                          ".jsonl files, or .bin/.npy token shards"),

@@ -13,6 +13,9 @@ turns into a message and exit status 128 + the signal number (130 for SIGINT, 14
 SIGTERM); rerunning the same command resumes. A signal during start-up (reading the
 data, compiling, restoring) stops at once without saving (nothing was trained), with
 one message. A second signal exits at once, leaving the checkpoints that are complete.
+In a multi-process run, SIGTERM is JAX's preemption notice (SIGINT is passed on to it):
+every process stops, and saves, at the step JAX's preemption sync point names, and
+exits 143 (130 where SIGINT came); a second SIGTERM then changes nothing.
 
 The step compiles in a background thread while the data is read. Every way out of
 :func:`train_and_evaluate` but a signal waits for that thread (a process that exits
@@ -32,14 +35,17 @@ from typing import Any, Dict, Optional, Tuple
 
 import jax
 import ml_collections
+from jax.experimental import multihost_utils
 import numpy as np
 from tqdm import tqdm
 
+from jaxmp._checks import F32_MAX
 from jaxmp.models import generate
 from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.data import check_data_path
+from jaxmp.train.distributed import preemption_sync
 from jaxmp.train.experiment import Experiment, unmatched_rules
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
@@ -60,8 +66,6 @@ def compile_in_progress() -> bool:
     background thread (left behind by a signal during start-up)."""
     return any(t.name == _COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
 
 class Interrupted(Exception):
     """Training stopped on SIGINT or SIGTERM.
@@ -77,6 +81,7 @@ class Interrupted(Exception):
     def __init__(self, signum: int, step: int, saved: bool, directory: pathlib.Path,
                  startup: bool = False):
         self.signum, self.step, self.saved, self.directory = signum, step, saved, directory
+        self.startup = startup
         name = signal.Signals(signum).name
         if startup:
             resumable = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
@@ -97,12 +102,34 @@ class _SignalCatcher:
 
     Once ``training`` is set (the loop runs), the first signal says that a checkpoint
     will be saved; before, it says nothing here: :class:`Interrupted` says what happened.
+
+    With ``sync`` (a multi-process run with JAX's preemption sync manager,
+    :func:`jaxmp.train.distributed.preemption_sync`), SIGTERM is left to JAX's own handler
+    and SIGINT is passed on to it (as a SIGTERM to this process): :meth:`stop` is then
+    :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`, the step at
+    which every process stops, so that all save the same step (a process stopping on its
+    own would wait for the others in its checkpoint's collectives for ever).
     """
 
-    def __init__(self):
+    def __init__(self, sync: bool = False):
         self.signum: Optional[int] = None
         self.training = False
+        self.sync = sync
+        self._stopped = False
         self._previous = {}
+
+    def stop(self, step: int) -> bool:
+        """Whether the loop stops after ``step`` (every process agrees under ``sync``)."""
+        if not self.sync:
+            return self.signum is not None
+        if not self._stopped and multihost_utils.reached_preemption_sync_point(step):
+            self._stopped = True
+            if self.signum is None:  # the notice came to another process (or to JAX's handler)
+                self.signum = signal.SIGTERM
+                sys.stderr.write(f"\nSIGTERM (a preemption notice) at step {step}: every process "
+                                 "stops at this step and saves a checkpoint\n")
+                sys.stderr.flush()
+        return self._stopped
 
     def _handle(self, signum, frame):
         if self.signum is not None:  # the second one: leave now, as the user asked twice
@@ -110,6 +137,8 @@ class _SignalCatcher:
             sys.stderr.flush()
             os._exit(128 + signum)
         self.signum = signum
+        if self.sync:  # to JAX's preemption notifier: every process stops at one step
+            os.kill(os.getpid(), signal.SIGTERM)
         if self.training:
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and "
                              "saving a checkpoint (send it again to exit at once)\n")
@@ -117,7 +146,7 @@ class _SignalCatcher:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT,) if self.sync else (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -250,7 +279,7 @@ def describe_loss_scale(loss_scale) -> str:
     """A one-line description of a loss scale for people (float32 max written so)."""
     def num(x):
         v = float(jax.device_get(x))
-        return "float32 max" if v == _F32_MAX else f"{v:g}"
+        return "float32 max" if v == F32_MAX else f"{v:g}"
     if isinstance(loss_scale, NoOpLossScale):
         return "none"
     if isinstance(loss_scale, StaticLossScale):
@@ -409,8 +438,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     Args:
       config: the run config (see :func:`jaxmp.train.config.default_config` for every key).
       workdir: where checkpoints, ``metrics.jsonl``, TensorBoard files and the sample go.
-      num_devices: devices of the data-parallel mesh; ``train.num_devices`` or all
-        devices when None.
+      num_devices: devices of the mesh (split into ``data`` x ``expert`` as
+        ``parallel.expert`` says; the batch is split over all of them);
+        ``train.num_devices`` or all devices when None.
 
     Returns:
       A summary: ``step``, ``train_losses`` (one per logged step of this call, float),
@@ -470,7 +500,7 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
     config_dict = config_to_dict(exp.config)
 
     with contextlib.ExitStack() as stack:
-        catcher = stack.enter_context(_SignalCatcher())
+        catcher = stack.enter_context(_SignalCatcher(sync=preemption_sync()))
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
         compilation = _Compilation(exp)  # in the background, while the data is read
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
@@ -495,7 +525,8 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
 
         step = start
         catcher.training = catcher.signum is None
-        while step < t.steps and catcher.signum is None:
+        stopping = catcher.signum is not None and not catcher.sync
+        while step < t.steps and not stopping:
             batch = exp.batch_to_device(next(data.train_iter))
             state, metrics = step_fn(state, batch)
             step += 1
@@ -505,7 +536,8 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
                 stopwatch.reset()
             for hook in hooks:
                 hook(step, state, metrics)
-        if catcher.signum is not None:
+            stopping = catcher.stop(step)
+        if stopping:
             if step > start and saver.last_saved != step:
                 save(step, state)
             ckpt.close()

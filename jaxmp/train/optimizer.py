@@ -54,7 +54,8 @@ def make_lr_schedule(optim_config, total_steps: int) -> optax.Schedule:
                      f"{', '.join(repr(s) for s in SCHEDULES)}")
 
 
-def make_optimizer(optim_config, lr_schedule: optax.Schedule) -> optax.GradientTransformation:
+def make_optimizer(optim_config, lr_schedule: optax.Schedule,
+                   seed: int = 0) -> optax.GradientTransformation:
     """Global-norm clipping (on unscaled float32 gradients) then AdamW with configurable
     moment dtypes (``mu_dtype``/``nu_dtype``; DeepSeek-V3 section 3.3.3 keeps both in bf16).
 
@@ -64,11 +65,13 @@ def make_optimizer(optim_config, lr_schedule: optax.Schedule) -> optax.GradientT
     Args:
       optim_config: the config's ``optim`` section (``grad_clip`` 0 = no clipping,
         ``b1``, ``b2``, ``eps``, ``weight_decay``, ``mu_dtype``, ``nu_dtype``; ``""``
-        keeps a moment in the master dtype).
+        keeps a moment in the master dtype; ``update_rounding``, absent = ``nearest``).
       lr_schedule: from :func:`make_lr_schedule`.
+      seed: the run's seed, the stochastic rounding's bits' seed.
 
     Returns:
-      ``optax.chain([clip_by_global_norm,] jaxmp.optim.adamw)``.
+      ``optax.chain([clip_by_global_norm,] jaxmp.optim.adamw)``, wrapped by
+      :func:`jaxmp.optim.with_update_rounding` for ``stochastic`` and ``kahan``.
     """
     def decay_mask(params):
         return jax.tree.map(lambda p: p.ndim >= 2, params)
@@ -85,4 +88,5 @@ def make_optimizer(optim_config, lr_schedule: optax.Schedule) -> optax.GradientT
         mu_dtype=dtype_or_none(optim_config.mu_dtype),
                              nu_dtype=dtype_or_none(optim_config.nu_dtype),
         mask=decay_mask))
-    return optax.chain(*parts)
+    return optim.with_update_rounding(optax.chain(*parts),
+                                      optim_config.get("update_rounding", "nearest"), seed)

@@ -36,7 +36,10 @@ class TrainState:
       rest: any other NNX state of the model: the :class:`~jaxmp.models.FP8State` amax
         histories of delayed FP8 scaling (float32 ``[3, history_length]`` per FP8 matmul,
         replaced by the train step, :mod:`jaxmp.train.step`); empty otherwise.
-      opt_state: the optax optimizer state (moments in their configured dtypes).
+      opt_state: the optax optimizer state (moments in their configured dtypes; with
+        ``optim.update_rounding`` stochastic or kahan, a
+        :class:`jaxmp.optim.UpdateRoundingState` around it: the counter of the random
+        bits, and Kahan's compensation sharded like the parameters).
       loss_scale: a ``jaxmp`` loss scale (float32 scale, int32 counters).
       skipped_steps: int32 scalar, steps not applied since the start of training: their
         gradients or the updated state were not finite, so the parameters, optimizer

@@ -32,21 +32,19 @@ histories on an applied step and is selected away, bitwise, on a skipped one.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from jaxmp import sharding
-from jaxmp._checks import check_int
 from jaxmp.models import FP8State, update_router_bias
 from jaxmp.precision import comm, fp8, ops, optim
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.loss_scale import all_finite, select_tree
-from jaxmp.sharding import DATA_AXIS, EXPERT_AXIS, Layout, StepPlan
+from jaxmp.sharding import StepPlan
 from jaxmp.train.state import TrainState
 
 __all__ = ["loss_fn", "make_train_step", "make_eval_step"]
@@ -135,11 +133,6 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
     batch axis of the mesh, replicated; empty without delayed scaling).
     """
     n, axes = plan.total, plan.axes
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    if rows % (n * grad_accum_steps):
-        raise ValueError(f"a batch of {rows} sequences does not split into {n} devices x "
-                         f"{grad_accum_steps} micro-batches; use a multiple of "
-                         f"{n * grad_accum_steps}")
     topk = comm_kwargs["grad_compression"] == "topk"
     residual = state.comm_state["residual"] if topk and state.comm_state is not None else None
     if topk:
@@ -246,39 +239,36 @@ def _health(state: TrainState, ce, grad_norm, applied, loss_spike_factor, grad_n
     return divergent, ema(state.loss_ema, ce), ema(state.grad_norm_ema, grad_norm), steps
 
 
-def _check_mesh(mesh, who: str) -> None:
-    if not isinstance(mesh, Mesh) or DATA_AXIS not in mesh.axis_names:
-        raise ValueError(f"{who} needs mesh= a jax.sharding.Mesh with a {DATA_AXIS!r} axis "
-                         f"(jaxmp.sharding.make_mesh), got {mesh!r}")
+def _check_plan(plan, who: str) -> None:
+    if not isinstance(plan, StepPlan):
+        raise ValueError(f"{who} needs plan= a jaxmp.sharding.StepPlan (built by "
+                         f"jaxmp.train.Experiment.create), got {plan!r}")
 
 
-def _plan_for(state: TrainState, mesh: Mesh, layout: Layout, reduce_dtype) -> StepPlan:
-    """The plan of a step made without one, from the state it is traced with."""
-    compute = state.compute_params if layout.compute_copy else state.params
-    return StepPlan(mesh, layout, compute, state.params, reduce_dtype)
-
-
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
-                    mesh: Optional[Mesh] = None, lr_schedule: optax.Schedule,
-                    bias_update_rate: float = 0.0, grad_accum_steps: int = 1,
-                    grad_reduce_dtype: Any = "float32", grad_compression: str = "none",
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: StepPlan,
+                    lr_schedule: optax.Schedule, bias_update_rate: float = 0.0,
+                    grad_accum_steps: int = 1, grad_compression: str = "none",
                     topk_ratio: float = 0.3, loss_spike_factor: float = 3.0,
-                    grad_norm_spike_factor: float = 100.0, layout: Optional[Layout] = None,
-                    plan: Optional[StepPlan] = None) -> Callable:
+                    grad_norm_spike_factor: float = 100.0) -> Callable:
     """Returns the pure ``train_step(state, batch) -> (state, metrics)``.
+
+    The settings are checked once, before any work, by
+    :func:`jaxmp.train.config.validate_config` (the batch split over the devices and
+    ``grad_accum_steps``, :func:`jaxmp.comm.check_comm_config`, top-k only under data
+    parallelism); this function takes them as validated and does not check them again.
 
     Args:
       graphdef: the model's NNX graph definition (static).
       optimizer: an optax transformation over the master params.
-      mesh: the device mesh, with a ``"data"`` axis (one device: a 1-device mesh, e.g.
-        :func:`jaxmp.sharding.make_mesh` ``(1)``); with ``plan``, None or ``plan.mesh``.
+      plan: the run's :class:`~jaxmp.sharding.StepPlan` (mesh, layout, and
+        ``reduce_dtype``: the dtype gradients are summed across devices in, float32,
+        bfloat16 or float16, :func:`jaxmp.comm.reduce_gradients`), built once by
+        :meth:`jaxmp.train.Experiment.create`.
       lr_schedule: the optimizer's learning-rate schedule, reported in the metrics at
         the optimizer's count of applied (non-skipped) updates.
       bias_update_rate: gamma of auxiliary-loss-free balancing; 0 leaves biases fixed.
       grad_accum_steps: micro-batches per step; each device's share of the batch must be
         divisible by it. Gradients accumulate in the master dtype under one loss scale.
-      grad_reduce_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the
-        dtype gradients are summed across devices in (:func:`jaxmp.comm.reduce_gradients`).
       grad_compression: ``"none"`` or ``"topk"`` (:func:`jaxmp.comm.topk_compress`;
         needs ``state.comm_state``).
       topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
@@ -286,12 +276,6 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
         mean of the healthy steps' losses looks divergent (0 = off).
       grad_norm_spike_factor: likewise for the unscaled gradient norm (0 = off; the
         default 100 is loose because clipped training tolerates large spikes).
-      layout: where the state and the parameters live (:func:`jaxmp.sharding.layout`:
-        dp, zero1 or fsdp, and expert parallelism); data parallelism when None; with
-        ``plan``, None or ``plan.layout``'s strategy.
-      plan: the run's :class:`~jaxmp.sharding.StepPlan`, built once with
-        ``grad_reduce_dtype`` (:meth:`jaxmp.train.Experiment.create`); None builds one
-        from the state each time the step is traced.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, B split over the
     mesh's data axis. Metrics (float32 scalars unless noted): ``loss`` (cross-entropy),
@@ -303,32 +287,19 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     divergent, see ``_health``), ``divergent_steps`` (int32, in a row), ``loss_ema``.
 
     Raises:
-      ValueError: ``grad_accum_steps`` < 1; bad communication settings (see
-        :func:`jaxmp.comm.check_comm_config`); a mesh without a ``"data"`` axis, or one
-        other than ``plan``'s; top-k outside data parallelism. When tracing: top-k
-        without (or with a mis-sized) ``state.comm_state``; a batch that the devices
-        times ``grad_accum_steps`` do not divide.
+      ValueError: ``plan`` is not a :class:`~jaxmp.sharding.StepPlan`. When tracing:
+        top-k without (or with a mis-sized) ``state.comm_state``.
     """
-    check_int("grad_accum_steps", grad_accum_steps, 1)
-    reduce_dtype = comm.check_comm_config(grad_reduce_dtype, grad_compression, topk_ratio)
-    if plan is not None:
-        if mesh is not None and mesh is not plan.mesh:
-            raise ValueError("make_train_step got a mesh other than its plan's; pass one")
-        mesh, layout = plan.mesh, plan.layout
-    _check_mesh(mesh, "make_train_step")
-    comm_kwargs = dict(grad_reduce_dtype=grad_reduce_dtype, grad_compression=grad_compression,
+    _check_plan(plan, "make_train_step")
+    layout, reduce_dtype = plan.layout, plan.reduce_dtype
+    comm_kwargs = dict(grad_reduce_dtype=reduce_dtype, grad_compression=grad_compression,
                        topk_ratio=topk_ratio)
-    layout = layout or sharding.layout("dp", 1)
     topk = grad_compression == "topk"
-    if topk and (layout.strategy != "dp" or mesh.shape.get(EXPERT_AXIS, 1) > 1):
-        raise ValueError("grad_compression='topk' runs with parallel.strategy='dp' and "
-                         "parallel.expert=1")
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-        step_plan = plan or _plan_for(state, mesh, layout, reduce_dtype)
         amax, other = nnx.split_state(state.rest, FP8State, ...)
         grads, finite, ce, aux, new_comm_state, new_amax = _sharded_grads(
-            graphdef, state, amax, other, batch, grad_accum_steps, step_plan, reduce_dtype,
+            graphdef, state, amax, other, batch, grad_accum_steps, plan, reduce_dtype,
             comm_kwargs)
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
@@ -351,7 +322,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
             # another FMA contraction), so the copy is exactly what a restore rebuilds.
             stored = jax.lax.optimization_barrier(update.params)
             dtypes = jax.tree.map(lambda x: x.dtype, state.compute_params)
-            new_compute = select_tree(update.applied, step_plan.compute_copy(stored, dtypes),
+            new_compute = select_tree(update.applied, plan.compute_copy(stored, dtypes),
                                       state.compute_params)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=biases,
@@ -382,43 +353,37 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *,
     return train_step
 
 
-def make_eval_step(graphdef, mesh: Optional[Mesh] = None, layout: Optional[Layout] = None,
-                   plan: Optional[StepPlan] = None) -> Callable:
+def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
     """Returns ``eval_step(state, batch) -> {"loss": float32, "tokens": float32}``.
 
     Each device runs the forward pass on its share of the batch inside ``jax.shard_map``
-    over the mesh, with the parameters laid out as the train step reads them (``plan``,
-    else one built from ``layout``, data parallelism when None), and the sums are
+    over the plan's mesh, with the parameters laid out as the train step reads them
+    (``plan``, a :class:`~jaxmp.sharding.StepPlan`), and the sums are
     ``psum`` -med. ``loss`` is the summed token cross-entropy of the batch (float32) and
     ``tokens`` the token count, so a caller can average over batches of different sizes
     exactly.
 
     Raises:
-      ValueError: a mesh without a ``"data"`` axis, or one other than ``plan``'s.
+      ValueError: ``plan`` is not a :class:`~jaxmp.sharding.StepPlan`.
     """
-    if plan is not None:
-        if mesh is not None and mesh is not plan.mesh:
-            raise ValueError("make_eval_step got a mesh other than its plan's; pass one")
-        mesh, layout = plan.mesh, plan.layout
-    _check_mesh(mesh, "make_eval_step")
-    layout = layout or sharding.layout("dp", 1)
+    _check_plan(plan, "make_eval_step")
+    layout = plan.layout
 
     def eval_step(state: TrainState, batch):
-        step_plan = plan or _plan_for(state, mesh, layout, jnp.float32)
         params = state.compute_params if layout.compute_copy else state.params
 
         def per_device(params, biases, rest, batch):
-            with step_plan.in_step():
+            with plan.in_step():
                 logits, _ = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
             tokens = jnp.asarray(batch["targets"].size, jnp.float32)
             loss = ops.cross_entropy(logits, batch["targets"]) * tokens
-            return {"loss": jax.lax.psum(loss, step_plan.axes),
-                    "tokens": jax.lax.psum(tokens, step_plan.axes)}
+            return {"loss": jax.lax.psum(loss, plan.axes),
+                    "tokens": jax.lax.psum(tokens, plan.axes)}
 
         rep = PartitionSpec()
         return jax.shard_map(
-            per_device, mesh=mesh,
-            in_specs=(step_plan.compute_specs, rep, rep, step_plan.batch_spec),
+            per_device, mesh=plan.mesh,
+            in_specs=(plan.compute_specs, rep, rep, plan.batch_spec),
             out_specs=rep)(params, state.biases, state.rest, batch)
 
     return eval_step

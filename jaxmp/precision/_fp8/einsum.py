@@ -8,9 +8,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxmp._checks import check_float
 from jaxmp.precision._fp8.gemm import _dense, _grouped, dot, grouped_dot
 from jaxmp.precision._fp8.recipe import Recipe, _check_recipe, _check_state
-from jaxmp.precision.ops import _check_float
 
 
 def _parse_spec(spec: str, x_ndim: int, w_ndim: int):
@@ -78,8 +78,8 @@ def matmul(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None,
     k = math.prod(size[c] for c in contracted)
     m = math.prod(size[c] for c in x_keep)
     n = math.prod(size[c] for c in w_keep)
-    _check_float("x", x)
-    _check_float("w", w)
+    check_float("x", x)
+    check_float("w", w)
     state = _check_state(_check_recipe(recipe), state)
     x2 = jnp.transpose(x, [xs.index(c) for c in group + x_keep + contracted])
     perm = tuple(ws.index(c) for c in group + contracted + w_keep)

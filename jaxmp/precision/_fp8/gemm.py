@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._checks import check_float, check_matmul
 from jaxmp.precision._fp8 import grouped_kernel as _grouped_kernel
 from jaxmp.precision._fp8 import kernel as _kernel
 from jaxmp.precision._fp8.quant import (
     _F32, BLOCK, _amax, _cols, _dequantize_tiles, _q_tiles, _quantize, _quantize_blocks,
     scale_from_amax)
 from jaxmp.precision._fp8.recipe import Recipe, _check_recipe, _check_state, roll_history
-from jaxmp.precision.ops import _check_float, _check_matmul
 from jaxmp.precision._vma import match_varying
 
 def _mm(a, b, group_sizes):
@@ -500,7 +500,7 @@ def dot(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None) -> ja
         shape or dtype.
     """
     recipe = _check_recipe(recipe)
-    _check_matmul(x, w)
+    check_matmul(x, w)
     state = _check_state(recipe, state)
     x, w = jnp.asarray(x), jnp.asarray(w)
     lead = x.shape[:-1]
@@ -542,8 +542,8 @@ def grouped_dot(x: Any, w: Any, group_sizes: Any, recipe: Recipe,
         ``group_sizes`` not an integer ``[G]``).
     """
     recipe = _check_recipe(recipe)
-    _check_float("x", x)
-    _check_float("w", w)
+    check_float("x", x)
+    check_float("w", w)
     if jnp.ndim(w) != 3 or jnp.ndim(x) != 2 or jnp.shape(x)[1] != jnp.shape(w)[1]:
         raise ValueError(f"grouped_dot needs x [M, K] and w [G, K, N], got {jnp.shape(x)} and "
                          f"{jnp.shape(w)}")

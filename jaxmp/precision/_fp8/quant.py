@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._checks import Int, check_int
-from jaxmp.precision.ops import _check_float
+from jaxmp._checks import Int, check_float, check_int
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -74,7 +73,7 @@ def scale_from_amax(amax: Any, dtype: Any = E4M3, margin: int = 0) -> jax.Array:
     """
     dtype = _fp8_dtype(dtype)
     margin = _check_margin(margin)
-    _check_float("amax", amax)
+    check_float("amax", amax)
     a = jnp.abs(jnp.asarray(amax).astype(_F32))
     usable = jnp.isfinite(a) & (a >= _F32_TINY)  # a subnormal compares below tiny either way
     inv_max = np.float32(1.0 / float(jnp.finfo(dtype).max))
@@ -109,8 +108,8 @@ def quantize(x: Any, scale: Any, dtype: Any = E4M3) -> jax.Array:
         ``x``, or an unsupported ``dtype``.
     """
     dtype = _fp8_dtype(dtype)
-    _check_float("x", x)
-    _check_float("scale", scale)
+    check_float("x", x)
+    check_float("scale", scale)
     try:
         np.broadcast_shapes(jnp.shape(scale), jnp.shape(x))
     except ValueError:
@@ -140,8 +139,8 @@ def dequantize(q: Any, scale: Any, dtype: Any = jnp.float32) -> jax.Array:
     Raises:
       ValueError: a non-floating ``q``, ``scale`` or ``dtype``.
     """
-    _check_float("q", q)
-    _check_float("scale", scale)
+    check_float("q", q)
+    check_float("scale", scale)
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype!r}")
     return (jnp.asarray(q).astype(_F32) * jnp.asarray(scale).astype(_F32)).astype(dtype)
@@ -189,7 +188,7 @@ def quantize_blocks(x: Any, block_shape: Sequence[int],
     """
     dtype = _fp8_dtype(dtype)
     bm, bk = _check_block_shape(block_shape)
-    _check_float("x", x)
+    check_float("x", x)
     _check_2d("x", x)
     return _quantize_blocks(jnp.asarray(x), bm, bk, dtype)
 
@@ -237,7 +236,7 @@ def dequantize_blocks(q: Any, scales: Any, block_shape: Sequence[int],
         wrong shape (the message gives the expected one).
     """
     bm, bk = _check_block_shape(block_shape)
-    _check_float("q", q)
+    check_float("q", q)
     _check_2d("q", q)
     m, k = jnp.shape(q)
     want = (-(-m // bm), -(-k // bk))

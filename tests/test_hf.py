@@ -1,0 +1,339 @@
+"""Hugging Face checkpoints: jaxmp.models.from_pretrained / save_pretrained against transformers.
+
+For each family a tiny random checkpoint is built by transformers itself (torch on the CPU),
+with GQA or MLA as the family has, RoPE scaling on, perturbed norms and a nonzero router
+bias where the family has one. The reference logits are transformers' own forward pass.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the hf extra (torch) is not installed")
+transformers = pytest.importorskip("transformers",
+                                   reason="the hf extra (transformers) is not installed")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxmp import sharding  # noqa: E402
+from jaxmp.models import ModelConfig, MoETransformer, from_pretrained, save_pretrained  # noqa
+from jaxmp.models import hf  # noqa: E402
+
+VOCAB = 96
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+FAMILIES = {
+    "llama": dict(rope_scaling=LLAMA3, rope_theta=500000.0),
+    "mistral": dict(sliding_window=None, rope_theta=1e6),
+    "qwen2": dict(rope_scaling=YARN),
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True, rope_scaling=YARN),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, norm_topk_prob=False, mlp_only_layers=[1],
+                      rope_scaling=YARN),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=LLAMA3),
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                        num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16,
+                        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                        first_k_dense_replace=1, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5,
+                        rope_scaling=dict(YARN, mscale=1.0, mscale_all_dim=0.8)),
+    "deepseek_v2": dict(num_key_value_heads=4, n_routed_experts=4, n_shared_experts=2,
+                        num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16,
+                        q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707)),
+    "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+                     use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=1.8),
+}
+TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 24))
+
+
+def _hf_logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+def _logits(model, tokens=TOKENS):
+    """jaxmp's logits, jitted (eager dispatch of every small op is slower than a compile)."""
+    return jax.jit(lambda t: model(t)[0])(jnp.asarray(tokens))
+
+
+def _rel_err(a, ref):
+    return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(family, directory, transformers' logits on TOKENS, jaxmp's model from the directory)."""
+    family = request.param
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # norms at 1 and a zero bias would hide a mapping error
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
+    path = str(tmp_path_factory.mktemp(family))
+    model.save_pretrained(path)
+    return family, path, _hf_logits(model), from_pretrained(path, "fp32", attention="reference")
+
+
+def test_from_pretrained_logits_match_transformers(checkpoint):
+    family, _, ref, model = checkpoint
+    logits, aux = jax.jit(lambda t: model(t))(jnp.asarray(TOKENS))
+    assert logits.dtype == jnp.float32 and logits.shape == ref.shape
+    assert _rel_err(logits, ref) < 2e-4, family
+    assert set(aux) == {"aux_loss", "expert_counts", "dropped_fraction"}
+
+
+def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
+    family, _, ref, model = checkpoint
+    written = save_pretrained(model, str(tmp_path))
+    assert written == ("llama" if family == "mistral" else family)  # one architecture
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["model_type"] == written and config["architectures"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    assert _rel_err(_hf_logits(back), ref) < 2e-4
+
+
+def test_scanned_remat_layout_loads_the_same_logits(checkpoint):
+    """The scanned layout (stacked layers, full remat) reads the same tensors."""
+    family, path, ref, _ = checkpoint
+    if family not in ("qwen3_moe", "deepseek_v3"):
+        pytest.skip("a MoE with mlp_only_layers and an MLA MoE with a dense layer suffice")
+    model = from_pretrained(path, "fp32", attention="reference", scan_layers=True,
+                            remat="full")
+    assert _rel_err(_logits(model), ref) < 2e-4, family
+
+
+def test_sharded_checkpoint_both_ways(checkpoint, tmp_path):
+    """transformers' own shards are read; ours (tiny max size) are read by transformers."""
+    family, path, ref, _ = checkpoint
+    if family != "qwen3_moe":
+        pytest.skip("one family suffices")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    theirs = tmp_path / "theirs"
+    model.save_pretrained(str(theirs), max_shard_size="40KB")
+    assert (theirs / "model.safetensors.index.json").exists()
+    ours = from_pretrained(str(theirs), "fp32", attention="reference")
+    assert _rel_err(_logits(ours), ref) < 2e-4
+    mine = tmp_path / "mine"
+    save_pretrained(ours, str(mine), max_shard_bytes=40_000)
+    index = json.load(open(mine / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files == sorted(
+        f for f in os.listdir(mine) if f.endswith(".safetensors"))
+    # every shard holds at most the limit unless a single tensor is larger
+    from safetensors import safe_open
+    for f in files:
+        with safe_open(str(mine / f), "np") as s:
+            sizes = [s.get_slice(k).get_shape() for k in s.keys()]
+        nbytes = [4 * int(np.prod(x)) for x in sizes]
+        assert sum(nbytes) <= 40_000 or len(nbytes) == 1
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(mine)).float().eval()
+    assert _rel_err(_hf_logits(back), ref) < 2e-4
+
+
+def test_loads_onto_an_fsdp_mesh_each_device_its_slice(checkpoint):
+    """On 8 devices under FSDP rules the embed axis is split and the logits are unchanged;
+    each callback asks for its own slice only."""
+    family, path, ref, _ = checkpoint
+    if family != "deepseek_v3":
+        pytest.skip("one family suffices (MLA: split and unsplit axes)")
+    mesh = sharding.make_mesh(8)
+    asked = []
+    original = hf._read
+
+    def spy(files, name, kind, shape, index):
+        out = original(files, name, kind, shape, index)
+        asked.append((name, out.size))
+        return out
+
+    hf._read = spy
+    try:
+        model = from_pretrained(path, "fp32", attention="reference", mesh=mesh,
+                                rules=sharding.FSDP_RULES)
+    finally:
+        hf._read = original
+    table = model.embed.table[...]
+    assert table.sharding.shard_shape(table.shape) == (VOCAB, 32 // 8)
+    embed_reads = [n for name, n in asked if name == "model.embed_tokens.weight"]
+    assert embed_reads and max(embed_reads) == VOCAB * 32 // 8
+    with jax.set_mesh(mesh):
+        logits = _logits(model)
+    assert _rel_err(logits, ref) < 2e-4
+
+
+def test_mixed_bf16_keeps_float32_masters(checkpoint):
+    family, path, ref, _ = checkpoint
+    if family != "mixtral":
+        pytest.skip("one family suffices")
+    model = from_pretrained(path, "mixed_bf16", attention="reference")
+    assert model.blocks[0].attn.wq[...].dtype == jnp.float32
+    logits = _logits(model)
+    assert logits.dtype == jnp.bfloat16
+    assert _rel_err(logits.astype(jnp.float32), ref) < 5e-2  # bfloat16 compute
+
+
+def _write_config(tmp_path, **fields):
+    base = {**BASE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    base.update(fields)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model_type="gemma"), "model_type='gemma' is not supported"),
+    (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(some_new_field=3), "some_new_field=3"),
+    (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rope_type='linear'"),
+    (dict(rope_scaling=dict(LLAMA3, extra=1)), "rope_scaling.extra=1"),
+])
+def test_unrepresentable_config_is_a_one_line_error(tmp_path, fields, message):
+    path = _write_config(tmp_path, **fields)
+    with pytest.raises(ValueError, match=message) as info:
+        from_pretrained(path)
+    assert "\n" not in str(info.value)
+
+
+def test_architecture_override_is_refused(tmp_path):
+    path = _write_config(tmp_path)
+    with pytest.raises(ValueError, match="num_heads=2.*allowed overrides"):
+        from_pretrained(path, num_heads=2)
+
+
+def test_unmappable_model_is_refused_before_writing(tmp_path):
+    """tiny_moe-style shared experts with standard attention map to no family; a Mixtral
+    model whose router bias moved cannot be written as Mixtral."""
+    import flax.nnx as nnx
+
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=1, d_model=32, num_heads=4, d_ff=64,
+                      max_len=64, num_experts=4, num_shared_experts=1, d_expert=16)
+    with pytest.raises(ValueError, match="num_shared_experts=1"):
+        save_pretrained(nnx.eval_shape(lambda: MoETransformer(cfg, "fp32", rngs=nnx.Rngs(0))),
+                        str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=1, d_model=32, num_heads=4, d_ff=64,
+                      max_len=64, num_experts=4, d_expert=16)
+    model = nnx.eval_shape(lambda: MoETransformer(cfg, "fp32", rngs=nnx.Rngs(0)))
+    model.blocks[0].moe.router.bias.set_value(jnp.full((4,), 0.5, jnp.float32))
+    with pytest.raises(ValueError, match="nonzero router bias"):
+        save_pretrained(model, str(tmp_path / "b"))
+    assert not (tmp_path / "b").exists() or not os.listdir(tmp_path / "b")
+
+
+def test_family_mismatch_is_named(tmp_path):
+    """A model with q/k norms written as llama would lose them: refused, the field named."""
+    import flax.nnx as nnx
+
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=1, d_model=32, num_heads=4, d_ff=64,
+                      max_len=64, qk_norm=True)
+    with pytest.raises(ValueError, match="model.qk_norm=True does not map to llama"):
+        save_pretrained(nnx.eval_shape(lambda: MoETransformer(cfg, "fp32", rngs=nnx.Rngs(0))),
+                        str(tmp_path / "a"), family="llama")
+    assert not (tmp_path / "a").exists()
+
+
+def _char_tokenizer(path):
+    """A character-level tokenizer.json (printable ASCII, <unk>, </s>) and a
+    tokenizer_config.json naming </s> the end of a document."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {chr(i): i - 32 for i in range(32, 127)}
+    vocab.update({"<unk>": len(vocab), "</s>": len(vocab) + 1})
+    Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")).save(
+        str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return vocab["</s>"]
+
+
+def test_init_from_trains_and_exports(tmp_path):
+    """configs/finetune.py with model.init_from=DIR (a Qwen3: GQA, q/k norms, tied head):
+    the architecture and the tokenizer come from DIR, the weights load onto a 2-device
+    mesh, two steps at a learning rate too small to move float32 weights, then
+    ``python -m jaxmp.export --format hf``: transformers' logits are the original
+    checkpoint's and AutoTokenizer reads the tokenizer with its eos token. A model.* key
+    contradicting DIR is refused."""
+    from jaxmp import export
+    from jaxmp.train.config import load_config
+    from jaxmp.train.loop import train_and_evaluate
+
+    torch.manual_seed(2)
+    config = transformers.AutoConfig.for_model("qwen3", **{**BASE, **FAMILIES["qwen3"],
+                                                          "vocab_size": 128})
+    original = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    src = tmp_path / "src"
+    original.save_pretrained(str(src))
+    eos = _char_tokenizer(src)
+    tokens = np.random.RandomState(3).randint(0, 128, (2, 24))
+    ref = _hf_logits(original, tokens)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 100)
+    overrides = [f"model.init_from={src}", "precision.policy=fp32", "data.seq_len=32",
+                 "train.batch_size=8", "optim.learning_rate=1e-30", "optim.warmup_steps=0",
+                 f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
+                 "model.remat=none", "model.scan_layers=False", "train.steps=2",
+                 "train.sample_tokens=0", "train.eval_every=0", "train.log_every=1"]
+    cfg = load_config("configs/finetune.py", overrides)
+    assert cfg.model.num_experts == 0 and cfg.model.qk_norm and cfg.model.tie_embeddings
+    assert cfg.model.num_kv_heads == 2 and cfg.model.head_dim == 16 and cfg.model.vocab_size == 128
+    assert cfg.data.tokenizer == str(src / "tokenizer.json") and cfg.data.eod_id == eos
+    summary = train_and_evaluate(cfg, str(tmp_path / "run"), num_devices=2)
+    assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    out = tmp_path / "out"
+    assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
+                        "--format", "hf"]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert _rel_err(_hf_logits(back, tokens), ref) < 2e-4
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.eos_token == "</s>" and tok.convert_tokens_to_ids("</s>") == eos
+    assert tok("ab")["input_ids"] == [ord("a") - 32, ord("b") - 32]
+    with pytest.raises(ValueError, match=r"model.num_heads=8 contradicts .*\(4\)"):
+        load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
+
+
+RELEASED = {  # parameters (total, active per token) from the model cards, in billions
+    "Llama-3.1-8B": (8.03, 8.03),
+    "Mixtral-8x7B-v0.1": (46.7, 12.9),
+}
+
+
+def test_released_configs_map():
+    """configs/hf/*.json (config.json of released models) are represented exactly."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "hf",
+                                          "*.json")))
+    assert len(files) == 5
+    for f in files:
+        ModelConfig(**hf.config_from_hf(json.load(open(f))))
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_released_parameter_counts(name):
+    """The model built abstractly from a released config.json has the model card's size."""
+    import flax.nnx as nnx
+
+    from jaxmp.models import count_params
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "hf", f"{name}.json")
+    cfg = ModelConfig(**hf.config_from_hf(json.load(open(path))), attention="reference",
+                      moe_kernel="ragged_dot")
+    total, active = count_params(nnx.eval_shape(lambda: MoETransformer(cfg, "mixed_bf16",
+                                                                       rngs=nnx.Rngs(0))))
+    assert (round(total / 1e9, 2 if total < 1e10 else 1),
+            round(active / 1e9, 2 if active < 1e10 else 1)) == RELEASED[name]

@@ -1,0 +1,81 @@
+"""SIGTERM across two real processes (4 CPU devices each, over loopback): a cluster's
+preemption signals its processes at different moments, or only one of them. Both must
+save the same step, exit 143, and resume like one uninterrupted 8-device process.
+
+Every wait is bounded by progress (rows in metrics.jsonl) or by a generous limit.
+"""
+import pathlib
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from _configs import load_config
+from jaxmp.train import train_and_evaluate
+from test_multiprocess import LIMIT_S, OVERRIDES, RTOL, finish, launch_pair, rows
+
+
+def complete_steps(workdir):
+    d = pathlib.Path(workdir) / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def wait_rows(workdir, n, procs):
+    """Waits until metrics.jsonl holds ``n`` train rows, or a process exits."""
+    deadline = time.monotonic() + LIMIT_S
+    while len(rows(workdir)) < n and time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return
+        time.sleep(0.02)
+
+
+def assert_both_saved_the_same_step(workdir, procs, results, saved_before):
+    """Both exit 143 with the one line naming one step, which is the one new checkpoint."""
+    new = [s for s in complete_steps(workdir) if s not in saved_before]
+    assert len(new) == 1, (complete_steps(workdir), results[0][1][-3000:], results[1][1][-3000:])
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 143, err[-3000:]
+        lines = [line for line in err.splitlines() if line.startswith("train.py:")]
+        assert lines == [f"train.py: SIGTERM at step {new[0]}: checkpoint saved in "
+                         f"{workdir / 'checkpoints'}; rerun the same command to resume"], \
+            err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+    return new[0]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_or_both_processes_saves_one_step_on_both_and_resumes_exactly(tmp_path):
+    two = tmp_path / "two"
+    # SIGTERM to process 1 only: process 0 learns of it through JAX's preemption sync.
+    procs = launch_pair(two, "train.steps=100000", "train.checkpoint_every=100000")
+    wait_rows(two, 3, procs)
+    procs[1].send_signal(signal.SIGTERM)
+    first = assert_both_saved_the_same_step(two, procs, finish(procs), [])
+    assert first >= 3
+
+    # Resumed, then SIGTERM to both at different steps: process 1, then process 0 once a
+    # further step is logged (the way a cluster's notices arrive, one host after another).
+    procs = launch_pair(two, "train.steps=100000", "train.checkpoint_every=100000")
+    wait_rows(two, first + 2, procs)
+    n = len(rows(two))
+    procs[1].send_signal(signal.SIGTERM)
+    wait_rows(two, n + 1, procs)
+    procs[0].send_signal(signal.SIGTERM)
+    results = finish(procs)
+    assert "resumed from" in results[0][0] and f"at step {first}" in results[0][0]
+    second = assert_both_saved_the_same_step(two, procs, results, [first])
+    assert second > first
+
+    # Rerun both two steps further: the losses, step by step, are one process's.
+    end = second + 2
+    results = finish(launch_pair(two, f"train.steps={end}", "train.checkpoint_every=100000"))
+    assert all(p_err.count("Traceback") == 0 for _, p_err in results), results[0][1][-3000:]
+    got = rows(two)
+    assert [r["step"] for r in got] == list(range(1, end + 1))
+    reference = tmp_path / "one"
+    train_and_evaluate(load_config("tiny_moe", OVERRIDES + [f"train.steps={end}",
+                                                            "train.checkpoint_every=100000"]),
+                       str(reference))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in rows(reference)],
+                               rtol=RTOL)

@@ -1,0 +1,127 @@
+"""Library code leaves the process as it found it (issue 29, point 3).
+
+Constructing and closing a :class:`~jaxmp.train.checkpoint.Checkpointer` changes no
+logger and no ``sys.unraisablehook``; the entry points' :func:`quiet_orbax_tracebacks`
+changes both and its returned function puts them back; leaving
+:func:`jaxmp.precision.grouped_gemm.interpret_mode` restores the ``jax._src`` callback, the
+CPU lowering table and the interpret flag it changed; leaving
+``benchmarks.fidelity.compilation_cache`` leaves JAX's compilation cache where it was.
+"""
+import logging
+import sys
+
+import pytest
+
+
+def _logging_state():
+    return {name: list(logging.getLogger(name).filters) for name in ("absl", "asyncio")}
+
+
+def test_a_checkpointer_changes_no_logger_and_no_unraisablehook(tmp_path):
+    from jaxmp.train.checkpoint import Checkpointer
+    filters, hook = _logging_state(), sys.unraisablehook
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.latest_step() is None
+        assert _logging_state() == filters and sys.unraisablehook is hook
+    assert _logging_state() == filters and sys.unraisablehook is hook
+
+
+def test_quiet_orbax_tracebacks_is_undone_by_the_function_it_returns():
+    from jaxmp.train.checkpoint import _DropOrbaxTracebacks, quiet_orbax_tracebacks
+    filters, hook = _logging_state(), sys.unraisablehook
+    restore = quiet_orbax_tracebacks()
+    try:
+        for name in ("absl", "asyncio"):
+            added = [f for f in logging.getLogger(name).filters if f not in filters[name]]
+            assert len(added) == 1 and isinstance(added[0], _DropOrbaxTracebacks)
+        assert sys.unraisablehook is not hook
+    finally:
+        restore()
+    assert _logging_state() == filters and sys.unraisablehook is hook
+
+
+def test_the_entry_points_quiet_orbax_and_the_library_does_not():
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert "quiet_orbax_tracebacks()" in (root / "train.py").read_text()
+    for module in ("export", "sample"):
+        assert "restore = quiet_orbax_tracebacks()" in (root / "jaxmp" / f"{module}.py").read_text()
+    library = [p for p in (root / "jaxmp").rglob("*.py")
+               if p.name != "checkpoint.py" and p.parent.name != "jaxmp"]
+    assert not [p for p in library if "quiet_orbax_tracebacks(" in p.read_text()]
+
+
+def test_leaving_interpret_mode_restores_what_it_changed():
+    from jaxmp.precision import grouped_gemm
+    try:
+        from jax._src import config
+        from jax._src.interpreters import mlir
+        from jax._src.pallas.mosaic_gpu import core as gpu_core
+        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    except ImportError as e:  # a jax other than INTERPRET_PINNED_JAX
+        pytest.skip(f"no Mosaic GPU interpreter in this jax: {e}")
+    cpu = mlir._platform_specific_lowerings["cpu"]
+    before = (dict(cpu), gpu_callbacks.wgmma,
+              config.pallas_tpu_interpret_mode_context_manager.value)
+    assert gpu_core.layout_cast_p not in cpu  # so that the removal below is tested
+    with grouped_gemm.interpret_mode():
+        assert gpu_core.layout_cast_p in cpu
+        assert gpu_callbacks.wgmma is grouped_gemm._interpret_wgmma
+        assert config.pallas_tpu_interpret_mode_context_manager.value is not None
+    after = (dict(cpu), gpu_callbacks.wgmma,
+             config.pallas_tpu_interpret_mode_context_manager.value)
+    assert after == before
+
+
+def test_leaving_interpret_mode_puts_back_a_lowering_that_was_there():
+    from jaxmp.precision import grouped_gemm
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.pallas.mosaic_gpu import core as gpu_core
+    except ImportError as e:
+        pytest.skip(f"no Mosaic GPU interpreter in this jax: {e}")
+    cpu = mlir._platform_specific_lowerings["cpu"]
+    mine = mlir.LoweringRuleEntry(lambda ctx, x, **_: [x], True)
+    cpu[gpu_core.layout_cast_p] = mine
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with grouped_gemm.interpret_mode():
+                assert cpu[gpu_core.layout_cast_p] is not mine
+                raise RuntimeError("inside")  # an error inside the context restores too
+        assert cpu[gpu_core.layout_cast_p] is mine
+    finally:
+        cpu.pop(gpu_core.layout_cast_p, None)
+
+
+def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_directory(tmp_path):
+    """Programs compiled after ``benchmarks.fidelity.compilation_cache(None)`` go to the
+    cache directory set before it, not to its deleted temporary one (JAX opens its cache
+    once, so leaving must reset it)."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from benchmarks import fidelity
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    outer = tmp_path / "outer"
+    try:
+        for k, v in zip(keys, (str(outer), 0, 0)):
+            jax.config.update(k, v)
+        cc.reset_cache()
+        with fidelity.compilation_cache(None):
+            jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(jnp.ones(7)).block_until_ready()
+        assert getattr(jax.config, keys[0]) == str(outer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "Error writing persistent compilation cache entry"
+            jax.jit(lambda x: jnp.cos(x) * 5.0 - 0.75)(jnp.ones(11)).block_until_ready()
+        assert any(outer.iterdir())  # written where the process had asked
+    finally:
+        for k, v in old.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
