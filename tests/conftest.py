@@ -33,23 +33,37 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_disable_most_optimizations", True)
 
 
-# The slowest modules, slowest first (summed --durations=0, 2026-12-01). pytest-xdist
-# (`-n 2 --dist loadfile --no-loadscope-reorder` in pyproject.toml) hands each module whole
-# to one worker, in this order; starting with the longest keeps one worker from running a
-# long module alone at the end (without --no-loadscope-reorder, xdist would order the
-# modules by their number of tests). A module missing here runs later; no result changes.
-SLOWEST_FIRST = ("test_faults.py", "test_train.py", "test_gpu_target.py", "test_fp8_train.py",
-                 "test_parallel.py", "test_artifacts.py", "test_grouped_gemm_deviceless.py",
-                 "test_fp8_kernel.py", "test_grouped_gemm.py", "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
+# Scheduling on the 2 pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder` in
+# pyproject.toml). Every test belongs to an xdist group: its module's file name, unless it is
+# marked ``@pytest.mark.xdist_group("NAME")`` itself, which is how a long module is split
+# across both workers (the tests sharing a module- or session-scoped fixture stay in one
+# group, so that the fixture is computed once). xdist hands out whole groups, in the order
+# below, slowest first (test-seconds from tests/README.md): starting with the longest keeps
+# one worker from running a long group alone at the end. A group missing here runs later,
+# in collection order; no result changes.
+SLOWEST_FIRST = ("test_gpu_target.py", "test_faults.py", "faults_processes", "test_train.py",
+                 "test_fp8_train.py", "test_parallel.py", "test_artifacts.py",
+                 "test_grouped_gemm_deviceless.py", "test_fp8_kernel.py", "test_grouped_gemm.py",
+                 "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
                  "test_notebooks.py", "test_checkpoint.py", "test_fp8.py", "test_comm.py",
                  "test_model.py", "test_fidelity.py", "test_multiprocess.py",
                  "test_benchmarks.py", "test_benchmarks_matmul.py", "test_diagnostics.py")
 
 
+def _group(item):
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")) if mark else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _group(item) is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable within a group
