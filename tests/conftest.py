@@ -39,19 +39,21 @@ jax.config.update("jax_disable_most_optimizations", True)
 
 
 # Scheduling on the 2 pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder` in
-# pyproject.toml). Every test belongs to an xdist group: its module's file name, unless it is
-# marked ``@pytest.mark.xdist_group("NAME")`` itself, which is how a long module is split
-# across both workers (the tests sharing a module- or session-scoped fixture stay in one
-# group, so that the fixture is computed once). xdist hands out whole groups, in the order
-# below, slowest first (test-seconds from tests/README.md): starting with the longest keeps
-# one worker from running a long group alone at the end. A group missing here runs later,
-# in collection order; no result changes.
-SLOWEST_FIRST = ("test_gpu_target.py", "test_faults.py", "faults_processes", "test_train.py",
-                 "test_fp8_train.py", "test_parallel.py", "test_artifacts.py",
-                 "test_grouped_gemm_deviceless.py", "test_fp8_kernel.py", "test_grouped_gemm.py",
-                 "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
-                 "test_notebooks.py", "test_checkpoint.py", "test_fp8.py", "test_comm.py",
-                 "test_model.py", "test_fidelity.py", "test_multiprocess.py",
+# pyproject.toml). A test belongs to an xdist group: the one it is marked with
+# (``@pytest.mark.xdist_group("NAME")``), else its module's file name, so that a module- or
+# session-scoped fixture (and the persistent compilation cache's entries) serves its whole
+# module on one worker. A module that sets ``XDIST_PER_TEST = True`` (it shares no costly
+# fixture) is handed out test by test instead, except for its marked tests; marks are also
+# how a long module is split across both workers. xdist hands out the groups in the order
+# below, slowest first (test-seconds, tests/README.md): starting with the longest keeps one
+# worker from running a long group alone at the end. A group or module missing here runs
+# later, in collection order; no result changes.
+SLOWEST_FIRST = ("gpu_seed", "faults_processes", "test_faults.py", "test_grouped_gemm_deviceless.py",
+                 "gpu_dense_1b", "test_gpu_target.py", "test_train.py", "test_gpu_suite.py",
+                 "test_fp8_train.py", "test_parallel.py", "parallel_accounting", "test_artifacts.py",
+                 "test_fp8_kernel.py", "test_grouped_gemm.py", "test_scan_remat.py",
+                 "test_accounting.py", "test_notebooks.py", "test_checkpoint.py", "test_fp8.py",
+                 "test_comm.py", "test_model.py", "test_fidelity.py", "test_multiprocess.py",
                  "test_benchmarks.py", "test_benchmarks_matmul.py", "test_diagnostics.py")
 
 
@@ -60,10 +62,22 @@ def _group(item):
     return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")) if mark else None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_itemcollected(item):
+    if _group(item) is None and not getattr(getattr(item, "module", None), "XDIST_PER_TEST", False):
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own hook
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _group(item) is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable within a group
+    # Stable: collection order within a group.
+    items.sort(key=lambda item: rank.get(_group(item) or item.path.name, len(rank)))
+    if not config.getvalue("loadgroup"):
+        return
+    # xdist (3.8) groups tests by an "@GROUP" suffix of their node ids, which it sets on
+    # ``item._nodeid``; pytest 9 keeps the id in ``item._id``, so the suffix is set here.
+    from _pytest.nodeid import coerce_node_id
+    for item in items:
+        group = _group(item)
+        if group is not None and not item.nodeid.endswith("@" + group):
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")

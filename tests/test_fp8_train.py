@@ -126,11 +126,15 @@ def _fp8_weight_matmuls(exp):
                if path and path[-1] in WEIGHTS and m.policy.fp8 is not None)
 
 
+XDIST_PER_TEST = True  # test by test over both workers, but the dot census (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def bf16_dot_count():
     return _dots(Experiment.create(fp8_config("mixed_bf16"), num_devices=8))[0]
 
 
+@pytest.mark.xdist_group("fp8_dot_census")  # one bf16_dot_count
 @pytest.mark.parametrize("policy", ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_blockwise",
                                     "mixed_bf16; experts: fp8_blockwise; mlp: fp8_blockwise"])
 def test_fp8_matmuls_are_fp8_dots_in_the_lowered_step(policy, bf16_dot_count):

@@ -156,6 +156,7 @@ def accounted(request):
     return strategy, row, exp
 
 
+@pytest.mark.xdist_group("parallel_accounting")
 def test_persistent_bytes_per_device_follow_the_zero_formulas(accounted):
     strategy, row, exp = accounted
     ls = leaves(exp)
@@ -176,6 +177,7 @@ def test_persistent_bytes_per_device_follow_the_zero_formulas(accounted):
         assert persistent <= 12 * p / n_dev + 64
 
 
+@pytest.mark.xdist_group("parallel_accounting")
 def test_each_strategy_moves_what_it_promises_in_the_dtype_it_promises(accounted):
     """Whole buffers per device per step, from the HLO after SPMD partitioning."""
     strategy, row, exp = accounted
@@ -201,6 +203,7 @@ def test_each_strategy_moves_what_it_promises_in_the_dtype_it_promises(accounted
     assert row["grad_allreduce_bytes"] == grads_bf16
 
 
+@pytest.mark.xdist_group("parallel_accounting")
 def test_expert_parallel_tokens_travel_by_all_to_all_in_the_compute_dtype():
     config = config_for("dp", 4, policy="mixed_bf16")
     row = accounting.account_mode(config, "mixed_bf16", 8)

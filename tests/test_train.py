@@ -23,6 +23,9 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 from benchmarks import _common as bench_common  # noqa: E402
 
 
+XDIST_PER_TEST = True  # no shared fixture: test by test over both workers (tests/conftest.py)
+
+
 def read_metrics(workdir, split="train"):
     return _read_metrics(pathlib.Path(workdir) / "metrics.jsonl", split)
 
