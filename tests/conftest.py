@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     # Stable: collection order within a group.
     items.sort(key=lambda item: rank.get(_group(item) or item.path.name, len(rank)))
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
         return
     # xdist (3.8) groups tests by an "@GROUP" suffix of their node ids, which it sets on
     # ``item._nodeid``; pytest 9 keeps the id in ``item._id``, so the suffix is set here.
