@@ -49,7 +49,7 @@ jax.config.update("jax_disable_most_optimizations", True)
 # worker from running a long group alone at the end. A group or module missing here runs
 # later, in collection order; no result changes.
 SLOWEST_FIRST = ("gpu_seed", "faults_processes", "test_faults.py", "test_grouped_gemm_deviceless.py",
-                 "gpu_dense_1b", "test_gpu_target.py", "test_train.py", "test_gpu_suite.py",
+                 "gpu_dense_1b", "test_gpu_target.py", "test_train.py", "gpu_suite_toy",
                  "test_fp8_train.py", "test_parallel.py", "parallel_accounting", "test_artifacts.py",
                  "test_fp8_kernel.py", "test_grouped_gemm.py", "test_scan_remat.py",
                  "test_accounting.py", "test_notebooks.py", "test_checkpoint.py", "test_fp8.py",

@@ -26,6 +26,9 @@ needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"deviceless GPU c
 GB = 1e9
 
 
+XDIST_PER_TEST = True  # test by test over both workers, but the marked groups (tests/conftest.py)
+
+
 def _compile_fn(fn, *shapes, devices=1, name="H200"):
     mesh = gpu.target_mesh(gpu.get_target(name), devices)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
