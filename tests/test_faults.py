@@ -334,50 +334,55 @@ def _flip_one_bit(directory):
     return files[-1]
 
 
-def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+def _copy(four_steps, tmp_path):
+    """A copy of the four_steps workdir (checkpoints at steps 2 and 4) to damage."""
+    workdir = tmp_path / "run"
+    shutil.copytree(four_steps, workdir)
+    return workdir
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_previous_one(
+        four_steps, tmp_path, reference, capsys):
     """Checkpoints at steps 2 and 4; one bit of step 4's largest state file flipped. The
     rerun sets step 4 aside with a warning, resumes from step 2 and then trains exactly
     as an uninterrupted run does."""
-    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
-    _flip_one_bit(tmp_path / "checkpoints" / "4" / "state")
+    workdir = _copy(four_steps, tmp_path)
+    _flip_one_bit(workdir / "checkpoints" / "4" / "state")
     capsys.readouterr()
-    train_and_evaluate(_config(6, checkpoint_every=2), str(tmp_path))
+    train_and_evaluate(_config(6, checkpoint_every=2), str(workdir))
     out = capsys.readouterr().out
-    assert f"WARNING: checkpoint step 4 in {tmp_path / 'checkpoints'} is corrupt" in out
+    assert f"WARNING: checkpoint step 4 in {workdir / 'checkpoints'} is corrupt" in out
     assert "resuming from step 2 instead" in out and "at step 2" in out
-    assert (tmp_path / "checkpoints" / "corrupt" / "4").is_dir() and complete_steps(tmp_path) == [4, 6]
-    reference = tmp_path / "reference"
-    train_and_evaluate(_config(6, checkpoint_every=100), str(reference))
-    assert [r["loss"] for r in train_rows(tmp_path)] == [r["loss"] for r in train_rows(reference)]
-    assert [r["step"] for r in train_rows(tmp_path)] == list(range(1, 7))
+    assert (workdir / "checkpoints" / "corrupt" / "4").is_dir() and complete_steps(workdir) == [4, 6]
+    assert_resumed_like_the_reference(workdir, reference, 6)
 
 
-def test_a_truncated_array_file_is_named_in_the_corrupt_checkpoint_warning(tmp_path, capsys):
+def test_a_truncated_array_file_is_named_in_the_corrupt_checkpoint_warning(four_steps, tmp_path, capsys):
     """The largest array file of step 4 cut to half its size: the warning names the array
     and the file TensorStore failed on, not a pybind11 repr, and step 2 resumes."""
-    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
-    files = sorted((p for p in (tmp_path / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
+    workdir = _copy(four_steps, tmp_path)
+    files = sorted((p for p in (workdir / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
                    key=lambda p: p.stat().st_size)
     os.truncate(files[-1], files[-1].stat().st_size // 2)
     capsys.readouterr()
-    train_and_evaluate(_config(6, checkpoint_every=2), str(tmp_path))
+    train_and_evaluate(_config(6, checkpoint_every=2), str(workdir))
     out = capsys.readouterr().out
     warning = next(line for line in out.splitlines() if "is corrupt" in line)
     assert "<bound method" not in warning and "Error reading" in warning, warning
-    assert str(tmp_path / "checkpoints") in warning and "resuming from step 2 instead" in out
+    assert str(workdir / "checkpoints") in warning and "resuming from step 2 instead" in out
 
 
-def test_random_bytes_over_a_checkpoint_never_reach_the_run(tmp_path, capsys):
+def test_random_bytes_over_a_checkpoint_never_reach_the_run(four_steps, tmp_path, capsys):
     """64 random bytes over the start of every state file of the newest checkpoint."""
-    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
+    workdir = _copy(four_steps, tmp_path)
     rng = np.random.default_rng(0)
-    for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+    for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and f.stat().st_size >= 64:
             data = bytearray(f.read_bytes())
             data[:64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
             f.write_bytes(bytes(data))
     capsys.readouterr()
-    summary = train_and_evaluate(_config(4, checkpoint_every=2, eval_every=4), str(tmp_path))
+    summary = train_and_evaluate(_config(4, checkpoint_every=2, eval_every=4), str(workdir))
     out = capsys.readouterr().out
     assert "checkpoint step 4" in out and "is corrupt" in out and "at step 2" in out
     assert summary["step"] == 4 and np.isfinite(summary["eval_loss"])
