@@ -75,9 +75,10 @@ def pytest_collection_modifyitems(config, items):
     if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
         return
     # xdist (3.8) groups tests by an "@GROUP" suffix of their node ids, which it sets on
-    # ``item._nodeid``; pytest 9 keeps the id in ``item._id``, so the suffix is set here.
-    from _pytest.nodeid import coerce_node_id
+    # ``item._nodeid``; pytest 9 keeps the id in ``item._id``, so the suffix is set here
+    # (where xdist's own hook, which runs first, has not set it).
     for item in items:
         group = _group(item)
         if group is not None and not item.nodeid.endswith("@" + group):
+            from _pytest.nodeid import coerce_node_id
             item._id = coerce_node_id(f"{item.nodeid}@{group}")
