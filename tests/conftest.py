@@ -33,23 +33,52 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_disable_most_optimizations", True)
 
 
-# The slowest modules, slowest first (summed --durations=0, 2026-12-01). pytest-xdist
-# (`-n 2 --dist loadfile --no-loadscope-reorder` in pyproject.toml) hands each module whole
-# to one worker, in this order; starting with the longest keeps one worker from running a
-# long module alone at the end (without --no-loadscope-reorder, xdist would order the
-# modules by their number of tests). A module missing here runs later; no result changes.
-SLOWEST_FIRST = ("test_faults.py", "test_train.py", "test_gpu_target.py", "test_fp8_train.py",
-                 "test_parallel.py", "test_artifacts.py", "test_grouped_gemm_deviceless.py",
-                 "test_fp8_kernel.py", "test_grouped_gemm.py", "test_gpu_suite.py", "test_scan_remat.py", "test_accounting.py",
-                 "test_notebooks.py", "test_checkpoint.py", "test_fp8.py", "test_comm.py",
-                 "test_model.py", "test_fidelity.py", "test_multiprocess.py",
+# Scheduling on the 2 pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder` in
+# pyproject.toml). A test belongs to an xdist group: the one it is marked with
+# (``@pytest.mark.xdist_group("NAME")``), else its module's file name, so that a module- or
+# session-scoped fixture (and the persistent compilation cache's entries) serves its whole
+# module on one worker. A module that sets ``XDIST_PER_TEST = True`` (it shares no costly
+# fixture) is handed out test by test instead, except for its marked tests; marks are also
+# how a long module is split across both workers. xdist hands out the groups in the order
+# below, slowest first (test-seconds, tests/README.md): starting with the longest keeps one
+# worker from running a long group alone at the end. A group or module missing here runs
+# later, in collection order; no result changes.
+SLOWEST_FIRST = ("gpu_seed", "faults_processes", "test_faults.py", "test_grouped_gemm_deviceless.py",
+                 "gpu_dense_1b", "test_gpu_target.py", "test_train.py", "gpu_suite_toy",
+                 "test_fp8_train.py", "test_parallel.py", "parallel_accounting", "test_artifacts.py",
+                 "test_fp8_kernel.py", "test_grouped_gemm.py", "test_scan_remat.py",
+                 "test_accounting.py", "test_notebooks.py", "test_checkpoint.py", "test_fp8.py",
+                 "test_comm.py", "test_model.py", "test_fidelity.py", "test_multiprocess.py",
                  "test_benchmarks.py", "test_benchmarks_matmul.py", "test_diagnostics.py")
 
 
+def _group(item):
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")) if mark else None
+
+
+def pytest_itemcollected(item):
+    if _group(item) is None and not getattr(getattr(item, "module", None), "XDIST_PER_TEST", False):
+        item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's own hook
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
+    # Stable: collection order within a group.
+    items.sort(key=lambda item: rank.get(_group(item) or item.path.name, len(rank)))
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
+        return
+    # xdist (3.8) groups tests by an "@GROUP" suffix of their node ids, which it sets on
+    # ``item._nodeid``; pytest 9 keeps the id in ``item._id``, so the suffix is set here
+    # (where xdist's own hook, which runs first, has not set it).
+    for item in items:
+        group = _group(item)
+        if group is not None and not item.nodeid.endswith("@" + group):
+            from _pytest.nodeid import coerce_node_id
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")

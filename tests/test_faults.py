@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from _configs import ROOT, load_config
+from _train_py import run_train_py
 from jaxmp.train import CheckpointError, Checkpointer, Experiment, Interrupted, train_and_evaluate
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.metrics import read_metrics
@@ -93,29 +94,53 @@ def assert_resumed_like_the_reference(workdir, reference, steps):
     assert [r["loss"] for r in rows] == reference(steps)
 
 
+def _signal_when(workdir, rows, sig):
+    """Sends ``sig`` to this process once ``metrics.jsonl`` holds ``rows`` train rows (the
+    trainer's own handler, installed while it trains, takes it)."""
+    def watch():
+        deadline = time.monotonic() + LIMIT_S
+        while time.monotonic() < deadline:
+            if len(train_rows(workdir)) >= rows:
+                os.kill(os.getpid(), sig)
+                return
+            time.sleep(0.002)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _train_py(capsys, workdir, *extra):
+    """train.py with OVERRIDES, in this process: ``(status, out, err)`` (tests/_train_py.py)."""
+    return run_train_py(capsys, workdir, *OVERRIDES, *extra)
+
+
 @pytest.mark.slow
-def test_sigterm_saves_at_the_step_reached_and_the_rerun_matches_an_uninterrupted_run(tmp_path, reference):
-    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=100000")
-    wait_for(lambda: len(train_rows(tmp_path)) >= 3, proc, "3 logged steps")
-    proc.send_signal(signal.SIGTERM)
-    out, err = finish(proc)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+def test_sigterm_saves_at_the_step_reached_and_the_rerun_matches_an_uninterrupted_run(
+        tmp_path, reference, capsys):
+    """train.py's main in this process; SIGTERM once 3 steps are logged."""
+    sender = _signal_when(tmp_path, 3, signal.SIGTERM)
+    status, out, err = _train_py(capsys, tmp_path, "train.steps=100000", "train.checkpoint_every=100000")
+    sender.join()
+    assert status == 128 + signal.SIGTERM, err[-3000:]
     reached = train_rows(tmp_path)[-1]["step"]
     assert complete_steps(tmp_path) == [reached]  # saved at the step it reached, nothing else
     assert f"SIGTERM at step {reached}: checkpoint saved in" in err and "rerun the same command" in err
     assert "Traceback" not in err
 
-    again = launch(tmp_path, f"train.steps={reached + 3}", "train.checkpoint_every=100000")
-    out, err = finish(again)
-    assert again.returncode == 0, err[-3000:]
+    status, out, err = _train_py(capsys, tmp_path, f"train.steps={reached + 3}",
+                                 "train.checkpoint_every=100000")
+    assert status == 0, err[-3000:]
     assert f"resumed from {tmp_path / 'checkpoints'} at step {reached}" in out
     assert_resumed_like_the_reference(tmp_path, reference, reached + 3)
 
 
 @pytest.mark.slow
-def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_complete_one(tmp_path, reference):
-    """A checkpoint at every step, so that writes are under way most of the time; the kill
-    comes as soon as a temporary (unfinished) checkpoint directory is seen."""
+@pytest.mark.xdist_group("faults_processes")
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_complete_one(tmp_path, reference,
+                                                                              capsys):
+    """A real train.py process, with a checkpoint at every step, so that writes are under
+    way most of the time; the kill comes as soon as a temporary (unfinished) checkpoint
+    directory is seen. The rerun is train.py's main in this process."""
     proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=1")
     ckpts = tmp_path / "checkpoints"
 
@@ -132,20 +157,19 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_last_complete_one(tm
     logged = train_rows(tmp_path)[-1]["step"]
     assert logged >= last  # rows past the checkpoint are dropped on resume, then rewritten
 
-    again = launch(tmp_path, f"train.steps={last + 3}", "train.checkpoint_every=100000")
-    out, err = finish(again)
-    assert again.returncode == 0, err[-3000:]
+    status, out, err = _train_py(capsys, tmp_path, f"train.steps={last + 3}", "train.checkpoint_every=100000")
+    assert status == 0, err[-3000:]
     assert f"at step {last}" in out
     assert not any("tmp" in p.name for p in ckpts.iterdir())  # the unfinished write is cleaned up
     assert_resumed_like_the_reference(tmp_path, reference, last + 3)
 
 
-def test_ctrl_c_saves_and_exits_130(tmp_path):
-    proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=100000")
-    wait_for(lambda: len(train_rows(tmp_path)) >= 1, proc, "a logged step")
-    proc.send_signal(signal.SIGINT)
-    out, err = finish(proc)
-    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+def test_ctrl_c_saves_and_exits_130(tmp_path, capsys):
+    """train.py's main in this process; SIGINT once a step is logged."""
+    sender = _signal_when(tmp_path, 1, signal.SIGINT)
+    status, out, err = _train_py(capsys, tmp_path, "train.steps=100000", "train.checkpoint_every=100000")
+    sender.join()
+    assert status == 128 + signal.SIGINT, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     reached = train_rows(tmp_path)[-1]["step"]
     assert complete_steps(tmp_path) == [reached]
@@ -276,6 +300,7 @@ def test_a_read_only_workdir_is_a_clear_error_before_any_work(small_disk, tmp_pa
 # ----------------------------------------------------------------------------- the workdir lock
 
 
+@pytest.mark.xdist_group("faults_processes")
 def test_a_second_trainer_on_a_busy_workdir_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path, capsys):
     from jaxmp.train import WorkdirInUse
     proc = launch(tmp_path, "train.steps=100000", "train.checkpoint_every=2")
@@ -309,50 +334,55 @@ def _flip_one_bit(directory):
     return files[-1]
 
 
-def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+def _copy(four_steps, tmp_path):
+    """A copy of the four_steps workdir (checkpoints at steps 2 and 4) to damage."""
+    workdir = tmp_path / "run"
+    shutil.copytree(four_steps, workdir)
+    return workdir
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_previous_one(
+        four_steps, tmp_path, reference, capsys):
     """Checkpoints at steps 2 and 4; one bit of step 4's largest state file flipped. The
     rerun sets step 4 aside with a warning, resumes from step 2 and then trains exactly
     as an uninterrupted run does."""
-    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
-    _flip_one_bit(tmp_path / "checkpoints" / "4" / "state")
+    workdir = _copy(four_steps, tmp_path)
+    _flip_one_bit(workdir / "checkpoints" / "4" / "state")
     capsys.readouterr()
-    train_and_evaluate(_config(6, checkpoint_every=2), str(tmp_path))
+    train_and_evaluate(_config(6, checkpoint_every=2), str(workdir))
     out = capsys.readouterr().out
-    assert f"WARNING: checkpoint step 4 in {tmp_path / 'checkpoints'} is corrupt" in out
+    assert f"WARNING: checkpoint step 4 in {workdir / 'checkpoints'} is corrupt" in out
     assert "resuming from step 2 instead" in out and "at step 2" in out
-    assert (tmp_path / "checkpoints" / "corrupt" / "4").is_dir() and complete_steps(tmp_path) == [4, 6]
-    reference = tmp_path / "reference"
-    train_and_evaluate(_config(6, checkpoint_every=100), str(reference))
-    assert [r["loss"] for r in train_rows(tmp_path)] == [r["loss"] for r in train_rows(reference)]
-    assert [r["step"] for r in train_rows(tmp_path)] == list(range(1, 7))
+    assert (workdir / "checkpoints" / "corrupt" / "4").is_dir() and complete_steps(workdir) == [4, 6]
+    assert_resumed_like_the_reference(workdir, reference, 6)
 
 
-def test_a_truncated_array_file_is_named_in_the_corrupt_checkpoint_warning(tmp_path, capsys):
+def test_a_truncated_array_file_is_named_in_the_corrupt_checkpoint_warning(four_steps, tmp_path, capsys):
     """The largest array file of step 4 cut to half its size: the warning names the array
     and the file TensorStore failed on, not a pybind11 repr, and step 2 resumes."""
-    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
-    files = sorted((p for p in (tmp_path / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
+    workdir = _copy(four_steps, tmp_path)
+    files = sorted((p for p in (workdir / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
                    key=lambda p: p.stat().st_size)
     os.truncate(files[-1], files[-1].stat().st_size // 2)
     capsys.readouterr()
-    train_and_evaluate(_config(6, checkpoint_every=2), str(tmp_path))
+    train_and_evaluate(_config(6, checkpoint_every=2), str(workdir))
     out = capsys.readouterr().out
     warning = next(line for line in out.splitlines() if "is corrupt" in line)
     assert "<bound method" not in warning and "Error reading" in warning, warning
-    assert str(tmp_path / "checkpoints") in warning and "resuming from step 2 instead" in out
+    assert str(workdir / "checkpoints") in warning and "resuming from step 2 instead" in out
 
 
-def test_random_bytes_over_a_checkpoint_never_reach_the_run(tmp_path, capsys):
+def test_random_bytes_over_a_checkpoint_never_reach_the_run(four_steps, tmp_path, capsys):
     """64 random bytes over the start of every state file of the newest checkpoint."""
-    train_and_evaluate(_config(4, checkpoint_every=2), str(tmp_path))
+    workdir = _copy(four_steps, tmp_path)
     rng = np.random.default_rng(0)
-    for f in (tmp_path / "checkpoints" / "4" / "state").rglob("*"):
+    for f in (workdir / "checkpoints" / "4" / "state").rglob("*"):
         if f.is_file() and f.stat().st_size >= 64:
             data = bytearray(f.read_bytes())
             data[:64] = rng.integers(0, 256, 64, dtype=np.uint8).tobytes()
             f.write_bytes(bytes(data))
     capsys.readouterr()
-    summary = train_and_evaluate(_config(4, checkpoint_every=2, eval_every=4), str(tmp_path))
+    summary = train_and_evaluate(_config(4, checkpoint_every=2, eval_every=4), str(workdir))
     out = capsys.readouterr().out
     assert "checkpoint step 4" in out and "is corrupt" in out and "at step 2" in out
     assert summary["step"] == 4 and np.isfinite(summary["eval_loss"])
@@ -480,20 +510,6 @@ def test_an_edited_json_item_is_corrupt_and_the_previous_checkpoint_resumes_like
 # ----------------------------------------------------------------------------- a diverged run
 
 
-def _sigterm_when(workdir, rows):
-    """Sends SIGTERM to this process once ``metrics.jsonl`` holds ``rows`` train rows."""
-    def watch():
-        deadline = time.monotonic() + LIMIT_S
-        while time.monotonic() < deadline:
-            if len(train_rows(workdir)) >= rows:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.002)
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
 def _diverging(steps, max_divergent_steps):
     """Learning rate 1e3 without warm-up or clipping: step 1 is applied healthy, and every
     later step looks divergent (test_a_diverging_run_stops_and_keeps_its_last_healthy_checkpoint)."""
@@ -512,7 +528,7 @@ def test_sigterms_during_a_divergence_never_push_out_the_last_healthy_checkpoint
     workdir = tmp_path / "run"
     stops = []
     for rows in (4, 7):  # the first SIGTERM after step 4 or later, the second after step 7
-        sender = _sigterm_when(workdir, rows)
+        sender = _signal_when(workdir, rows, signal.SIGTERM)
         with pytest.raises(Interrupted) as e:
             train_and_evaluate(_diverging(1000, 1000), str(workdir))
         sender.join()
@@ -542,6 +558,7 @@ def test_sigterms_during_a_divergence_never_push_out_the_last_healthy_checkpoint
 # ----------------------------------------------------------------------------- exits while compiling
 
 
+@pytest.mark.xdist_group("faults_processes")
 def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
     """A data error while the step compiles in its thread (a missing path, an empty
     directory, binaries, a .jsonl without its text field) and SIGINT during the
@@ -556,10 +573,12 @@ def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
             "binary": (1, "train.py: error: data.path directory"),
             "jsonl": (1, "train.py: error: ")}
     results = []
-    for kind, n in repeats.items():
+    # One interpreter per repeat count (its kinds one after another), not one per kind.
+    for n in sorted(set(repeats.values())):
+        kinds = [kind for kind, k in repeats.items() if k == n]
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_exit_repeats.py"), str(n),
-                               str(tmp_path), kind], capture_output=True, text=True, env=ENV, cwd=ROOT,
-                              timeout=LIMIT_S)
+                               str(tmp_path), *kinds], capture_output=True, text=True, env=ENV,
+                              cwd=ROOT, timeout=LIMIT_S)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(results) == sum(repeats.values())
@@ -576,6 +595,7 @@ def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
 # ----------------------------------------------------------------------------- a peer that dies
 
 
+@pytest.mark.xdist_group("faults_processes")
 @pytest.mark.slow
 def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_like_one_process(tmp_path):
     """2 processes x 4 CPU devices over loopback. kill -9 of process 1, then (after a
@@ -669,6 +689,7 @@ def _probe_pair(workdir, pauses=(0.0, 0.0)):
             for i, pause in enumerate(pauses)]
 
 
+@pytest.mark.xdist_group("faults_processes")
 @pytest.mark.slow
 @pytest.mark.parametrize("victim, when", [(1, "starting"), (0, "stopped"), (1, "stopped")],
                          ids=["peer-before-the-watchdog", "coordinator-stopped", "peer-stopped"])

@@ -2,8 +2,6 @@
 the lowered program (FP8-2), delayed-scaling state through accumulation and devices (FP8-1),
 skipped steps and checkpoints (FP8-3), and a short run that learns."""
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from _configs import ROOT, load_config, small_config
+from _configs import load_config, small_config
 from _bitwise import assert_bitwise_equal, bits
+from _train_py import run_train_py
 from jaxmp import fp8
 from jaxmp.models import FP8State, MoETransformer, ModelConfig, capture_matmul_operands
 from jaxmp.precision.policy import get_policy, get_policy_rules
@@ -127,11 +126,15 @@ def _fp8_weight_matmuls(exp):
                if path and path[-1] in WEIGHTS and m.policy.fp8 is not None)
 
 
+XDIST_PER_TEST = True  # test by test over both workers, but the dot census (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def bf16_dot_count():
     return _dots(Experiment.create(fp8_config("mixed_bf16"), num_devices=8))[0]
 
 
+@pytest.mark.xdist_group("fp8_dot_census")  # one bf16_dot_count
 @pytest.mark.parametrize("policy", ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_blockwise",
                                     "mixed_bf16; experts: fp8_blockwise; mlp: fp8_blockwise"])
 def test_fp8_matmuls_are_fp8_dots_in_the_lowered_step(policy, bf16_dot_count):
@@ -276,17 +279,15 @@ def test_fp8_blockwise_tiny_moe_learns_on_8_devices_with_a_finite_state(tmp_path
     assert leaves and all(np.all(np.isfinite(x)) for x in leaves)
 
 
-def test_train_py_takes_an_fp8_policy(tmp_path):
-    """The command line, as a user runs it: two steps of fp8_delayed (the stateful recipe)."""
-    env = dict(__import__("os").environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
-           "--workdir", str(tmp_path), "--config.model.num_layers=1", "--config.model.first_dense_layers=0",
-           "--config.data.max_tokens=50000", "--config.data.num_eval_batches=1", "--config.train.steps=2",
-           "--config.train.log_every=1", "--config.train.sample_tokens=2",
-           "--config.precision.policy=fp8_delayed; router: fp32; norm: fp32"]
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "fp8=delayed" in run.stdout
+def test_train_py_takes_an_fp8_policy(tmp_path, capsys):
+    """The command line, as a user runs it (train.py's main in this process,
+    tests/_train_py.py): two steps of fp8_delayed (the stateful recipe)."""
+    status, out, err = run_train_py(
+        capsys, tmp_path, "model.num_layers=1", "model.first_dense_layers=0", "data.max_tokens=50000",
+        "data.num_eval_batches=1", "train.steps=2", "train.log_every=1", "train.sample_tokens=2",
+        "precision.policy=fp8_delayed; router: fp32; norm: fp32")
+    assert status == 0, err[-3000:]
+    assert "fp8=delayed" in out
 
 
 # ----------------------------------------------------------------------------- scale-out

@@ -26,6 +26,9 @@ def _suite(tmp, *args, timeout=900):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+XDIST_PER_TEST = True  # test by test, but the tests of the suite fixture (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     """The toy suite and one isolated case, side by side (2 cores)."""
@@ -48,6 +51,7 @@ def suite(tmp_path_factory):
             json.loads((tmp / "case.json").read_text()))
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_matmul_rows_by_hand(suite):
     r = suite[0]
     rows = {row["dtype"]: row for row in r["matmul"]["rows"]}
@@ -63,6 +67,7 @@ def test_matmul_rows_by_hand(suite):
     assert r["fp8"].startswith("jaxmp.fp8")
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_attention_rows(suite):
     r = suite[0]
     a = r["attention"]
@@ -77,6 +82,7 @@ def test_attention_rows(suite):
     assert rows["cudnn"]["traced_only"] and rows["cudnn"]["ms"] is None
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_fp8_kernels_are_checked_and_not_timed_off_a_gpu(suite):
     """The blockwise FP8 kernels (dense and grouped) ran interpreted at toy size and matched
     the XLA reference (value, dx, dw); nothing is timed on a CPU."""
@@ -98,6 +104,7 @@ def test_an_fp8_kernel_that_does_not_match_the_reference_is_refused():
         "refused to time: dx off by 0.01 of its scale; dw off by inf of its scale")
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_moe_dispatch_rows(suite):
     r = suite[0]
     m = r["moe_dispatch"]
@@ -118,6 +125,7 @@ def _hand_flops(case):
                                       + 6 * case["num_layers"] * case["seq_len"] * width)
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_train_step_cases_by_hand(suite):
     r = suite[0]
     cases = {(c["config"], c["policy_name"]): c for c in r["train_step"]}
@@ -140,6 +148,7 @@ def test_train_step_cases_by_hand(suite):
     assert cases[("moe_bench", "mixed_fp16")]["loss_scale"].startswith("dynamic")
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_overhead_and_the_markdown_table(suite):
     r, md, _ = suite
     ov = r["overhead"]
@@ -152,6 +161,7 @@ def test_overhead_and_the_markdown_table(suite):
     assert "toy sizes" in md and r["toy"]
 
 
+@pytest.mark.xdist_group("gpu_suite_toy")  # one suite fixture
 def test_an_isolated_case_reports_as_the_in_process_one(suite):
     r, _, isolated = suite
     (case,) = [c for c in r["train_step"] if (c["config"], c["policy_name"]) == ("dense_1b", "mixed_bf16")]

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import _compiled
 from _configs import load_config
 from jaxmp.analysis import gpu, hlo
 
@@ -23,6 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROBLEM = gpu.plugin_problem()
 needs_plugin = pytest.mark.skipif(PROBLEM is not None, reason=f"deviceless GPU compile: {PROBLEM}")
 GB = 1e9
+
+
+XDIST_PER_TEST = True  # test by test over both workers, but the marked groups (tests/conftest.py)
 
 
 def _compile_fn(fn, *shapes, devices=1, name="H200"):
@@ -118,6 +122,7 @@ def seed_dp():
 
 
 @needs_plugin
+@pytest.mark.xdist_group("gpu_seed")
 def test_seed_config_fits_an_h200_with_cudnn_attention_forward_and_backward(seed_dp):
     mem = seed_dp["memory"]
     assert seed_dp["setup"]["attention_path"] == "cudnn"
@@ -136,6 +141,7 @@ def test_seed_config_fits_an_h200_with_cudnn_attention_forward_and_backward(seed
 
 
 @needs_plugin
+@pytest.mark.xdist_group("gpu_seed")
 @pytest.mark.parametrize("name", ["H100"])  # one compile: the H200's memory is the larger
 def test_fsdp_honours_remat_and_fits_an_h100(seed_dp, name):
     config = load_config("seed_moe", ["--config.model.remat=full",
@@ -154,12 +160,15 @@ def test_fsdp_honours_remat_and_fits_an_h100(seed_dp, name):
 
 @pytest.fixture(scope="module")
 def dense_bf16():
+    """dense_1b under mixed_bf16 on one H200: the compile tests/test_fp8_kernel.py's
+    dense_1b step test compares fp8_blockwise with (tests/_compiled.py shares it)."""
     if PROBLEM:
         pytest.skip(f"deviceless GPU compile: {PROBLEM}")
-    return gpu.gpu_report(load_config("dense_1b"), gpu.get_target("H200"), 1, top=0)
+    return _compiled.gpu_report("dense_1b", ("--config.precision.policy=mixed_bf16",))
 
 
 @needs_plugin
+@pytest.mark.xdist_group("gpu_dense_1b")
 def test_dense_gemm_flops_are_six_n_d(dense_bf16):
     setup, flops = dense_bf16["setup"], dense_bf16["flops"]
     tokens = setup["tokens_per_device"]

@@ -7,8 +7,6 @@ shapes."""
 import json
 import pathlib
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,7 +14,8 @@ import pytest
 from flax import nnx
 
 from _bitwise import assert_bitwise_equal, bits
-from _configs import ROOT, small_config
+from _configs import small_config
+from _train_py import run_train_py
 from jaxmp.analysis import accounting
 from jaxmp.train import Experiment, train_and_evaluate
 from jaxmp.train.data import create_pipeline
@@ -157,6 +156,7 @@ def accounted(request):
     return strategy, row, exp
 
 
+@pytest.mark.xdist_group("parallel_accounting")
 def test_persistent_bytes_per_device_follow_the_zero_formulas(accounted):
     strategy, row, exp = accounted
     ls = leaves(exp)
@@ -177,6 +177,7 @@ def test_persistent_bytes_per_device_follow_the_zero_formulas(accounted):
         assert persistent <= 12 * p / n_dev + 64
 
 
+@pytest.mark.xdist_group("parallel_accounting")
 def test_each_strategy_moves_what_it_promises_in_the_dtype_it_promises(accounted):
     """Whole buffers per device per step, from the HLO after SPMD partitioning."""
     strategy, row, exp = accounted
@@ -202,6 +203,7 @@ def test_each_strategy_moves_what_it_promises_in_the_dtype_it_promises(accounted
     assert row["grad_allreduce_bytes"] == grads_bf16
 
 
+@pytest.mark.xdist_group("parallel_accounting")
 def test_expert_parallel_tokens_travel_by_all_to_all_in_the_compute_dtype():
     config = config_for("dp", 4, policy="mixed_bf16")
     row = accounting.account_mode(config, "mixed_bf16", 8)
@@ -226,15 +228,15 @@ def test_expert_parallel_tokens_travel_by_all_to_all_in_the_compute_dtype():
     ("parallel.expert=0", "parallel.expert=0 must be an integer >= 1"),
     ("parallel.expert=3", "parallel.expert=3 does not divide the 8 devices; allowed: 1, 2, 4, 8"),
 ])
-def test_parallel_overrides_reach_a_config_file_that_predates_them(override, message):
+def test_parallel_overrides_reach_a_config_file_that_predates_them(override, message, capsys):
     """configs/tiny_moe.py has no ``parallel`` section: the file is completed with every
-    default before the command line's overrides, which then fail (or work) by value."""
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
-                        f"--config.{override}", "--workdir", "/nonexistent/never-created"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert lines[-1] == f"train.py: error: {message}", r.stderr[-2000:]
+    default before the command line's overrides, which then fail (or work) by value.
+    train.py's flag parsing and main in this process (tests/_train_py.py)."""
+    status, out, err = run_train_py(capsys, "/nonexistent/never-created", override)
+    assert status != 0 and "Traceback" not in err, err[-2000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1] == f"train.py: error: {message}", err[-2000:]
+    assert not pathlib.Path("/nonexistent/never-created").exists()
 
 
 def test_only_a_process_whose_bar_is_shown_writes_lines_above_it():

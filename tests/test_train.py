@@ -14,12 +14,16 @@ import pytest
 
 from _bitwise import assert_bitwise_equal
 from _configs import ROOT, load_config, small_config
+from _train_py import run_train_py
 from jaxmp.train import CheckpointError, Experiment, TrainingStalled, train_and_evaluate
 from jaxmp.train.data import create_pipeline
 from jaxmp.train.metrics import read_metrics as _read_metrics
 
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 from benchmarks import _common as bench_common  # noqa: E402
+
+
+XDIST_PER_TEST = True  # no shared fixture: test by test over both workers (tests/conftest.py)
 
 
 def read_metrics(workdir, split="train"):
@@ -244,30 +248,33 @@ CLI = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/t
        "--config.train.log_every=1", "--config.train.sample_tokens=2"]
 
 
-def test_command_line_trains_and_resumes(tmp_path):
+def test_command_line_trains_and_resumes(tmp_path, capsys):
+    """The first run a real train.py process; the rerun and a bad value train.py's main in
+    this process (tests/_train_py.py: the same exit status and lines)."""
     cmd = CLI + ["--workdir", str(tmp_path)]
     first = subprocess.run(cmd + ["--config.train.steps=2"], capture_output=True, text=True, cwd=tmp_path, env=ENV)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "parameters" in first.stdout and "policy" in first.stdout and "loss scale" in first.stdout
-    again = subprocess.run(cmd + ["--config.train.steps=3"], capture_output=True, text=True, cwd=tmp_path, env=ENV)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed" in again.stdout and "at step 2" in again.stdout
+    overrides = [a.removeprefix("--config.") for a in CLI[4:]]
+    status, out, err = run_train_py(capsys, tmp_path, *overrides, "train.steps=3")
+    assert status == 0, err[-3000:]
+    assert "resumed" in out and "at step 2" in out
     # The banner comes first, then where the run resumed from.
-    assert again.stdout.index("jaxmp trainer") < again.stdout.index("resumed from")
+    assert out.index("jaxmp trainer") < out.index("resumed from")
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
-    bad = subprocess.run(cmd + ["--config.precision.policy=mixed_fp17"], capture_output=True,
-                         text=True, cwd=tmp_path, env=ENV)
-    assert bad.returncode != 0 and "mixed_fp17" in bad.stderr
+    status, out, err = run_train_py(capsys, tmp_path, *overrides, "precision.policy=mixed_fp17")
+    assert status != 0 and "mixed_fp17" in err
 
 
-def test_a_config_key_typo_on_the_command_line_is_one_line_naming_the_closest_key(tmp_path):
-    proc = subprocess.run(CLI + ["--workdir", str(tmp_path), "--config.train.stesp=100"],
-                          capture_output=True, text=True, cwd=tmp_path, env=ENV)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+def test_a_config_key_typo_on_the_command_line_is_one_line_naming_the_closest_key(tmp_path, capsys):
+    """train.py's flag parsing and main in this process (tests/_train_py.py)."""
+    overrides = [a.removeprefix("--config.") for a in CLI[4:]]
+    status, out, err = run_train_py(capsys, tmp_path, *overrides, "train.stesp=100")
+    assert status != 0
+    lines = [line for line in err.splitlines() if line.strip()]
     assert lines == ["train.py: error: unknown config key 'train.stesp' on the command line; did "
                      "you mean 'train.steps'? (the keys are listed in "
-                     "jaxmp.train.config.default_config)"], proc.stderr
+                     "jaxmp.train.config.default_config)"], err
     assert not (tmp_path / "checkpoints").exists()
 
 

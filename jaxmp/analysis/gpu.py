@@ -355,8 +355,12 @@ def roofline(kernels: List[hlo.Kernel], collectives: List[hlo.Collective], gpu: 
 
 
 def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: int = 8, *,
-               top: int = 10, autotune_results: Optional[str] = None) -> dict:
+               top: int = 10, autotune_results: Optional[str] = None,
+               step: Optional[CompiledStep] = None) -> dict:
     """The trainer's step compiled for ``num_devices`` x ``gpu``, read (module docstring).
+
+    ``step``, where given, is that step already compiled (:func:`compile_step` of the
+    same ``config``, ``gpu`` and ``num_devices``): it is read instead of compiled again.
 
     Returns:
       A JSON-able dict: ``target``, ``setup``, ``memory`` (``argument_bytes``,
@@ -373,7 +377,8 @@ def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: i
     Raises:
       ValueError: as :func:`compile_step`.
     """
-    step = compile_step(config, gpu, num_devices, autotune_results)
+    if step is None:
+        step = compile_step(config, gpu, num_devices, autotune_results)
     exp, compiled = step.experiment, step.compiled
     stats = compiled.memory_analysis()
     mem = {"argument_bytes": int(stats.argument_size_in_bytes),
