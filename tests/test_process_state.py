@@ -106,12 +106,14 @@ def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_director
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from benchmarks import fidelity
 
+    # jax_enable_compilation_cache: benchmarks/_common.py turns the cache off on import (its
+    # timings are of compiles), and another test of this worker may have imported it.
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
+            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
     old = {k: getattr(jax.config, k) for k in keys}
     outer = tmp_path / "outer"
     try:
-        for k, v in zip(keys, (str(outer), 0, 0)):
+        for k, v in zip(keys, (str(outer), 0, 0, True)):
             jax.config.update(k, v)
         cc.reset_cache()
         with fidelity.compilation_cache(None):

@@ -168,8 +168,16 @@ def test_benchmarks_and_the_trainer_compile_the_same_step():
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
-def test_every_config_builds_and_traces_under_eval_shape(name):
-    config = load_config(name)
+def test_every_config_builds_and_traces_under_eval_shape(name, tmp_path):
+    overrides = ()
+    if name == "finetune":  # no architecture of its own: a released config.json, shrunk
+        hf = json.loads((ROOT / "configs" / "hf" / "Llama-3.1-8B.json").read_text())
+        hf.update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                  max_position_embeddings=512)
+        (tmp_path / "config.json").write_text(json.dumps(hf))
+        overrides = (f"model.init_from={tmp_path}",)  # as train.py's --config.model.init_from
+    config = load_config(name, overrides)
     exp = Experiment.create(config, num_devices=8)
     params = jax.tree.leaves(exp.abstract_state.params)
     assert all(p.dtype == jnp.float32 for p in params)  # float32 master weights
