@@ -106,21 +106,20 @@ def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
     assert _rel_err(_hf_logits(back), ref) < 2e-4
 
 
+# A MoE with mlp_only_layers and an MLA MoE with a dense layer.
+@pytest.mark.parametrize("checkpoint", ["qwen3_moe", "deepseek_v3"], indirect=True)
 def test_scanned_remat_layout_loads_the_same_logits(checkpoint):
     """The scanned layout (stacked layers, full remat) reads the same tensors."""
     family, path, ref, _ = checkpoint
-    if family not in ("qwen3_moe", "deepseek_v3"):
-        pytest.skip("a MoE with mlp_only_layers and an MLA MoE with a dense layer suffice")
     model = from_pretrained(path, "fp32", attention="reference", scan_layers=True,
                             remat="full")
     assert _rel_err(_logits(model), ref) < 2e-4, family
 
 
+@pytest.mark.parametrize("checkpoint", ["qwen3_moe"], indirect=True)  # one family suffices
 def test_sharded_checkpoint_both_ways(checkpoint, tmp_path):
     """transformers' own shards are read; ours (tiny max size) are read by transformers."""
     family, path, ref, _ = checkpoint
-    if family != "qwen3_moe":
-        pytest.skip("one family suffices")
     model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
     theirs = tmp_path / "theirs"
     model.save_pretrained(str(theirs), max_shard_size="40KB")
@@ -144,12 +143,12 @@ def test_sharded_checkpoint_both_ways(checkpoint, tmp_path):
     assert _rel_err(_hf_logits(back), ref) < 2e-4
 
 
+# One family suffices (MLA: split and unsplit axes).
+@pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
 def test_loads_onto_an_fsdp_mesh_each_device_its_slice(checkpoint):
     """On 8 devices under FSDP rules the embed axis is split and the logits are unchanged;
     each callback asks for its own slice only."""
     family, path, ref, _ = checkpoint
-    if family != "deepseek_v3":
-        pytest.skip("one family suffices (MLA: split and unsplit axes)")
     mesh = sharding.make_mesh(8)
     asked = []
     original = hf._read
@@ -174,10 +173,9 @@ def test_loads_onto_an_fsdp_mesh_each_device_its_slice(checkpoint):
     assert _rel_err(logits, ref) < 2e-4
 
 
+@pytest.mark.parametrize("checkpoint", ["mixtral"], indirect=True)  # one family suffices
 def test_mixed_bf16_keeps_float32_masters(checkpoint):
     family, path, ref, _ = checkpoint
-    if family != "mixtral":
-        pytest.skip("one family suffices")
     model = from_pretrained(path, "mixed_bf16", attention="reference")
     assert model.blocks[0].attn.wq[...].dtype == jnp.float32
     logits = _logits(model)
