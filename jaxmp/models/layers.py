@@ -329,18 +329,20 @@ class Rope:
       mscale, mscale_all_dim: yarn's attention-factor scalars (0 = unset).
     """
 
-    theta: float = 10000.0
-    dim: int = 0
-    layout: str = "half"
-    scaling: str = "none"
-    factor: float = 1.0
-    original_max_len: int = 0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 0.0
-    mscale_all_dim: float = 0.0
+    # No defaults here: ModelConfig's ``rope_<name>`` fields (config keys ``model.rope_*``)
+    # declare them once, and ModelConfig.rope builds this from them by name.
+    theta: float
+    dim: int
+    layout: str
+    scaling: str
+    factor: float
+    original_max_len: int
+    low_freq_factor: float
+    high_freq_factor: float
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
 
     def is_plain(self) -> bool:
         """True for the whole-head, half-split, unscaled RoPE of :func:`apply_rope`'s default."""

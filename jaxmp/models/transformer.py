@@ -391,14 +391,10 @@ class ModelConfig:
 
     @property
     def rope(self) -> Rope:
-        """The :class:`~jaxmp.models.layers.Rope` these fields describe."""
-        return Rope(theta=self.rope_theta, dim=0 if self.is_mla else self.rope_dim,
-                    layout=self.rope_layout, scaling=self.rope_scaling, factor=self.rope_factor,
-                    original_max_len=self.rope_original_max_len,
-                    low_freq_factor=self.rope_low_freq_factor,
-                    high_freq_factor=self.rope_high_freq_factor,
-                    beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow,
-                    mscale=self.rope_mscale, mscale_all_dim=self.rope_mscale_all_dim)
+        """The :class:`~jaxmp.models.layers.Rope` these fields describe: each of its fields
+        is the ``rope_<name>`` field here (MLA rotates its own ``qk_rope_head_dim``: dim 0)."""
+        fields = {f.name: getattr(self, f"rope_{f.name}") for f in dataclasses.fields(Rope)}
+        return Rope(**{**fields, "dim": 0 if self.is_mla else self.rope_dim})
 
     @property
     def num_dense_layers(self) -> int:
