@@ -181,12 +181,13 @@ class _DeviceInputs(NamedTuple):
 
     @classmethod
     def specs(cls, plan: StepPlan) -> "_DeviceInputs":
+        """The ``shard_map`` in_spec of each field on ``plan``'s mesh."""
         rep, split = PartitionSpec(), plan.batch_spec
         return cls(params=plan.compute_specs, biases=rep, amax=rep, other=rep, loss_scale=rep,
                    residual=split, batch=split)
 
 
-class DeviceGrads(NamedTuple):
+class _DeviceGrads(NamedTuple):
     """The reduced gradients of one step and what the step logs, out of ``shard_map``.
 
     Attributes:
@@ -211,16 +212,17 @@ class DeviceGrads(NamedTuple):
     amax: Any
 
     @classmethod
-    def specs(cls, plan: StepPlan) -> "DeviceGrads":
+    def specs(cls, plan: StepPlan) -> "_DeviceGrads":
+        """The ``shard_map`` out_spec of each field on ``plan``'s mesh."""
         rep = PartitionSpec()
         return cls(grads=plan.state_specs, finite=rep, loss=rep, aux=rep,
                    residual=plan.batch_spec, amax=rep)
 
 
 def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: StepPlan,
-                   exchange: GradExchange) -> DeviceGrads:
+                   exchange: GradExchange) -> _DeviceGrads:
     """Per-device gradients inside ``shard_map``, reduced as ``plan.reduces`` says (or
-    exchanged as top-k), as a :class:`DeviceGrads`."""
+    exchanged as top-k), as a :class:`_DeviceGrads`."""
     n, axes, reduce_dtype = plan.total, plan.axes, plan.reduce_dtype
     topk = exchange.compression == "topk"
     residual = state.comm_state["residual"] if topk and state.comm_state is not None else None
@@ -238,7 +240,7 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
     grad_fn = jax.grad(functools.partial(loss_fn, forward=forward_args(plan)), argnums=(1, 6),
                        has_aux=True)
 
-    def per_device(inputs: _DeviceInputs) -> DeviceGrads:
+    def per_device(inputs: _DeviceInputs) -> _DeviceGrads:
         params, biases, amax, other, loss_scale, residual, batch = inputs
         # Device-varying copies (plan.varying): shard_map adds no reduction of its own.
         params, amax = plan.varying(params), plan.varying(amax)
@@ -288,13 +290,13 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
         aux = {"aux_loss": mean(aux["aux_loss"]),
                "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
                "dropped_fraction": mean(aux["dropped_fraction"])}
-        return DeviceGrads(grads=grads, finite=finite, loss=mean(ce), aux=aux,
+        return _DeviceGrads(grads=grads, finite=finite, loss=mean(ce), aux=aux,
                            residual=new_residual, amax=new_amax)
 
     inputs = _DeviceInputs(params=params, biases=state.biases, amax=amax, other=other,
                            loss_scale=state.loss_scale, residual=residual, batch=batch)
     return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(_DeviceInputs.specs(plan),),
-                         out_specs=DeviceGrads.specs(plan))(inputs)
+                         out_specs=_DeviceGrads.specs(plan))(inputs)
 
 
 _EMA_DECAY = 0.9
@@ -457,6 +459,7 @@ class _EvalInputs(NamedTuple):
 
     @classmethod
     def specs(cls, plan: StepPlan) -> "_EvalInputs":
+        """The ``shard_map`` in_spec of each field on ``plan``'s mesh."""
         rep = PartitionSpec()
         return cls(params=plan.compute_specs, biases=rep, rest=rep, batch=plan.batch_spec)
 
