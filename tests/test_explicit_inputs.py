@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec
 from _bitwise import assert_bitwise_equal
 from jaxmp import sharding, target
 from jaxmp.models import MoETransformer, ModelConfig
-from jaxmp.train.step import DivergenceCheck, GradExchange, _DeviceGrads, _DeviceInputs, forward_args
+from jaxmp.train.step import (DivergenceCheck, GradExchange, _DeviceGrads, _DeviceInputs,
+                              forward_args)
 
 CONFIG = ModelConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=2, d_ff=128, max_len=16,
                      num_experts=4, top_k=2, d_expert=64, first_dense_layers=1,

@@ -459,9 +459,9 @@ class Block(nnx.Module):
 
     ``__call__(h [B, T, d], *, expert_axis, dispatch_dtype, valid_length, operands) ->
     (h, MoEStats or None)`` (the keywords as :meth:`MoETransformer.__call__`'s); the
-    residual keeps ``h``'s dtype. ``layers`` holds the indices of the layers this block is: ``(index,)``,
-    or in the scanned layout the stack's layers (its variables then have a leading
-    ``layers`` axis). ``target``: the compile target of the attention and routed experts'
+    residual keeps ``h``'s dtype. ``layers`` holds the indices of the layers this block
+    is: ``(index,)``, or in the scanned layout the stack's layers (its variables then have
+    a leading ``layers`` axis). ``target``: the compile target of the attention and routed experts'
     kernel choices (:class:`MoETransformer`).
     """
 
