@@ -38,7 +38,7 @@ from jaxmp.models import ModelConfig
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PRESETS, PolicyRules, get_policy_rules
-from jaxmp.train.keys import KEYS
+from jaxmp.train.keys import DEFAULTS, KEYS
 
 __all__ = ["default_config", "complete_config", "is_complete", "load_config", "apply_overrides",
            "config_to_dict", "Settings", "ALLOWED", "validate_config",
@@ -310,8 +310,7 @@ class Settings:
 # below (the policy, the loss scale, the gradient communication, the parallel layout).
 ALLOWED: Dict[str, Any] = {k.name: k.allowed for k in sorted(
     KEYS, key=lambda k: not k.name.startswith("train.")) if k.allowed is not None}
-_DEFAULTS = {k.name: k.default for k in KEYS}
-_FLAT_KEYS = sorted(_DEFAULTS)
+_FLAT_KEYS = sorted(DEFAULTS)
 
 
 def _get(config: ml_collections.ConfigDict, key: str) -> Any:
@@ -422,7 +421,7 @@ def _given(config) -> Dict[str, Any]:
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     given = flatten_dict(data, sep=".")
     if is_complete(config):
-        given = {k: v for k, v in given.items() if v != _DEFAULTS[k]}
+        given = {k: v for k, v in given.items() if v != DEFAULTS[k]}
     return given
 
 

@@ -22,7 +22,7 @@ from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.data import SEED, TOKEN_DTYPES
 from jaxmp.train.optimizer import SCHEDULES
 
-__all__ = ["Key", "KEYS", "help_text", "markdown"]
+__all__ = ["Key", "KEYS", "DEFAULTS", "help_text", "markdown"]
 
 
 class Key(NamedTuple):
@@ -142,6 +142,9 @@ KEYS: Tuple[Key, ...] = (
     Key("parallel.dispatch_dtype", "compute",
         "compute | e4m3: dtype of the expert-parallel all-to-all"),
 )
+
+# Each dotted key's default.
+DEFAULTS = {k.name: k.default for k in KEYS}
 
 
 def help_text() -> str:
