@@ -10,18 +10,16 @@ import pytest
 
 from jaxmp.models import ModelConfig
 from jaxmp.train import keys
-from jaxmp.train.config import (ALLOWED, default_config, flat_keys, is_complete, load_config,
-                                validate_config)
+from jaxmp.train.config import ALLOWED, default_config, is_complete, load_config, validate_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = dataclasses.fields(ModelConfig)
 MODEL_KEYS = [k for k in keys.KEYS if k.name.startswith("model.") and k.name != "model.init_from"]
 
 
-def test_every_key_is_declared_exactly_once():
-    names = [k.name for k in keys.KEYS]
-    assert len(set(names)) == len(names)
-    assert sorted(names) == sorted(flat_keys(default_config()))
+def test_the_model_keys_are_modelconfigs_fields():
+    """(That every key is in KEYS once, and that docs/CONFIG.md is current, is
+    tests/test_config_help.py's check.)"""
     # the model section is ModelConfig's fields, in their order, plus where weights come from
     assert [k.name for k in MODEL_KEYS] == [f"model.{f.name}" for f in FIELDS]
     # keys.py declares no model key of its own besides model.init_from
@@ -71,15 +69,12 @@ def test_modelconfig_and_the_run_config_refuse_the_same_values(field):
             validate_config(ml_collections.ConfigDict(config), 1)
 
 
-def test_help_and_docs_are_generated_from_the_declarations():
-    text = keys.help_text()
-    for k in keys.KEYS:
-        assert f"--config.{k.name}={k.default!r}" in text and k.meaning in text
+def test_docs_list_each_keys_allowed_values():
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
-    assert doc == keys.markdown()  # regenerate: python -m jaxmp.train.keys > docs/CONFIG.md
     for k in keys.KEYS:
         if k.allowed is not None:
-            assert k.allowed.allowed.replace("|", "\\|") in doc
+            line = next(l for l in doc.splitlines() if l.startswith(f"| `{k.name}` |"))
+            assert k.allowed.allowed.replace("|", "\\|") in line, k.name
 
 
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(ROOT))
