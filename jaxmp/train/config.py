@@ -3,13 +3,15 @@
 A run config is an ``ml_collections.ConfigDict`` with the sections ``model``,
 ``precision``, ``optim``, ``data``, ``train`` and a top-level ``seed`` (the Flax
 examples' layout: a config file's ``get_config()`` returns it). :func:`default_config`
-holds every key the trainer reads, with its default; a config file may leave keys out
-(they get these defaults) but may not add any: a key that is not here is a typo, and
-:func:`validate_config` names it with the closest valid key.
+holds every key the trainer reads, with its default (each key is declared once, in
+:mod:`jaxmp.train.keys`); a config file may leave keys out (they get these defaults) but
+may not add any: a key that is not here is a typo, and :func:`validate_config` names it
+with the closest valid key.
 
 * :func:`load_config` runs a config file's ``get_config()``, completes it with every
   default and applies ``KEY=VALUE`` overrides: the one loader of ``train.py``, the
-  report, the benchmarks and the tests.
+  report, the benchmarks and the tests, and the one completion of a run (a complete
+  config, :func:`is_complete`, is only copied by :func:`complete_config` after).
 * :func:`validate_config` checks every value before any work is done and returns the
   parsed :class:`Settings` (model shape, policy rules, loss scale, gradient
   communication), so nothing is parsed twice. The

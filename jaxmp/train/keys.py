@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any, NamedTuple, Tuple
 
-from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, is_real
+from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
