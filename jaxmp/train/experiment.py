@@ -32,7 +32,7 @@ from jaxmp.models import MoETransformer, count_params
 from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
-from jaxmp.train.config import Settings, complete_config, validate_config
+from jaxmp.train.config import Settings, validate_config
 from jaxmp.train.data import DataPipeline, create_pipeline
 from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
@@ -158,9 +158,8 @@ class Experiment:
             than exist.
         """
         if mesh is None:  # validated first, so a bad layout is named before the mesh is built
-            num_devices = num_devices or complete_config(config).train.num_devices or None
-            settings = validate_config(config, num_devices or len(jax.devices()))
-            mesh = sharding.make_mesh(num_devices, expert=settings.layout.expert)
+            settings = validate_config(config, num_devices or None)
+            mesh = sharding.make_mesh(settings.num_devices, expert=settings.layout.expert)
         else:
             settings = validate_config(config, int(mesh.devices.size))
         n = int(mesh.devices.size)
