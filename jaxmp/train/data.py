@@ -36,7 +36,8 @@ import grain
 import numpy as np
 
 from jaxmp._checks import Int, check, check_int, check_real
-from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer
+from jaxmp.train import tokenizer as tokenizer_module
+from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer, text_pieces
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Bumped when the meaning of a saved iterator state changes.
@@ -287,7 +288,8 @@ def check_data_path(path: str) -> None:
 
 
 def load_documents(path: str | None, text_field: str = "text",
-                   warnings: list | None = None) -> list[tuple[str, bytes]]:
+                   warnings: list | None = None,
+                   progress: bool = False) -> list[tuple[str, bytes]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
 
     Args:
@@ -304,6 +306,8 @@ def load_documents(path: str | None, text_field: str = "text",
       text_field: the ``.jsonl`` field holding the text.
       warnings: a list that gets a sentence for each thing skipped (repeated files,
         links that loop, binary files).
+      progress: a progress bar over the files read (tqdm, on stderr) once reading them
+        has taken ``PROGRESS_DELAY_S`` (:mod:`jaxmp.train.tokenizer`).
 
     Returns:
       Documents in a deterministic order.
@@ -323,7 +327,9 @@ def load_documents(path: str | None, text_field: str = "text",
     warnings.extend(_walked_once_warning(path, links))
     files = _unique_text_files(path, found, warnings)
     docs = []
-    for file in files:
+    from tqdm import tqdm
+    for file in tqdm(files, desc="data: reading files", unit=" files", disable=not progress,
+                     file=sys.stderr, leave=True, delay=tokenizer_module.PROGRESS_DELAY_S):
         if file.lower().endswith(".jsonl"):
             docs.extend(_jsonl_documents(file, text_field))
         else:
@@ -931,13 +937,18 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     else:
         what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
         _say(progress, f"reading {what}")
-        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
+        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings,
+                              progress=progress)
         split = split_documents(docs, eval_fraction)
         if trains_bpe:
-            size = sum(len(d) for _, d in split[0] or docs)
-            _say(progress, f"training a byte-level BPE ({spec}) on {size / 2**20:,.1f} MiB of text")
+            size, cap = sum(len(d) for _, d in split[0] or docs), tokenizer_module.BPE_TRAIN_BYTES
+            _say(progress, f"training a byte-level BPE ({spec}) on {min(size, cap) / 2**20:,.1f} "
+                           f"MiB of text" + (f", an even sample of the {size / 2**20:,.1f} MiB of "
+                                             f"the train split (at most BPE_TRAIN_BYTES)"
+                                             if size > cap else ""))
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
-                                   train_texts=lambda: (d for _, d in split[0] or docs))
+                                   train_texts=lambda: (d for _, d in split[0] or docs),
+                                   progress=progress)
         tokenized = _tokenize(docs, tokenizer, progress=progress)
         names = {name for name, _ in split[1]}
         tok_split = ([d for d in tokenized if d[0] not in names],
@@ -988,16 +999,46 @@ def _no_text(path):
     return fail
 
 
-def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False) -> list:
+def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False,
+              piece_bytes: Optional[int] = None) -> list:
     """``(name, ids)`` of each document, each ending in the tokenizer's EOS; with
-    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken 2 s."""
+    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken
+    ``PROGRESS_DELAY_S``.
+
+    Documents are encoded ``chunk`` at a time (``encode_batch``), and one longer than
+    ``piece_bytes`` (default 16 x ``PIECE_BYTES``, 1 MiB) in pieces cut before a space or
+    line break (:func:`~jaxmp.train.tokenizer.text_pieces`; its ids are the pieces' ids
+    concatenated, so a tokenizer's memory holds one piece's encoding at a time, and the
+    progress bar moves within it). A byte-level BPE's pre-tokenizer splits words at those
+    cuts, SentencePiece's too, so the ids are the whole document's; a cut inside a run
+    of ``piece_bytes`` without a space may differ from it there.
+    """
     from tqdm import tqdm
+    piece_bytes = piece_bytes or 16 * tokenizer_module.PIECE_BYTES
     out = []
     with tqdm(total=sum(len(d) for _, d in docs), desc=f"data: tokenizing ({tokenizer.name})",
               unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
-              leave=False, delay=2.0) as bar:
+              leave=True, delay=tokenizer_module.PROGRESS_DELAY_S) as bar:
         for start in range(0, len(docs), chunk):
             part = docs[start:start + chunk]
-            out.extend(zip((n for n, _ in part), tokenizer.encode_batch([d for _, d in part])))
-            bar.update(sum(len(d) for _, d in part))
+            small = [i for i, (_, d) in enumerate(part) if len(d) <= piece_bytes]
+            encoded = dict(zip(small, tokenizer.encode_batch([part[i][1] for i in small])))
+            bar.update(sum(len(part[i][1]) for i in small))
+            for i, (name, doc) in enumerate(part):
+                ids = encoded[i] if i in encoded else _encode_in_pieces(doc, tokenizer,
+                                                                        piece_bytes, bar)
+                out.append((name, ids))
     return out
+
+
+def _encode_in_pieces(doc, tokenizer, piece_bytes: int, bar, group: int = 8) -> np.ndarray:
+    """The ids of one long document, encoded ``group`` pieces at a time (see
+    :func:`_tokenize`); EOS only at its end."""
+    parts, pieces = [], text_pieces(doc, piece_bytes)
+    while True:
+        batch = [p for _, p in zip(range(group), pieces)]
+        if not batch:
+            break
+        parts.extend(ids[:-1] for ids in tokenizer.encode_batch(batch))  # each piece's EOS off
+        bar.update(sum(len(p) for p in batch))
+    return np.concatenate(parts + [np.asarray([tokenizer.eos_id], parts[0].dtype)])
