@@ -243,3 +243,26 @@ def test_a_failed_start_of_each_kind_leaves_no_workdir_and_no_lock(tmp_path, mon
         with pytest.raises(error):
             train_and_evaluate(config, str(workdir), num_devices=1)
         assert sorted(p.name for p in workdir.iterdir()) == ["notes.txt"]
+
+
+
+def test_a_start_refused_for_a_busy_workdir_removes_nothing_of_the_other_trainers(
+        tmp_path, monkeypatch):
+    """Two starts racing for a new workdir: the one refused (WorkdirInUse) removes neither
+    the workdir nor the lock file of the one that holds it, though both are newer than
+    the refused start's look at the workdir (it removed the whole workdir before)."""
+    from jaxmp.train import WorkdirInUse, loop
+    from jaxmp.train.workdir import WorkdirLock, prepare_workdir
+    workdir, other = tmp_path / "run", []
+
+    def prepare(path):  # the other trainer creates and locks the workdir meanwhile
+        out = prepare_workdir(path)
+        other.append(WorkdirLock(out).__enter__())
+        return out
+    monkeypatch.setattr(loop, "prepare_workdir", prepare)
+    try:
+        with pytest.raises(WorkdirInUse):
+            train_and_evaluate(small_config(), str(workdir), num_devices=1)
+        assert (workdir / ".jaxmp.lock").exists()
+    finally:
+        other[0].__exit__(None, None, None)

@@ -472,6 +472,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     workdir = prepare_workdir(workdir)
     try:
         return _run(exp, workdir)
+    except WorkdirInUse:  # what is there is the other trainer's, however new
+        raise
     except BaseException:
         if before is not False:
             _remove_untrained(workdir, before)
