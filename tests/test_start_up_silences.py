@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 
-import ml_collections
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from _configs import ROOT, small_config
+from test_faults_round3 import _data_config as data_config
 from jaxmp.train import Interrupted, train_and_evaluate
 from jaxmp.train import data as data_module
 from jaxmp.train import tokenizer as tokenizer_module
@@ -41,11 +41,8 @@ def _one_line(n_bytes, seed=0):
 
 
 def _data_config(path, **kw):
-    cfg = dict(path=str(path), text_field="text", seq_len=15, eval_fraction=0.0,
-               num_eval_batches=0, max_tokens=None, tokenizer="bytes", token_dtype="uint16",
-               eod_id=-1)
-    cfg.update(kw)
-    return ml_collections.ConfigDict(cfg)
+    """test_faults_round3's data config, without eval."""
+    return data_config(path, **{"eval_fraction": 0.0, "num_eval_batches": 0, **kw})
 
 
 # ------------------------------------------------------------------ pieces and sample
@@ -187,6 +184,24 @@ def test_the_vocabulary_of_a_saved_bpe_is_checked_before_the_corpus_is_read(tmp_
                                          r"data.tokenizer='bpe:300'"):
         Experiment.create(config, num_devices=1).data
     assert read == []
+
+
+@pytest.mark.parametrize("spec", ["json", "bpe:300"])
+def test_a_vocabulary_too_large_is_refused_before_the_workdir_and_the_compile(
+        tmp_path, monkeypatch, spec):
+    """train_and_evaluate refuses a tokenizer.json (or bpe:N) larger than model.vocab_size
+    before it makes the workdir and starts compiling the step (it was found after both)."""
+    from jaxmp.train import loop
+    if spec == "json":
+        train_bpe([_one_line(40_000)], 300).save(tmp_path)
+        spec = str(tmp_path / "tokenizer.json")
+    config = small_config()
+    config.data.tokenizer = spec
+    compiles = []
+    monkeypatch.setattr(loop, "_Compilation", lambda exp: compiles.append(exp))
+    with pytest.raises(ValueError, match=r"model.vocab_size=257 is smaller"):
+        train_and_evaluate(config, str(tmp_path / "run"), num_devices=1)
+    assert compiles == [] and not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------- (d) a failed start leaves nothing

@@ -464,6 +464,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
     check_data_path(exp.config.data.path)  # before the step compiles
+    exp.check_tokenizer()  # before the workdir is made and the corpus read
     check_sample_memory(exp)
     try:  # what the workdir held (None: nothing, it did not exist)
         before = set(os.listdir(workdir)) if pathlib.Path(workdir).is_dir() else None
