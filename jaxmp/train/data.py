@@ -887,8 +887,11 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
       process_index: this process, in ``[0, process_count)``.
       process_count: number of processes sharing each global batch.
       workdir: the run directory, where ``bpe:VOCAB`` keeps its ``tokenizer.json``.
-      progress: say on stdout what is being read and whether a BPE is being trained, and
-        show a progress bar (stderr) while tokenizing takes longer than 2 s.
+      progress: say on stdout what is being read and whether a BPE is being trained (on
+        how much text: a sample when the train split exceeds ``BPE_TRAIN_BYTES``), and
+        show a progress bar (stderr) for reading the files, counting the BPE's words and
+        tokenizing, each once it has taken ``PROGRESS_DELAY_S`` (2 s;
+        :mod:`jaxmp.train.tokenizer`).
 
     Returns:
       The pipeline.

@@ -117,8 +117,9 @@ class Experiment:
       plan: the :class:`jaxmp.sharding.StepPlan` both steps run by, built once here.
       workdir: the run directory (set by the trainer before :attr:`data` is read), where
         a ``bpe:VOCAB`` tokenizer is kept; None trains one in memory.
-      progress: say on stderr what reading the data does (files, BPE training,
-        tokenizing with a progress bar); set by the trainer on process 0.
+      progress: say what reading the data does (lines on stdout; progress bars on stderr
+        for reading the files, training a BPE and tokenizing); set by the trainer on
+        process 0.
     """
 
     settings: Settings
