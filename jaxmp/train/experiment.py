@@ -282,8 +282,8 @@ class Experiment:
 
     def check_tokenizer(self) -> None:
         """The cheap checks of ``data.tokenizer`` against ``model.vocab_size``, before any
-        document is read: ``bpe:VOCAB`` compared by its number, a ``tokenizer.json`` or
-        ``.model`` file loaded (no BPE trained, no corpus read).
+        document is read: ``bpe:VOCAB`` compared by its number, bytes' 257 ids, a
+        ``tokenizer.json`` or ``.model`` file loaded (no BPE trained, no corpus read).
 
         Raises:
           ValueError: the vocabulary is larger than ``model.vocab_size`` (the message gives
@@ -296,7 +296,7 @@ class Experiment:
             raise ValueError(f"model.vocab_size={have} is smaller than data.tokenizer={spec!r} "
                              f"({need} tokens); set model.vocab_size={round_vocab(need)} (the next "
                              f"multiple of 128) or at least {need}")
-        if spec.lower().endswith((".json", ".model")):  # a file: checked before any tokenizing
+        if spec in ("", "bytes") or spec.lower().endswith((".json", ".model")):  # no corpus read
             self._check_vocab(load_tokenizer(spec, eod_id=cfg.data.eod_id, save=False))
 
     def _check_vocab(self, tokenizer) -> None:
