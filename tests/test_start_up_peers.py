@@ -106,3 +106,27 @@ def test_process_0_dead_before_the_exchanges_ends_process_1_without_a_traceback(
     ours = [line for line in err.splitlines() if line.startswith("train.py: error: process 0 of 2 "
                                                                  "was lost before")]
     assert ours or "JAX distributed service detected fatal errors" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failed_two_process_start_leaves_no_workdir(tmp_path):
+    """Both processes refuse a corpus too short for one window (after the workdir was
+    made and locked): each exits 1 with one line, and process 0 removes the workdir the
+    run created (it was left holding a lone lock file)."""
+    from test_distributed_startup import _lines, _train
+    from test_multiprocess import free_port
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("too short")
+    port, workdir = free_port(), tmp_path / "run"
+    procs = [_train(workdir, port, i, f"data.path={corpus}") for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=LIMIT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errs):
+        assert p.returncode == 1 and "Traceback" not in err, err[-3000:]
+        assert len(_lines(err)) == 1 and _lines(err)[0].startswith("train.py: error: "), \
+            err[-3000:]
+    assert not workdir.exists(), sorted(p.name for p in workdir.rglob("*"))

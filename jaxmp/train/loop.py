@@ -486,9 +486,15 @@ def _remove_untrained(workdir: pathlib.Path, before: Optional[set] = None) -> No
     logged a step or saved a checkpoint (a lock file, an empty checkpoints directory, a
     tokenizer, TensorBoard's empty event files): the whole workdir when this run created
     it (``before`` None), else the entries not among the names ``before`` held. A failed
-    start so leaves nothing behind; what a run that trained logged is kept. One process
-    only: a multi-process run's workdir is left to its processes."""
-    if jax.process_count() > 1:
+    start so leaves nothing behind; what a run that trained logged is kept. In a
+    multi-process run process 0 (the lock's holder) removes it; another process only a
+    workdir it created that is empty (it may have made it again after process 0 left)."""
+    if jax.process_index() != 0:
+        if before is None:
+            try:
+                os.rmdir(workdir)  # fails unless empty: nothing of process 0's is touched
+            except OSError:
+                pass
         return
     ckpts, metrics = workdir / "checkpoints", workdir / "metrics.jsonl"
     if (ckpts.is_dir() and any(ckpts.iterdir())) or (metrics.exists()
