@@ -50,7 +50,9 @@ jax.config.update("jax_disable_most_optimizations", True)
 # later, in collection order; no result changes.
 SLOWEST_FIRST = ("test_preemption.py", "gpu_seed", "faults_processes", "test_faults.py",
                  "test_grouped_gemm_deviceless.py", "test_hf.py", "test_install.py",
-                 "test_faults_round3.py", "test_update_rounding.py", "test_distributed_startup.py",
+                 "test_faults_round3.py", "test_readers_beside_trainer.py",
+                 "test_update_rounding.py", "test_distributed_startup.py",
+                 "test_start_up_silences.py", "test_start_up_peers.py",
                  "gpu_dense_1b", "test_gpu_target.py", "test_train.py", "gpu_suite_toy",
                  "test_fp8_train.py", "test_parallel.py", "parallel_accounting", "test_artifacts.py",
                  "test_fp8_kernel.py", "test_grouped_gemm.py", "test_scan_remat.py",

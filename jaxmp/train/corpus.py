@@ -13,9 +13,12 @@ import glob
 import json
 import os
 import pathlib
+import sys
 import sysconfig
 import zlib
 from typing import Optional, Sequence
+
+from jaxmp.train import tokenizer as tokenizer_module
 
 
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -265,7 +268,8 @@ def check_data_path(path: str) -> None:
 
 
 def load_documents(path: str | None, text_field: str = "text",
-                   warnings: list | None = None) -> list[tuple[str, bytes]]:
+                   warnings: list | None = None,
+                   progress: bool = False) -> list[tuple[str, bytes]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
 
     Args:
@@ -282,6 +286,8 @@ def load_documents(path: str | None, text_field: str = "text",
       text_field: the ``.jsonl`` field holding the text.
       warnings: a list that gets a sentence for each thing skipped (repeated files,
         links that loop, binary files).
+      progress: a progress bar over the files read (tqdm, on stderr) once reading them
+        has taken ``PROGRESS_DELAY_S`` (:mod:`jaxmp.train.tokenizer`).
 
     Returns:
       Documents in a deterministic order.
@@ -301,7 +307,9 @@ def load_documents(path: str | None, text_field: str = "text",
     warnings.extend(_walked_once_warning(path, links))
     files = _unique_text_files(path, found, warnings)
     docs = []
-    for file in files:
+    from tqdm import tqdm
+    for file in tqdm(files, desc="data: reading files", unit=" files", disable=not progress,
+                     file=sys.stderr, leave=True, delay=tokenizer_module.PROGRESS_DELAY_S):
         if file.lower().endswith(".jsonl"):
             docs.extend(_jsonl_documents(file, text_field))
         else:

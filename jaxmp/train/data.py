@@ -41,7 +41,8 @@ from jaxmp.train.corpus import (TOKEN_SUFFIXES, check_data_path, data_files,  # 
                                 split_documents, token_files)
 from jaxmp.train.shards import TOKEN_DTYPES, shard_streams  # noqa: F401
 from jaxmp.train.streams import ShardStream, TokenStream  # noqa: F401
-from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer  # noqa: F401
+from jaxmp.train import tokenizer as tokenizer_module
+from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer, text_pieces  # noqa: F401
 
 # Bumped when the meaning of a saved iterator state changes.
 _STATE_VERSION = 1
@@ -291,8 +292,11 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
       process_index: this process, in ``[0, process_count)``.
       process_count: number of processes sharing each global batch.
       workdir: the run directory, where ``bpe:VOCAB`` keeps its ``tokenizer.json``.
-      progress: say on stdout what is being read and whether a BPE is being trained, and
-        show a progress bar (stderr) while tokenizing takes longer than 2 s.
+      progress: say on stdout what is being read and whether a BPE is being trained (on
+        how much text: a sample when the train split exceeds ``BPE_TRAIN_BYTES``), and
+        show a progress bar (stderr) for reading the files, counting the BPE's words and
+        tokenizing, each once it has taken ``PROGRESS_DELAY_S`` (2 s;
+        :mod:`jaxmp.train.tokenizer`).
 
     Returns:
       The pipeline.
@@ -341,13 +345,18 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     else:
         what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
         _say(progress, f"reading {what}")
-        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
+        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings,
+                              progress=progress)
         split = split_documents(docs, eval_fraction)
         if trains_bpe:
-            size = sum(len(d) for _, d in split[0] or docs)
-            _say(progress, f"training a byte-level BPE ({spec}) on {size / 2**20:,.1f} MiB of text")
+            size, cap = sum(len(d) for _, d in split[0] or docs), tokenizer_module.BPE_TRAIN_BYTES
+            _say(progress, f"training a byte-level BPE ({spec}) on {min(size, cap) / 2**20:,.1f} "
+                           f"MiB of text" + (f", an even sample of the {size / 2**20:,.1f} MiB of "
+                                             f"the train split (at most BPE_TRAIN_BYTES)"
+                                             if size > cap else ""))
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
-                                   train_texts=lambda: (d for _, d in split[0] or docs))
+                                   train_texts=lambda: (d for _, d in split[0] or docs),
+                                   progress=progress)
         tokenized = _tokenize(docs, tokenizer, progress=progress)
         names = {name for name, _ in split[1]}
         tok_split = ([d for d in tokenized if d[0] not in names],
@@ -398,16 +407,46 @@ def _no_text(path):
     return fail
 
 
-def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False) -> list:
+def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False,
+              piece_bytes: Optional[int] = None) -> list:
     """``(name, ids)`` of each document, each ending in the tokenizer's EOS; with
-    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken 2 s."""
+    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken
+    ``PROGRESS_DELAY_S``.
+
+    Documents are encoded ``chunk`` at a time (``encode_batch``), and one longer than
+    ``piece_bytes`` (default 16 x ``PIECE_BYTES``, 1 MiB) in pieces cut before a space or
+    line break (:func:`~jaxmp.train.tokenizer.text_pieces`; its ids are the pieces' ids
+    concatenated, so a tokenizer's memory holds one piece's encoding at a time, and the
+    progress bar moves within it). A byte-level BPE's pre-tokenizer splits words at those
+    cuts, SentencePiece's too, so the ids are the whole document's; a cut inside a run
+    of ``piece_bytes`` without a space may differ from it there.
+    """
     from tqdm import tqdm
+    piece_bytes = piece_bytes or 16 * tokenizer_module.PIECE_BYTES
     out = []
     with tqdm(total=sum(len(d) for _, d in docs), desc=f"data: tokenizing ({tokenizer.name})",
               unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
-              leave=False, delay=2.0) as bar:
+              leave=True, delay=tokenizer_module.PROGRESS_DELAY_S) as bar:
         for start in range(0, len(docs), chunk):
             part = docs[start:start + chunk]
-            out.extend(zip((n for n, _ in part), tokenizer.encode_batch([d for _, d in part])))
-            bar.update(sum(len(d) for _, d in part))
+            small = [i for i, (_, d) in enumerate(part) if len(d) <= piece_bytes]
+            encoded = dict(zip(small, tokenizer.encode_batch([part[i][1] for i in small])))
+            bar.update(sum(len(part[i][1]) for i in small))
+            for i, (name, doc) in enumerate(part):
+                ids = encoded[i] if i in encoded else _encode_in_pieces(doc, tokenizer,
+                                                                        piece_bytes, bar)
+                out.append((name, ids))
     return out
+
+
+def _encode_in_pieces(doc, tokenizer, piece_bytes: int, bar, group: int = 8) -> np.ndarray:
+    """The ids of one long document, encoded ``group`` pieces at a time (see
+    :func:`_tokenize`); EOS only at its end."""
+    parts, pieces = [], text_pieces(doc, piece_bytes)
+    while True:
+        batch = [p for _, p in zip(range(group), pieces)]
+        if not batch:
+            break
+        parts.extend(ids[:-1] for ids in tokenizer.encode_batch(batch))  # each piece's EOS off
+        bar.update(sum(len(p) for p in batch))
+    return np.concatenate(parts + [np.asarray([tokenizer.eos_id], parts[0].dtype)])
