@@ -20,7 +20,7 @@ from jaxmp.train.config import default_config
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = default_config()  # every key at its default (tiny_moe's values), then this model
+    config = default_config()  # every key at its default (tiny_moe's shapes), then this model
     config.model.update(dict(
         vocab_size=32768, num_layers=16, d_model=2048, num_heads=16, d_ff=5632, max_len=2048,
         num_experts=0, num_shared_experts=0, first_dense_layers=0, bias_update_rate=0.0,

@@ -30,7 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
         top_k=2,
         d_expert=64,
         first_dense_layers=1,
-        score_fn="softmax",
+        score_fn="sigmoid",        # DeepSeek-V3's router; the model maps to HF glm4_moe
         aux_loss_weight=0.01,      # alpha of the load-balancing loss
         bias_update_rate=0.001,    # gamma of auxiliary-loss-free balancing (DeepSeek-V3)
         capacity_factor=0.0,       # 0: dropless dispatch

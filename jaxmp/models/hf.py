@@ -193,7 +193,9 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], out: Dict[str, Any]) -> No
     params.pop("rope_theta", None)
     merged = {**scaling, **params}
     kind = merged.pop("rope_type", merged.pop("type", "default"))
-    partial = merged.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    # transformers' Glm4MoeConfig sets 0.5 where config.json gives no factor.
+    partial = merged.pop("partial_rotary_factor", hf.get(
+        "partial_rotary_factor", 0.5 if model_type == "glm4_moe" else 1.0))
     out["rope_theta"] = float(theta)
     if partial != 1.0:
         if out.get("kv_lora_rank"):
@@ -358,8 +360,8 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
     if family == "mixtral":
         hf["intermediate_size"] = config.d_expert
     hf["rope_theta"] = config.rope_theta
-    if config.rope_dim and config.rope_dim != config.head_dim:
-        hf["partial_rotary_factor"] = config.rope_dim / config.head_dim
+    if (config.rope_dim and config.rope_dim != config.head_dim) or family == "glm4_moe":
+        hf["partial_rotary_factor"] = (config.rope_dim or config.head_dim) / config.head_dim
     if config.rope_scaling != "none":
         scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor,
                    "original_max_position_embeddings": config.rope_original_max_len}
@@ -438,11 +440,27 @@ def family_of(config: ModelConfig) -> str:
 # ---- weights -------------------------------------------------------------------------------
 
 
+def _safetensors():
+    """The ``safetensors`` package (in the ``train`` extra, not in jaxmp's core install).
+
+    Raises:
+      ImportError: it is not installed (one line naming the extra).
+    """
+    try:
+        import safetensors
+        import safetensors.numpy  # noqa: F401
+    except ImportError:
+        raise ImportError("Hugging Face checkpoints (jaxmp.models.from_pretrained, "
+                          "save_pretrained) need safetensors: pip install 'jaxmp[train]' "
+                          "(or pip install safetensors)") from None
+    return safetensors
+
+
 class _Files:
     """The checkpoint's tensors by name over its (possibly sharded) safetensors files."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
+        safe_open = _safetensors().safe_open
 
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
@@ -455,19 +473,31 @@ class _Files:
         else:
             raise ValueError(f"{path}: neither model.safetensors nor "
                              f"model.safetensors.index.json found")
-        self.path, self.weight_map, self._open = path, weight_map, {}
-        self._safe_open = safe_open
+        self.path, self.weight_map = path, weight_map
+        self._safe_open, self._shapes = safe_open, {}
 
     def slice(self, name: str):
+        """The tensor's lazy slice over a mapping of its file opened for this read only:
+        when the slice is dropped the file is unmapped, so the pages read do not stay in
+        the process's resident memory (a cached handle kept the whole checkpoint's pages
+        resident: benchmarks/hf_load_memory.py)."""
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        with self._safe_open(os.path.join(self.path, self.weight_map[name]), "np") as f:
+            return f.get_slice(name)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The tensor's shape, from its file's header (each file's header is read once)."""
         if name not in self.weight_map:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
         file = self.weight_map[name]
-        if file not in self._open:
-            self._open[file] = self._safe_open(os.path.join(self.path, file), "np")
-        return self._open[file].get_slice(name)
-
-    def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(self.slice(name).get_shape())
+        if file not in self._shapes:
+            with self._safe_open(os.path.join(self.path, file), "np") as f:
+                self._shapes[file] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        if name not in self._shapes[file]:
+            raise ValueError(f"{self.path}: {file} has no tensor {name!r} (the index says "
+                             f"it has)")
+        return self._shapes[file][name]
 
 
 def _norm_index(index, shape):
@@ -638,7 +668,9 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
     Raises:
       ValueError: a config.json field that cannot be represented (named), an override
         outside :data:`RUNTIME_FIELDS`, a missing tensor or a tensor of the wrong shape.
+      ImportError: safetensors is not installed (the ``train`` extra), before any work.
     """
+    _safetensors()
     hf = read_config(path)
     fields = config_from_hf(hf)
     for key in overrides:
@@ -672,7 +704,9 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
 
     Raises:
       ValueError: an unsupported family, a missing tensor or one of the wrong shape.
+      ImportError: safetensors is not installed (the ``train`` extra).
     """
+    _safetensors()
     hf = read_config(path)
     config_from_hf(hf)
     family = hf["model_type"]
@@ -775,9 +809,9 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
     Raises:
       ValueError: an architecture that maps to no family, or a field or nonzero router
         bias the family cannot hold (one line, named), before anything is written.
+      ImportError: safetensors is not installed (the ``train`` extra).
     """
-    from safetensors.numpy import save_file
-
+    save_file = _safetensors().numpy.save_file
     family = family or family_of(model.config)
     dtypes = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
     dtype = "bfloat16" if dtypes == {"bfloat16"} else "float32"

@@ -251,6 +251,13 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     config = apply_overrides(complete_config(config), overrides, where)
     if config.model.init_from:  # the architecture from DIR, checked against what is set
         _apply_init_from(config, {k: _get(config, k) for k in given if _has(config, k)})
+    elif "model.init_from" in given:  # a file like configs/finetune.py, without its DIR
+        from jaxmp.models.hf import RUNTIME_FIELDS
+        if not any(k.startswith("model.") and k[6:] not in RUNTIME_FIELDS + ("init_from",)
+                   for k in given):
+            raise ValueError(f"config file {name} sets no model architecture (it comes from "
+                             f"model.init_from): give --config.model.init_from=DIR, a Hugging "
+                             f"Face checkpoint directory")
     return config
 
 
