@@ -19,8 +19,8 @@ mixtral       Mixtral (softmax top-k router, renormalized gates)
 deepseek_v3   DeepSeek-V3 (MLA, sigmoid router with ``e_score_correction_bias``,
               group-limited top-k, ``routed_scaling_factor``, shared experts,
               ``first_k_dense_replace``, yarn RoPE with ``mscale``)
-deepseek_v2   DeepSeek-V2 / V2-Lite (MLA, softmax router, ``topk_method="greedy"`` only:
-              ``group_limited_greedy``'s group maximum is not implemented)
+deepseek_v2   DeepSeek-V2 / V2-Lite (MLA, softmax router, ``topk_method`` ``greedy`` or
+              ``group_limited_greedy``: a group's score is its best expert's)
 glm4_moe      GLM-4.5 (GQA, partial rotary, optional q/k norm and q/k/v biases, the
               DeepSeek-V3 router and shared experts)
 ============  =====================================================================
@@ -150,10 +150,8 @@ FAMILIES: Dict[str, Family] = {
                            "shared": "shared_experts"}),
 }
 FAMILIES["deepseek_v2"] = Family(
-    "DeepseekV2ForCausalLM",
-    {k: v for k, v in FAMILIES["deepseek_v3"].fields.items()
-     if k not in ("n_group", "topk_group")},
-    {"score_fn": "softmax", "n_group": 1, "topk_group": 1, "rope_layout": "interleaved"},
+    "DeepseekV2ForCausalLM", dict(FAMILIES["deepseek_v3"].fields),
+    {"score_fn": "softmax", "rope_layout": "interleaved", "group_score": "max"},
     {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate", "shared": "shared_experts"})
 FAMILIES["glm4_moe"] = Family(
     "Glm4MoeForCausalLM",
@@ -167,8 +165,7 @@ _FAMILY_CHECKS = {
     "qwen3_moe": {"decoder_sparse_step"},
     "deepseek_v3": {"topk_method", "scoring_func", "rope_interleave", "moe_layer_freq",
                     "attention_bias"},
-    "deepseek_v2": {"topk_method", "scoring_func", "moe_layer_freq", "attention_bias",
-                    "n_group", "topk_group"},
+    "deepseek_v2": {"topk_method", "scoring_func", "moe_layer_freq", "attention_bias"},
     "glm4_moe": set(),
 }
 
@@ -295,12 +292,20 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
         out["norm_topk_prob"] = bool(out.get("norm_topk_prob", False))
     if model_type in ("deepseek_v2", "deepseek_v3"):
         v3 = model_type == "deepseek_v3"
-        checks = {"topk_method": "noaux_tc" if v3 else "greedy",
-                  "scoring_func": "sigmoid" if v3 else "softmax", "moe_layer_freq": 1,
-                  "attention_bias": False}
+        checks = {"topk_method": ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy"),
+                  "scoring_func": ("sigmoid" if v3 else "softmax",), "moe_layer_freq": (1,),
+                  "attention_bias": (False,)}
         for key, want in checks.items():
-            if key in hf and hf[key] != want:
-                raise _err(model_type, key, hf[key], repr(want))
+            if key in hf and hf[key] not in want:
+                raise _err(model_type, key, hf[key], " or ".join(map(repr, want)))
+        if not v3 and hf.get("topk_method", "greedy") == "greedy":
+            out["n_group"] = out["topk_group"] = 1  # transformers' greedy ignores the groups
+        elif not v3 and out.get("num_experts"):  # group_limited_greedy
+            per_group = out["num_experts"] // max(1, out.get("n_group") or 1)
+            if out.get("top_k", 1) > (out.get("topk_group") or 1) * per_group:
+                raise _err(model_type, "num_experts_per_tok", out.get("top_k"),
+                           "at most topk_group x the experts of a group (transformers "
+                           "would pick masked experts with gate 0)")
         if v3:
             out["rope_layout"] = "interleaved" if hf.get("rope_interleave", True) else "half"
         elif out.get("norm_topk_prob"):  # transformers' DeepseekV2 never normalizes
@@ -354,7 +359,9 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
                   q_lora_rank=config.q_lora_rank or None,
                   num_key_value_heads=config.num_heads)
     if family == "deepseek_v2":
-        hf.update(topk_method="greedy", attention_bias=False,
+        grouped = config.topk_group < config.n_group
+        hf.update(topk_method="group_limited_greedy" if grouped else "greedy",
+                  attention_bias=False,
                   q_lora_rank=config.q_lora_rank or None,
                   num_key_value_heads=config.num_heads)
     if family == "mixtral":
@@ -388,7 +395,7 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
 
 _MOE_FIELDS = ("num_shared_experts", "top_k", "d_expert", "first_dense_layers", "score_fn",
                "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
-               "mlp_only_layers")
+               "group_score", "mlp_only_layers")
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim")
 
@@ -398,6 +405,8 @@ def _relevant_fields(config: ModelConfig) -> List[str]:
     skip = set(RUNTIME_FIELDS)
     if not config.num_experts:
         skip |= set(_MOE_FIELDS)
+    if config.topk_group == config.n_group:  # routing not group-limited
+        skip.add("group_score")
     if config.num_dense_layers == 0:
         skip.add("d_ff")
     if config.is_mla:

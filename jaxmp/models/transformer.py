@@ -114,7 +114,7 @@ from jaxmp._checks import check_int
 
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAttention
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, RMSNorm, Rope, SwiGLU
-from jaxmp.models.moe import MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
+from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
 
@@ -199,6 +199,9 @@ class ModelConfig:
       routed_scaling_factor: multiplies the routed experts' gates (DeepSeek-V3: 2.5).
       n_group, topk_group: group-limited routing (DeepSeek-V3); ``topk_group ==
         n_group`` (1, 1) is off.
+      group_score: a group's score in group-limited routing, ``"top2_sum"`` (DeepSeek-V3)
+        or ``"max"`` (DeepSeek-V2's ``group_limited_greedy``); see
+        :class:`~jaxmp.models.moe.Router`.
       mlp_only_layers: layer indices with a dense FFN though ``>= first_dense_layers``
         (Qwen-MoE's ``mlp_only_layers``).
       q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
@@ -253,6 +256,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    group_score: str = "top2_sum"
     mlp_only_layers: Tuple[int, ...] = ()
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
@@ -360,6 +364,8 @@ class ModelConfig:
             need(self.num_experts % self.n_group == 0 and self.topk_group <= self.n_group,
                  f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
                  f"topk_group={self.topk_group} be at most n_group")
+            need(self.group_score in GROUP_SCORES,
+                 f"group_score={self.group_score!r}; allowed: {', '.join(GROUP_SCORES)}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
@@ -496,7 +502,8 @@ class Block(nnx.Module):
                            rules=rules, rngs=rngs, init_std=std, out_std=out_std,
                            moe_kernel=config.moe_kernel, norm_topk_prob=config.norm_topk_prob,
                            routed_scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)
+                           n_group=config.n_group, topk_group=config.topk_group,
+                           group_score=config.group_score)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs,

@@ -35,7 +35,7 @@ from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_int, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS
-from jaxmp.models.moe import MOE_KERNELS
+from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS
 from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
@@ -372,6 +372,7 @@ ALLOWED: Dict[str, Any] = {
     "model.tie_embeddings": Kind(lambda v: isinstance(v, bool), "True or False"),
     "model.norm_topk_prob": Kind(lambda v: isinstance(v, bool), "True or False"),
     "model.routed_scaling_factor": Real(0, lo_open=True),
+    "model.group_score": Choice(GROUP_SCORES),
     "model.init_from": Kind(lambda v: isinstance(v, str), "'' or a checkpoint directory"),
     "model.mlp_only_layers": Kind(lambda v: isinstance(v, (tuple, list)) and all(
         is_int(i) and i >= 0 for i in v), "a tuple of layer indices"),

@@ -70,6 +70,8 @@ KEYS: Tuple[Key, ...] = (
                                             "(DeepSeek-V3: 2.5)"),
     Key("model.n_group", 1, "expert groups of group-limited routing (DeepSeek-V3)"),
     Key("model.topk_group", 1, "groups a token may route to (= n_group: routing not limited)"),
+    Key("model.group_score", "top2_sum", "a group's score: top2_sum (DeepSeek-V3) | max "
+                                         "(DeepSeek-V2 group_limited_greedy)"),
     Key("model.mlp_only_layers", (), "layer indices with a dense FFN (Qwen-MoE), besides "
                                      "first_dense_layers"),
     Key("model.q_lora_rank", 0, "MLA: query latent width (0 = a plain q projection)"),
