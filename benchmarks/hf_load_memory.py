@@ -153,9 +153,11 @@ def run(layers: List[int], d_model: int, d_ff: int, vocab: int, workdir: pathlib
 
 
 def format_table(result: dict) -> str:
+    """:func:`run`'s rows as the Markdown table of benchmarks/README.md (MB = 10**6 bytes)."""
     mb = 1e6
     lines = ["| layers | model MB | largest tensor MB | peak growth MB | overhead MB "
-             "(growth - model) | overhead / largest tensor |", "| --- | --- | --- | --- | --- | --- |"]
+             "(growth - model) | overhead / largest tensor |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         lines.append(f"| {r['layers']} | {r['model_bytes'] / mb:.1f} | "
                      f"{r['largest_tensor_bytes'] / mb:.1f} | {r['growth'] / mb:.1f} | "
