@@ -33,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.update(dict(
         vocab_size=32768, num_layers=12, d_model=1024, num_heads=16, d_ff=4096, max_len=1024,
         num_experts=8, d_expert=1024,
+        score_fn="softmax",        # the router its deviceless figures were compiled with
         scan_layers=True,          # a dense and a MoE stack, each compiled once
     ))
     config.optim.update(dict(learning_rate=3e-4, warmup_steps=10))

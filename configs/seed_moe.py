@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.update(dict(
         vocab_size=50304, num_layers=24, d_model=2048, num_heads=32, d_ff=8192, max_len=4096,
         num_shared_experts=0, top_k=1, d_expert=8192, first_dense_layers=0,
+        score_fn="softmax",        # the article's gate; the model maps to HF mixtral
         bias_update_rate=0.0,
         scan_layers=True,          # 24 layers compile as one (benchmarks/compile_time.py)
     ))

@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
         num_shared_experts=1,      # always-on experts (DeepSeekMoE)
         d_expert=64,
         first_dense_layers=1,      # block 0 dense (d_ff), block 1 MoE
+        score_fn="sigmoid",        # DeepSeek-V3's router; the model maps to HF glm4_moe
         bias_update_rate=0.001,    # gamma of auxiliary-loss-free balancing (DeepSeek-V3)
     ))
     return config

@@ -114,7 +114,7 @@ from jaxmp._checks import BOOL, Choice, Int, Kind, Real, check, is_int, option
 
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAttention
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, RMSNorm, Rope, SwiGLU
-from jaxmp.models.moe import MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
+from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
 
@@ -206,6 +206,9 @@ class ModelConfig:
       routed_scaling_factor: multiplies the routed experts' gates (DeepSeek-V3: 2.5).
       n_group, topk_group: group-limited routing (DeepSeek-V3); ``topk_group ==
         n_group`` (1, 1) is off.
+      group_score: a group's score in group-limited routing, ``"top2_sum"`` (DeepSeek-V3)
+        or ``"max"`` (DeepSeek-V2's ``group_limited_greedy``); see
+        :class:`~jaxmp.models.moe.Router`.
       mlp_only_layers: layer indices with a dense FFN though ``>= first_dense_layers``
         (Qwen-MoE's ``mlp_only_layers``).
       q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
@@ -278,6 +281,9 @@ class ModelConfig:
     n_group: int = option(1, "expert groups of group-limited routing (DeepSeek-V3)", Int(1))
     topk_group: int = option(1, "groups a token may route to (= n_group: routing not limited)",
                              Int(1))
+    group_score: str = option("top2_sum", "a group's score: top2_sum (DeepSeek-V3) | max "
+                                          "(DeepSeek-V2 group_limited_greedy)",
+                              Choice(GROUP_SCORES))
     mlp_only_layers: Tuple[int, ...] = option(
         (), "layer indices with a dense FFN (Qwen-MoE), besides first_dense_layers",
         Kind(lambda v: isinstance(v, (tuple, list)) and all(is_int(i) and i >= 0 for i in v),
@@ -490,7 +496,8 @@ class Block(nnx.Module):
                            rules=rules, rngs=rngs, init_std=std, out_std=out_std,
                            moe_kernel=config.moe_kernel, norm_topk_prob=config.norm_topk_prob,
                            routed_scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)
+                           n_group=config.n_group, topk_group=config.topk_group,
+                           group_score=config.group_score)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs,

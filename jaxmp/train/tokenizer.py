@@ -143,6 +143,25 @@ class ByteTokenizer:
         """Nothing to save (the scheme is fixed); returns None."""
         return None
 
+    def to_hf(self):
+        """The same tokenizer as a Hugging Face ``tokenizers.Tokenizer`` (for
+        ``tokenizer.json``, ``--format hf`` exports): GPT-2's byte-level alphabet
+        (:func:`_byte_level_alphabet`) as a BPE without merges, so each byte is its own id
+        ``0..255``, and ``<|endoftext|>`` a special token with id 256 (``eos_id``).
+
+        Returns:
+          ``tokenizers.Tokenizer`` whose ``encode(text).ids`` are :meth:`encode`'s without EOS.
+        """
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = {ch: b for ch, b in _byte_level_alphabet().items()}
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([tokenizers.AddedToken("<|endoftext|>", special=True)])
+        return tok
+
 
 @functools.lru_cache(maxsize=1)
 def _byte_level_alphabet() -> dict:
