@@ -12,9 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from _configs import load_config
-from jaxmp.train import train_and_evaluate
-from test_multiprocess import LIMIT_S, OVERRIDES, RTOL, finish, launch_pair, rows
+from test_multiprocess import GROUP, LIMIT_S, RTOL, finish, launch_pair, reference_losses, rows
 
 
 def complete_steps(workdir):
@@ -47,6 +45,7 @@ def assert_both_saved_the_same_step(workdir, procs, results, saved_before,
     return new[0]
 
 
+@pytest.mark.xdist_group(GROUP)  # the reference run is shared (reference_losses)
 @pytest.mark.slow
 def test_sigterm_or_ctrl_c_to_one_or_both_processes_saves_one_step_on_both_and_resumes_exactly(
         tmp_path):
@@ -91,9 +90,6 @@ def test_sigterm_or_ctrl_c_to_one_or_both_processes_saves_one_step_on_both_and_r
     assert all(p_err.count("Traceback") == 0 for _, p_err in results), results[0][1][-3000:]
     got = rows(two)
     assert [r["step"] for r in got] == list(range(1, end + 1))
-    reference = tmp_path / "one"
-    train_and_evaluate(load_config("tiny_moe", OVERRIDES + [f"train.steps={end}",
-                                                            "train.checkpoint_every=100000"]),
-                       str(reference))
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in rows(reference)],
-                               rtol=RTOL)
+    want = reference_losses(end)
+    assert len(want) == end
+    np.testing.assert_allclose([r["loss"] for r in got], want, rtol=RTOL)
