@@ -12,12 +12,15 @@ norms (the default policy), attention "auto" (cuDNN's fused kernel on a GPU), a 
 learning rate, sequences of 512 tokens (``model.max_len`` is DIR's).
 """
 import ml_collections
+from ml_collections import config_dict
 
 from jaxmp.train.config import default_config
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = default_config()  # model.init_from=DIR is set on the command line
+    config = default_config()
+    # A placeholder (None): --config.model.init_from=DIR must fill it, else a one-line error.
+    config.model.init_from = config_dict.placeholder(str)
     config.model.update(dict(
         scan_layers=True,          # one compiled layer per stack of layers
         remat="full",              # keep only each block's input for the backward pass

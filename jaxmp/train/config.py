@@ -227,7 +227,8 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
 
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
-        defines no ``get_config``, or its ``get_config()`` raises or returns something
+        defines no ``get_config``, leaves ``model.init_from`` a placeholder (``None``, as
+        configs/finetune.py does) that no override fills, or its ``get_config()`` raises or returns something
         other than a ConfigDict or dict (each one line naming the file and the cause); an
         unknown key in it or in ``overrides``; a value of the wrong type.
     """
@@ -259,6 +260,10 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
                          f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
     given = set(_given(config)) | {text.partition("=")[0].strip() for text in overrides}
     config = apply_overrides(complete_config(config), overrides, where)
+    if config.model.init_from is None:  # a placeholder: configs/finetune.py, DIR not given
+        raise ValueError(f"config file {name} sets no model architecture (it comes from "
+                         f"model.init_from): give --config.model.init_from=DIR, a Hugging "
+                         f"Face checkpoint directory")
     if config.model.init_from:  # the architecture from DIR, checked against what is set
         _apply_init_from(config, {k: _get(config, k) for k in given if _has(config, k)})
     return config
