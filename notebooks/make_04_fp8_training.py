@@ -143,10 +143,9 @@ for a in (3.0, 0.5, 0.5, 0.5, 0.5):  # five more steps: the 8 falls out of the 4
     ("md", """\
 ## 5. The model under FP8 policies: which matmuls are FP8, and are they FP8 in the program?
 
-`jaxmp.models.capture_matmul_operands` records every weight matmul's operands during a forward pass; `diagnostics.fp8_report` compares the recipes per module. Then the trainer's own step is lowered and its `dot_general` ops are counted (case FP8-2): under `fp8_blockwise` every weight matmul of attention and the FFNs becomes three dots with two FP8 operands (forward, `dx`, `dw`), and only the head, the router, the attention core and the gate-weighted sums keep bfloat16/float32 dots."""),
+A forward pass given `operands={}` records every weight matmul's operands in it; `diagnostics.fp8_report` compares the recipes per module. Then the trainer's own step is lowered and its `dot_general` ops are counted (case FP8-2): under `fp8_blockwise` every weight matmul of attention and the FFNs becomes three dots with two FP8 operands (forward, `dx`, `dw`), and only the head, the router, the attention core and the gate-weighted sums keep bfloat16/float32 dots."""),
     ("code", """\
 from jaxmp.analysis.hlo import count_fp8_dots, stablehlo_dots
-from jaxmp.models import capture_matmul_operands
 from jaxmp.train import Experiment
 from jaxmp.train.config import load_config
 
@@ -163,8 +162,8 @@ config = tiny_moe()
 exp = Experiment.create(config, num_devices=1)
 batch = exp.data.eval_batches[0]
 model = exp.host_model(jax.device_get(exp.init_state()))
-with capture_matmul_operands() as operands:
-    model(jnp.asarray(batch["inputs"][:4]))
+operands = {}
+model(jnp.asarray(batch["inputs"][:4]), operands=operands)
 report = diagnostics.fp8_report(operands, RECIPES[:1] + RECIPES[2:])
 print(diagnostics.format_fp8_report({k: v for k, v in report.items() if k.startswith("blocks/1")}))
 

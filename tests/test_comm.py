@@ -18,7 +18,7 @@ from jaxmp.precision.loss_scale import NoOpLossScale, StaticLossScale
 from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
 from jaxmp.train.config import config_to_dict, validate_config
 from jaxmp.train.state import create_train_state, train_state_shardings
-from jaxmp.train.step import make_train_step
+from jaxmp.train.step import GradExchange, make_train_step
 
 
 def mesh_of(n):
@@ -244,12 +244,14 @@ LR, MOMENTUM = 0.5, 0.9
 
 
 def toy_plan(mesh, state, grad_reduce_dtype="float32", **comm_kwargs):
-    """The data-parallel StepPlan of ``state`` on ``mesh`` and make_train_step's other
-    communication keywords, after the check validate_config makes."""
+    """The data-parallel StepPlan of ``state`` on ``mesh`` and make_train_step's
+    GradExchange, after the check validate_config makes."""
     reduce_dtype = comm.check_comm_config(grad_reduce_dtype, **comm_kwargs)
     plan = sharding.StepPlan(mesh, sharding.layout("dp", 1), state.params, state.params,
                              reduce_dtype)
-    return plan, comm_kwargs
+    exchange = GradExchange(comm_kwargs.get("grad_compression", "none"),
+                            comm_kwargs.get("topk_ratio", GradExchange().topk_ratio))
+    return plan, exchange
 
 
 def toy_setup(mesh, loss_scale=None, grad_accum_steps=1, **comm_kwargs):
@@ -262,9 +264,10 @@ def toy_setup(mesh, loss_scale=None, grad_accum_steps=1, **comm_kwargs):
                                          comm_state=comm_state)
     state_sh = train_state_shardings(state, mesh, sharding.DATA_PARALLEL_RULES)
     batch_sh = sharding.batch_sharding(mesh, sharding.DATA_PARALLEL_RULES)
-    plan, comm_kwargs = toy_plan(mesh, state, **comm_kwargs)
+    plan, exchange = toy_plan(mesh, state, **comm_kwargs)
     step = jax.jit(make_train_step(graphdef, optimizer, lr_schedule=optax.constant_schedule(LR),
-                                   grad_accum_steps=grad_accum_steps, plan=plan, **comm_kwargs),
+                                   grad_accum_steps=grad_accum_steps, plan=plan,
+                                   exchange=exchange),
                    in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None))
     return step, jax.device_put(state, state_sh), lambda b: jax.device_put(b, batch_sh)
 
@@ -278,9 +281,9 @@ def test_the_step_needs_a_plan_and_topk_needs_a_residual():
                             lr_schedule=optax.constant_schedule(0.1))
     model = ToyLM(nnx.Rngs(0))
     graphdef, state = create_train_state(model, optax.sgd(0.1), NoOpLossScale(), 0)  # no comm_state
-    plan, kwargs = toy_plan(mesh_of(8), state, grad_compression="topk")
+    plan, exchange = toy_plan(mesh_of(8), state, grad_compression="topk")
     step = make_train_step(graphdef, optax.sgd(0.1), lr_schedule=optax.constant_schedule(0.1),
-                           plan=plan, **kwargs)
+                           plan=plan, exchange=exchange)
     with pytest.raises(ValueError, match="comm_state"):
         jax.eval_shape(step, state, toy_batch(0))
 

@@ -13,7 +13,7 @@ from _configs import load_config, small_config
 from _bitwise import assert_bitwise_equal, bits
 from _train_py import run_train_py
 from jaxmp import fp8
-from jaxmp.models import FP8State, MoETransformer, ModelConfig, capture_matmul_operands
+from jaxmp.models import FP8State, MoETransformer, ModelConfig
 from jaxmp.precision.policy import get_policy, get_policy_rules
 from jaxmp.train import Checkpointer, Experiment, train_and_evaluate
 from jaxmp.train.config import config_to_dict
@@ -90,8 +90,8 @@ def test_per_module_rules_put_only_the_named_modules_in_fp8():
 def test_the_matmuls_of_fp8_modules_see_their_recipe():
     config = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=2, d_ff=64, max_len=16)
     model = MoETransformer(config, "mixed_bf16; mlp: fp8_tensorwise" + ISLANDS, rngs=nnx.Rngs(0))
-    with capture_matmul_operands() as seen:
-        model(jnp.zeros((2, 16), jnp.int32))
+    seen = {}
+    model(jnp.zeros((2, 16), jnp.int32), operands=seen)
     assert {k: v["fp8"] for k, v in seen.items() if v["fp8"] is not None} == {
         f"blocks/0/mlp/{w}": fp8.Recipe.tensorwise() for w in ("w_gate", "w_up", "w_down")}
     assert seen["blocks/0/attn/wq"]["x"].dtype == jnp.bfloat16 and seen["head/kernel"]["fp8"] is None

@@ -91,7 +91,7 @@ from jaxmp._checks import check_int
 from jaxmp.precision import comm
 from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
-from jaxmp.train.step import loss_fn
+from jaxmp.train.step import forward_args, loss_fn
 
 __all__ = [
     "MODES",
@@ -332,8 +332,9 @@ def step_residuals(exp: Experiment) -> List[Residual]:
     """
     state, micro = exp.abstract_state, micro_batch(exp)
 
-    def loss(params, biases, rest, loss_scale, batch):
-        return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch)[0]
+    def loss(params, biases, rest, loss_scale, batch, forward=None):
+        return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch,
+                       forward=forward)[0]
 
     if exp.layout.strategy == "fsdp":
         # The step's own plan (its FSDP gather and dispatch dtype), on one device.
@@ -342,8 +343,7 @@ def step_residuals(exp: Experiment) -> List[Residual]:
                                  exp.plan.reduce_dtype)
 
         def per_device(params, biases, rest, loss_scale, batch):
-            with plan.in_step():
-                return loss(params, biases, rest, loss_scale, batch)
+            return loss(params, biases, rest, loss_scale, batch, forward_args(plan))
 
         spec = jax.sharding.PartitionSpec()
         fsdp_loss = jax.shard_map(per_device, mesh=one_device, in_specs=spec, out_specs=spec,

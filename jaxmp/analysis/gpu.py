@@ -432,9 +432,8 @@ def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: i
 def _attention_path(exp: Experiment) -> str:
     """What ``model.attention`` resolved to for the mesh's devices (layer 0's policy)."""
     m = exp.model_config
-    with compile_target.compiling_for(exp.mesh.devices.flat[0]):
-        return resolve_attention(m.attention, exp.rules.resolve("blocks/0/attn").compute_dtype,
-                                 m.head_dim)
+    return resolve_attention(m.attention, exp.rules.resolve("blocks/0/attn").compute_dtype,
+                             m.head_dim, compile_target.of_device(exp.mesh.devices.flat[0]))
 
 
 def _gb(x: float) -> str:

@@ -20,7 +20,6 @@ from jaxmp.models.layers import (
     SwiGLU,
     add_fp8_states,
     apply_rope,
-    capture_matmul_operands,
     make_param,
     matmul,
 )
@@ -53,5 +52,5 @@ __all__ = [
     "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
     "Block", "FLOAT32_ISLANDS", "ATTENTION_IMPLEMENTATIONS", "attention_core", "REMAT_POLICIES",
     "layer_stacks", "FP8_EXCLUDED", "FP8State", "add_fp8_states", "matmul",
-    "capture_matmul_operands", "from_pretrained", "save_pretrained",
+    "from_pretrained", "save_pretrained",
 ]

@@ -30,8 +30,8 @@ and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTA
     16-bit compute dtype, a supported head dimension), else ``"reference"``, which keeps
     2 bytes per score for the backward pass where ``"xla"`` keeps 11. Resolved once per
     attention module, when the model is built, from that module's compute dtype and the
-    compile target (:func:`jaxmp.target.current`: a deviceless compile for an H200 gets
-    ``"cudnn"``).
+    compile target the model is built for (``MoETransformer(target=)``, by default
+    :func:`jaxmp.target.current`: a deviceless compile for an H200 gets ``"cudnn"``).
 
 Every path is causal and takes optional per-sequence ``lengths`` (right padding): a
 padded position neither attends nor is attended to, and its output row is exactly 0
@@ -90,7 +90,8 @@ def _cudnn_version() -> Optional[int]:
         return None
 
 
-def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
+def cudnn_support(dtype, head_dim: int,
+                  where: Optional[target.Target] = None) -> Tuple[bool, str]:
     """Whether cuDNN's fused attention runs here for this compute dtype and head size.
 
     The conditions are those ``jax.nn.dot_product_attention(implementation="cudnn")``
@@ -103,6 +104,7 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
     Args:
       dtype: the attention's compute dtype.
       head_dim: ``d_model / num_heads``.
+      where: the compile target; None = :func:`jaxmp.target.current`.
 
     Returns:
       ``(supported, reason)``; the reason names the first condition that fails.
@@ -114,7 +116,7 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
         return ok, ("traced without a GPU (trace_cudnn_without_gpu)" if ok else
                     f"cuDNN needs float16/bfloat16 operands and a head dimension that is a "
                     f"multiple of 8 and <= 256; got {dtype.name}, {head_dim}")
-    where = target.current()
+    where = where or target.current()
     if where.platform != "gpu":
         return False, f"the compile target is {where.platform!r}, not an NVIDIA GPU"
     if where.deviceless:  # compiled for a GPU target description: its cuDNN, never run here
@@ -143,13 +145,16 @@ def cudnn_support(dtype, head_dim: int) -> Tuple[bool, str]:
     return True, f"cuDNN {_cudnn_version()} on {device.device_kind}"
 
 
-def resolve_attention(name: str, dtype, head_dim: int) -> str:
+def resolve_attention(name: str, dtype, head_dim: int,
+                      where: Optional[target.Target] = None) -> str:
     """The path an attention module runs: ``name`` itself, or for ``"auto"`` cudnn/reference.
 
     Args:
       name: one of :data:`ATTENTION_IMPLEMENTATIONS`.
       dtype: the module's compute dtype.
       head_dim: its head dimension.
+      where: the compile target (:class:`jaxmp.target.Target`); None =
+        :func:`jaxmp.target.current`.
 
     Returns:
       ``"reference"``, ``"xla"`` or ``"cudnn"``.
@@ -164,9 +169,9 @@ def resolve_attention(name: str, dtype, head_dim: int) -> str:
                          f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     xla_ok, xla_reason = xla_support(dtype)
     if name == "auto":  # where cuDNN is absent, the reference keeps 2 bytes per score, xla 11
-        return "cudnn" if cudnn_support(dtype, head_dim)[0] else "reference"
+        return "cudnn" if cudnn_support(dtype, head_dim, where)[0] else "reference"
     if name == "cudnn":
-        ok, reason = cudnn_support(dtype, head_dim)
+        ok, reason = cudnn_support(dtype, head_dim, where)
         if not ok:
             raise ValueError(f"model.attention='cudnn' cannot run here: {reason}; use 'auto' "
                              f"(cudnn where it runs, else reference), 'xla' or 'reference'")
@@ -298,8 +303,10 @@ class Attention(nnx.Module):
       init_std: normal init std of ``wq``, ``wk``, ``wv``.
       out_std: normal init std of ``wo`` (scaled down for a residual branch, GPT-2).
       implementation: one of :data:`ATTENTION_IMPLEMENTATIONS`, resolved here with
-        this module's compute dtype (:func:`resolve_attention`); the result is
-        ``self.implementation``.
+        this module's compute dtype for ``target`` (:func:`resolve_attention`); the
+        result is ``self.implementation``.
+      target: the compile target (:class:`jaxmp.target.Target`) the choice is made for;
+        None = :func:`jaxmp.target.current`.
       recompute_core: run the attention core under ``jax.checkpoint`` with nothing
         saveable (``model.remat="attention"``: selective activation recomputation,
         Korthikanti et al. 2022, section 4.2): the backward pass keeps q, k, v and
@@ -325,7 +332,8 @@ class Attention(nnx.Module):
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
                  implementation: str = "reference", recompute_core: bool = False,
                  num_kv_heads: int = 0, head_dim: int = 0, qk_norm: bool = False,
-                 qkv_bias: bool = False, norm_eps: float = 1e-6, rope: Optional[Rope] = None):
+                 qkv_bias: bool = False, norm_eps: float = 1e-6, rope: Optional[Rope] = None,
+                 target: Optional[target.Target] = None):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.rope_theta = rope_theta
@@ -333,7 +341,8 @@ class Attention(nnx.Module):
         d, h = d_model, num_heads
         k = head_dim or d // h
         kv = num_kv_heads or h
-        self.implementation = resolve_attention(implementation, self.policy.compute_dtype, k)
+        self.implementation = resolve_attention(implementation, self.policy.compute_dtype, k,
+                                                target)
         self.recompute_core = bool(recompute_core)
         dt = self.policy.param_dtype
         for name, heads in (("wq", h), ("wk", kv), ("wv", kv)):
@@ -352,34 +361,36 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(k, norm_eps, path=f"{path}/k_norm", rules=rules, rngs=rngs,
                                   axis="head_dim")
 
-    def _project(self, x, name):
+    def _project(self, x, name, operands):
         p = self.policy
-        y = matmul(self, x, f"w{name}", "btd,dhk->bthk")
+        y = matmul(self, x, f"w{name}", "btd,dhk->bthk", operands=operands)
         if hasattr(self, f"b{name}"):
             y = y + p.cast_to_compute(getattr(self, f"b{name}")[...])
         if hasattr(self, f"{name}_norm"):  # Qwen3: per-head RMSNorm before RoPE
             y = p.cast_to_compute(getattr(self, f"{name}_norm")(y))
         return y
 
-    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None, *,
+                 operands: Optional[dict] = None) -> jax.Array:
         """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``.
 
         ``lengths``: optional int [B] non-padding tokens per sequence (see
-        :func:`attention_core`).
+        :func:`attention_core`). ``operands``: a dict the weight matmuls record their
+        operands in (:func:`~jaxmp.models.layers.matmul`), or None.
         """
         p = self.policy
         x = p.cast_to_compute(x)
         positions = jnp.arange(x.shape[1])
         # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for
         # backward), or to FP8 by the policy's recipe (layers.matmul).
-        q = apply_rope(self._project(x, "q"), positions, self.rope_theta, self.rope)
-        k = apply_rope(self._project(x, "k"), positions, self.rope_theta, self.rope)
-        v = self._project(x, "v")
+        q = apply_rope(self._project(x, "q", operands), positions, self.rope_theta, self.rope)
+        k = apply_rope(self._project(x, "k", operands), positions, self.rope_theta, self.rope)
+        v = self._project(x, "v", operands)
         core = functools.partial(attention_core, implementation=self.implementation)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths)
-        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd"))
+        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd", operands=operands))
 
 
 class MLAttention(nnx.Module):
@@ -406,7 +417,7 @@ class MLAttention(nnx.Module):
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: Rope,
                  path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
                  out_std: float = 0.02, implementation: str = "reference",
-                 recompute_core: bool = False):
+                 recompute_core: bool = False, target: Optional[target.Target] = None):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.rope = rope
@@ -414,7 +425,8 @@ class MLAttention(nnx.Module):
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
         qk = qk_nope_head_dim + qk_rope_head_dim
-        self.implementation = resolve_attention(implementation, self.policy.compute_dtype, qk)
+        self.implementation = resolve_attention(implementation, self.policy.compute_dtype, qk,
+                                                target)
         self.recompute_core = bool(recompute_core)
         self.scale = qk ** -0.5
         if rope.scaling == "yarn" and rope.mscale_all_dim:
@@ -442,22 +454,25 @@ class MLAttention(nnx.Module):
                              ("heads", "head_dim", "embed"))
         add_fp8_states(self, tuple(names) + ("wkv_a", "wkv_b", "wo"))
 
-    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None) -> jax.Array:
-        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``."""
+    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None, *,
+                 operands: Optional[dict] = None) -> jax.Array:
+        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``; ``lengths`` and
+        ``operands`` as :meth:`Attention.__call__`'s."""
         p = self.policy
         x = p.cast_to_compute(x)
         positions = jnp.arange(x.shape[1])
         if hasattr(self, "wq"):
-            q = matmul(self, x, "wq", "btd,dhk->bthk")
+            q = matmul(self, x, "wq", "btd,dhk->bthk", operands=operands)
         else:
-            c = p.cast_to_compute(self.q_a_norm(matmul(self, x, "wq_a", "btd,dr->btr")))
-            q = matmul(self, c, "wq_b", "btr,rhk->bthk")
+            c = p.cast_to_compute(self.q_a_norm(matmul(self, x, "wq_a", "btd,dr->btr",
+                                                       operands=operands)))
+            q = matmul(self, c, "wq_b", "btr,rhk->bthk", operands=operands)
         q_rot = apply_rope(q[..., self.nope:], positions, rope=self.rope)
         q = jnp.concatenate([q[..., :self.nope], q_rot], axis=-1)
-        kv_a = matmul(self, x, "wkv_a", "btd,dr->btr")
+        kv_a = matmul(self, x, "wkv_a", "btd,dr->btr", operands=operands)
         c_kv = p.cast_to_compute(self.kv_a_norm(kv_a[..., :self.kv_lora_rank]))
         k_rot = apply_rope(kv_a[..., None, self.kv_lora_rank:], positions, rope=self.rope)
-        kv = matmul(self, c_kv, "wkv_b", "btr,rhk->bthk")
+        kv = matmul(self, c_kv, "wkv_b", "btr,rhk->bthk", operands=operands)
         k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot, k_nope.shape[:3] + k_rot.shape[3:])],
                             axis=-1)
@@ -466,4 +481,4 @@ class MLAttention(nnx.Module):
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths)
-        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd"))
+        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd", operands=operands))

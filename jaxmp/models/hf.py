@@ -706,10 +706,11 @@ def read_config(path: str) -> Dict[str, Any]:
 
 
 def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
-                 rules=None) -> MoETransformer:
+                 rules=None, target=None) -> MoETransformer:
     """:func:`from_pretrained` with the :class:`ModelConfig` given: ``config``'s architecture
     must be the one ``path``'s config.json describes (the trainer's ``model.init_from``
     checks that first); the tensors' shapes are checked before anything is read.
+    ``target``: the compile target of the model's kernel choices (``MoETransformer``'s).
 
     Raises:
       ValueError: an unsupported family, a missing tensor or one of the wrong shape.
@@ -720,7 +721,8 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
     config_from_hf(hf)
     family = hf["model_type"]
     files = _Files(path)
-    abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0),
+                                                     target=target))
     sources = _param_sources(abstract, family)
     _check_shapes(files, abstract, family, sources)
     from jaxmp import sharding as shd

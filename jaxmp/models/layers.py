@@ -19,7 +19,6 @@ them to mesh axes.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -35,7 +34,7 @@ from jaxmp.precision import fp8, ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
 __all__ = ["make_param", "RMSNorm", "Embed", "Head", "SwiGLU", "apply_rope", "FP8State",
-           "add_fp8_states", "matmul", "capture_matmul_operands", "Rope", "ROPE_LAYOUTS",
+           "add_fp8_states", "matmul", "Rope", "ROPE_LAYOUTS",
            "ROPE_SCALINGS"]
 
 
@@ -60,28 +59,9 @@ def add_fp8_states(module: nnx.Module, names) -> None:
             setattr(module, f"{name}_amax", FP8State(fp8.init_state(recipe)))
 
 
-_CAPTURED: list = []  # stack of dicts filled by capture_matmul_operands
-
-
-@contextlib.contextmanager
-def capture_matmul_operands():
-    """Records the operands of every :func:`matmul` run inside the ``with`` block.
-
-    Yields a dict, filled as the model runs, ``{"<module path>/<weight>": {"x": input,
-    "w": weight, "spec": spec, "fp8": recipe or None}}`` (the last call wins for a
-    module run twice). Run the model eagerly (not under ``jax.jit``) to get arrays;
-    :func:`jaxmp.diagnostics.fp8_report` reads them.
-    """
-    found: dict = {}
-    _CAPTURED.append(found)
-    try:
-        yield found
-    finally:
-        _CAPTURED.remove(found)
-
-
 def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = None, *,
-           group_sizes: Optional[jax.Array] = None, grouped=None) -> jax.Array:
+           group_sizes: Optional[jax.Array] = None, grouped=None,
+           operands: Optional[dict] = None) -> jax.Array:
     """``x`` times the weight ``name`` of ``module``, by the module's policy.
 
     :func:`jaxmp.fp8.matmul` with ``module.policy.fp8`` (and the weight's
@@ -96,14 +76,20 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
       group_sizes: int ``[G]`` for a grouped (``ragged_dot``) matmul.
       grouped: the grouped matmul that replaces ``ragged_dot`` without FP8 (see
         :func:`jaxmp.ops.cast_matmul`); an FP8 policy never gets one.
+      operands: a dict to record the operands in, or None (nothing recorded): the entry
+        ``"<module path>/<name>"`` is set to ``{"x": x, "w": the master weight, "spec":
+        spec, "fp8": the policy's recipe or None}`` (the last call wins for a module run
+        twice). The model passes it down from ``MoETransformer.__call__(operands=)``;
+        :func:`jaxmp.diagnostics.fp8_report` reads it. Values are arrays when the model
+        runs eagerly, tracers under ``jax.jit``, ``lax.scan`` or ``jax.checkpoint``.
 
     Returns:
       The product in ``x``'s dtype.
     """
     w = getattr(module, name)[...]
     recipe = module.policy.fp8
-    if _CAPTURED:
-        _CAPTURED[-1][f"{module.path}/{name}"] = {"x": x, "w": w, "spec": spec, "fp8": recipe}
+    if operands is not None:
+        operands[f"{module.path}/{name}"] = {"x": x, "w": w, "spec": spec, "fp8": recipe}
     if recipe is None:
         return ops.cast_matmul(x, w, spec, group_sizes=group_sizes, grouped=grouped)
     state = getattr(module, f"{name}_amax", None)
@@ -222,20 +208,22 @@ class Head(nnx.Module):
                                  self.policy.param_dtype, ("embed", "vocab"))
         add_fp8_states(self, ("kernel",))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[..., d_model] -> [..., vocab] in ``policy.compute_dtype``."""
+    def __call__(self, x: jax.Array, *, operands: Optional[dict] = None) -> jax.Array:
+        """[..., d_model] -> [..., vocab] in ``policy.compute_dtype``; ``operands``: see
+        :func:`matmul`."""
         p = self.policy
-        return matmul(self, p.cast_to_compute(x), "kernel")
+        return matmul(self, p.cast_to_compute(x), "kernel", operands=operands)
 
 
-def _swiglu(module, x):
+def _swiglu(module, x, operands=None):
     """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd.
 
     x in the compute dtype; the (master) weights ``w_gate``, ``w_up``, ``w_down`` of
     ``module`` are multiplied by :func:`matmul` (cast by ``ops.cast_matmul``, or FP8).
     """
-    h = jax.nn.silu(matmul(module, x, "w_gate")) * matmul(module, x, "w_up")
-    return matmul(module, h, "w_down")
+    h = (jax.nn.silu(matmul(module, x, "w_gate", operands=operands))
+         * matmul(module, x, "w_up", operands=operands))
+    return matmul(module, h, "w_down", operands=operands)
 
 
 class SwiGLU(nnx.Module):
@@ -268,10 +256,11 @@ class SwiGLU(nnx.Module):
                                  ("mlp", "embed"))
         add_fp8_states(self, ("w_gate", "w_up", "w_down"))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[..., d_model] -> [..., d_model] in ``policy.output_dtype``."""
+    def __call__(self, x: jax.Array, *, operands: Optional[dict] = None) -> jax.Array:
+        """[..., d_model] -> [..., d_model] in ``policy.output_dtype``; ``operands``: see
+        :func:`matmul`."""
         p = self.policy
-        return p.cast_to_output(_swiglu(self, p.cast_to_compute(x)))
+        return p.cast_to_output(_swiglu(self, p.cast_to_compute(x), operands))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0,

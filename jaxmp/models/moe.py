@@ -40,11 +40,9 @@ expert index), ``expert_mlp`` (routed-expert hidden width).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import threading
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +52,6 @@ from jaxmp.models.layers import SwiGLU, add_fp8_states, make_param, matmul
 from jaxmp import target as compile_target
 from jaxmp.precision import fp8, grouped_gemm, ops
 from jaxmp.precision.policy import Policy, PolicyRules
-from jaxmp.sharding import dispatch_dtype, expert_axis
 
 __all__ = [
     "RouterBias",
@@ -66,36 +63,11 @@ __all__ = [
     "balance_loss",
     "MoE",
     "expert_capacity",
-    "valid_tokens",
     "SCORE_FNS",
     "GROUP_SCORES",
     "MOE_KERNELS",
     "resolve_moe_kernel",
 ]
-
-_VALID = threading.local()
-
-
-@contextlib.contextmanager
-def valid_tokens(n: jax.Array):
-    """Within this context only the first ``n`` tokens of every sequence are real.
-
-    For a fixed-shape sampling buffer (:func:`jaxmp.models.sampling.generate`): under
-    capacity dispatch the tokens past ``n`` take no expert slot and the capacity is the
-    one of an ``n``-token sequence, :func:`expert_capacity` ``(capacity_factor, n, ...)``,
-    so with causal attention the first ``n`` positions compute what the unpadded
-    ``n``-token context computes (the slot buffers keep the padded shape; their extra
-    slots stay empty). Dropless dispatch routes per token and needs no mask.
-
-    Args:
-      n: int32 scalar (may be traced), ``1 <= n <= T``.
-    """
-    previous = getattr(_VALID, "value", None)
-    _VALID.value = n
-    try:
-        yield
-    finally:
-        _VALID.value = previous
 
 SCORE_FNS = ("softmax", "sigmoid")
 # A group's score in group-limited routing: the sum of its two best scores (DeepSeek-V3's
@@ -314,12 +286,12 @@ def expert_capacity(capacity_factor: float, group_size: int, top_k: int, num_exp
     return max(1, math.ceil(capacity_factor * group_size * top_k / num_experts))
 
 
-def _dropless(experts, x, expert_ids, gates, grouped=None):
+def _dropless(experts, x, expert_ids, gates, grouped=None, operands=None):
     """Every assignment computed: sort by expert, grouped matmuls with ``lax.ragged_dot``.
 
     x [N, D] (compute dtype), expert_ids/gates [N, k]; the weights of ``experts`` (any
     dtype) are multiplied by :func:`~jaxmp.models.layers.matmul` (``ops.cast_matmul`` or
-    FP8). Returns float32 [N, D].
+    FP8), which records its operands in ``operands`` when given. Returns float32 [N, D].
     """
     n, k = expert_ids.shape
     num_experts = experts.w_gate.shape[0]
@@ -327,16 +299,19 @@ def _dropless(experts, x, expert_ids, gates, grouped=None):
     order = jnp.argsort(flat, stable=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[order // k]  # token of each sorted assignment
-    h = (jax.nn.silu(matmul(experts, xs, "w_gate", group_sizes=group_sizes, grouped=grouped))
-         * matmul(experts, xs, "w_up", group_sizes=group_sizes, grouped=grouped))
-    ys = matmul(experts, h, "w_down", group_sizes=group_sizes, grouped=grouped)
+    grouped_matmul = functools.partial(matmul, group_sizes=group_sizes, grouped=grouped,
+                                       operands=operands)
+    h = (jax.nn.silu(grouped_matmul(experts, xs, "w_gate"))
+         * grouped_matmul(experts, xs, "w_up"))
+    ys = grouped_matmul(experts, h, "w_down")
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
     # Gate-weighted sum in float32; the float32 copy of ys is recomputed, not saved.
     return ops.cast_matmul(gates, ys, "nk,nkd->nd")
 
 
 def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_axis=None,
-                   dispatch_dtype="compute", valid_length=None, capacities=None):
+                   dispatch_dtype="compute", valid_length=None, capacities=None,
+                   operands=None):
     """GShard dispatch with ``capacity`` slots per expert and sequence.
 
     x [B, T, D] (compute dtype), expert_ids/gates [B, T, k]. Within a sequence, all first
@@ -354,10 +329,12 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
     1x128 tile (:func:`jaxmp.fp8.all_to_all`; the experts then see the quantized tokens)
     and the outputs come back in the compute dtype.
 
-    With ``valid_length`` n (:func:`valid_tokens`) only the first n tokens take slots,
-    at most ``capacities[n]`` per expert (int32 [T + 1], :func:`expert_capacity` of each
-    length); ``capacity`` stays the shape of the slot buffers.
+    With ``valid_length`` n only the first n tokens take slots, at most
+    ``capacities[n]`` per expert (int32 [T + 1], :func:`expert_capacity` of each length);
+    ``capacity`` stays the shape of the slot buffers. ``operands``: as for
+    :func:`_dropless`.
     """
+    mm = functools.partial(matmul, operands=operands)
     b, t, k = expert_ids.shape
     onehot = jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32)  # [B, T, k, E]
     if valid_length is not None:  # padding takes no slot; the capacity of n tokens
@@ -376,9 +353,9 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
     xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
     if expert_axis is None:
-        h = (jax.nn.silu(matmul(experts, xe, "w_gate", "becd,edf->becf"))
-             * matmul(experts, xe, "w_up", "becd,edf->becf"))
-        ye = matmul(experts, h, "w_down", "becf,efd->becd")
+        h = (jax.nn.silu(mm(experts, xe, "w_gate", "becd,edf->becf"))
+             * mm(experts, xe, "w_up", "becd,edf->becf"))
+        ye = mm(experts, h, "w_down", "becf,efd->becd")
     else:
         groups = jax.lax.axis_size(expert_axis)
         local = num_experts // groups
@@ -388,9 +365,9 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
             xs = fp8.all_to_all(xe, expert_axis, 1, 1)
         else:
             xs = jax.lax.all_to_all(xe, expert_axis, 1, 1)
-        h = (jax.nn.silu(matmul(experts, xs, "w_gate", "bsecd,edf->bsecf"))
-             * matmul(experts, xs, "w_up", "bsecd,edf->bsecf"))
-        ys = matmul(experts, h, "w_down", "bsecf,efd->bsecd")
+        h = (jax.nn.silu(mm(experts, xs, "w_gate", "bsecd,edf->bsecf"))
+             * mm(experts, xs, "w_up", "bsecd,edf->bsecf"))
+        ys = mm(experts, h, "w_down", "bsecf,efd->bsecd")
         ye = jax.lax.all_to_all(ys, expert_axis, 1, 1).reshape(b, num_experts, capacity, -1)
     y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
     if valid_length is None:
@@ -412,8 +389,11 @@ class RoutedExperts(nnx.Module):
         Capacity dispatch is not causal: a later token's first choice can take the slot
         of an earlier token's second choice.
       moe_kernel: the dropless grouped matmuls' kernel, one of :data:`MOE_KERNELS`,
-        resolved once here by :func:`resolve_moe_kernel` for the current compile target
-        (attribute ``moe_kernel``: ``"ragged_dot"`` or ``"pallas"``).
+        resolved once here by :func:`resolve_moe_kernel` for ``target`` (attribute
+        ``moe_kernel``: ``"ragged_dot"`` or ``"pallas"``).
+      target: the compile target (:class:`jaxmp.target.Target`) the kernel is chosen
+        for, and whose SM count the grouped GEMM's grid fills; None =
+        :func:`jaxmp.target.current`.
       path: attribute path, e.g. ``blocks/2/moe/experts``.
       rules: per-module precision rules.
       rngs: NNX rngs.
@@ -422,9 +402,9 @@ class RoutedExperts(nnx.Module):
     ``expert_mlp``); ``w_down`` [E, d_expert, d_model] (``expert``, ``expert_mlp``,
     ``embed``), in ``policy.param_dtype``; under delayed FP8 scaling an
     :class:`~jaxmp.models.layers.FP8State` per weight (one scale for all experts).
-    Under expert parallelism (inside the train step, :func:`jaxmp.sharding.expert_axis`)
-    a device holds ``E / X`` of them and capacity dispatch exchanges the tokens by
-    all-to-all.
+    Under expert parallelism (inside the train step's ``shard_map``, ``expert_axis`` of
+    :meth:`__call__`) a device holds ``E / X`` of them and capacity dispatch exchanges the
+    tokens by all-to-all.
 
     Raises:
       ValueError: negative ``capacity_factor``; a ``moe_kernel`` that cannot run.
@@ -432,7 +412,8 @@ class RoutedExperts(nnx.Module):
 
     def __init__(self, num_experts: int, d_model: int, d_expert: int, capacity_factor=None, *,
                  path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
-                 out_std: float = 0.02, moe_kernel: str = "ragged_dot"):
+                 out_std: float = 0.02, moe_kernel: str = "ragged_dot",
+                 target: Optional[compile_target.Target] = None):
         if capacity_factor is not None and capacity_factor < 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be None, 0 (dropless) or > 0")
         self.path = path
@@ -446,18 +427,35 @@ class RoutedExperts(nnx.Module):
         self.w_up = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
         self.w_down = make_param(rngs, nnx.initializers.normal(out_std), shape_out, dt, axes_out)
         add_fp8_states(self, ("w_gate", "w_up", "w_down"))
-        tgt = compile_target.current()
+        tgt = target or compile_target.current()
         self.moe_kernel = resolve_moe_kernel(moe_kernel, self.policy.compute_dtype, d_model,
                                              d_expert, self.policy.fp8, tgt)
         self.num_sms = tgt.core_count or grouped_gemm.DEFAULT_NUM_SMS
 
-    def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array):
+    def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array, *,
+                 expert_axis: Optional[str] = None, dispatch_dtype: str = "compute",
+                 valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
         """Runs the experts.
 
         Args:
           x: [B, T, d_model], any float dtype (cast to the compute dtype).
           expert_ids: int32 [B, T, k].
           gates: float32 [B, T, k].
+          expert_axis: inside ``shard_map``, the mesh axis the experts are split over
+            (expert parallelism: this module holds ``E / X`` of them and capacity
+            dispatch exchanges the slots by all-to-all over it); None = every expert here.
+          dispatch_dtype: one of :data:`jaxmp.sharding.DISPATCH_DTYPES`, the dtype the
+            expert-parallel all-to-all sends the tokens in (``"e4m3"``: E4M3 with 1x128
+            tile scales, :func:`jaxmp.fp8.all_to_all`).
+          valid_length: int32 scalar n (may be traced), ``1 <= n <= T``, or None: only the
+            first n tokens of every sequence are real (a fixed-shape sampling buffer,
+            :func:`jaxmp.models.sampling.generate`). Under capacity dispatch the tokens
+            past n take no expert slot and the capacity is the one of an n-token sequence,
+            so with causal attention the first n positions compute what the unpadded
+            n-token context computes (the slot buffers keep the padded shape). Dropless
+            dispatch routes per token and needs no mask.
+          operands: a dict the weight matmuls record their operands in
+            (:func:`~jaxmp.models.layers.matmul`), or None.
 
         Returns:
           ``(y, dropped_fraction)``: y [B, T, d_model] in ``policy.output_dtype``, the
@@ -468,18 +466,16 @@ class RoutedExperts(nnx.Module):
         x = p.cast_to_compute(x)
         gates = gates.astype(jnp.float32)
         b, t, d = x.shape
-        axis = expert_axis()
         if self.capacity_factor > 0:
             k = expert_ids.shape[-1]
             capacity = expert_capacity(self.capacity_factor, t, k, self.num_experts)
-            n = getattr(_VALID, "value", None)
-            capacities = None if n is None else jnp.asarray(
+            capacities = None if valid_length is None else jnp.asarray(
                 [expert_capacity(self.capacity_factor, max(m, 1), k, self.num_experts)
                  for m in range(t + 1)], jnp.int32)
             y, dropped = _with_capacity(self, x, expert_ids, gates, capacity, self.num_experts,
-                                        axis,
-                                        dispatch_dtype(), n, capacities)
-        elif axis is not None:
+                                        expert_axis, dispatch_dtype, valid_length, capacities,
+                                        operands)
+        elif expert_axis is not None:
             raise ValueError("expert parallelism exchanges fixed-size slots: set "
                              "model.capacity_factor > 0 (dropless dispatch runs with "
                              "parallel.expert=1)")
@@ -488,7 +484,7 @@ class RoutedExperts(nnx.Module):
             grouped = (functools.partial(grouped_gemm.grouped_matmul, num_sms=self.num_sms)
                        if self.moe_kernel == "pallas" else None)
             y = _dropless(self, x.reshape(b * t, d), expert_ids.reshape(b * t, k),
-                          gates.reshape(b * t, k), grouped)
+                          gates.reshape(b * t, k), grouped, operands)
             y, dropped = y.reshape(b, t, d), jnp.zeros((), jnp.float32)
         return p.cast_to_output(y), dropped
 
@@ -550,33 +546,45 @@ class MoE(nnx.Module):
       init_std / out_std: normal init std of input / output projections.
       router_options: ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``,
         ``topk_group`` of :class:`Router`.
+      target: the compile target of :class:`RoutedExperts`' kernel choice.
     """
 
     def __init__(self, d_model: int, num_experts: int, num_shared_experts: int, top_k: int,
                  d_expert: int, score_fn: str = "softmax", capacity_factor=None, *, path: str,
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
-                 moe_kernel: str = "ragged_dot", **router_options):
+                 moe_kernel: str = "ragged_dot", target: Optional[compile_target.Target] = None,
+                 **router_options):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.router = Router(d_model, num_experts, top_k, score_fn, path=f"{path}/router",
                              rules=rules, rngs=rngs, init_std=init_std, **router_options)
         self.experts = RoutedExperts(num_experts, d_model, d_expert, capacity_factor,
                                      path=f"{path}/experts", rules=rules, rngs=rngs,
-                                     init_std=init_std, out_std=out_std, moe_kernel=moe_kernel)
+                                     init_std=init_std, out_std=out_std, moe_kernel=moe_kernel,
+                                     target=target)
         self.shared_experts = (
             SwiGLU(d_model, num_shared_experts * d_expert, path=f"{path}/shared_experts",
                    rules=rules, rngs=rngs, init_std=init_std, out_std=out_std)
             if num_shared_experts > 0 else None)
 
-    def __call__(self, x: jax.Array):
-        """[B, T, d_model] -> ([B, T, d_model] in ``policy.output_dtype``, :class:`MoEStats`)."""
+    def __call__(self, x: jax.Array, *, expert_axis: Optional[str] = None,
+                 dispatch_dtype: str = "compute", valid_length: Optional[jax.Array] = None,
+                 operands: Optional[dict] = None):
+        """[B, T, d_model] -> ([B, T, d_model] in ``policy.output_dtype``, :class:`MoEStats`).
+
+        ``expert_axis``, ``dispatch_dtype``, ``valid_length``: the routed experts' (see
+        :meth:`RoutedExperts.__call__`); ``operands``: see
+        :func:`~jaxmp.models.layers.matmul`.
+        """
         # No cast here: each child casts x to its own compute dtype, so a float32 router
         # sees the un-rounded input even when this layer's default is bfloat16.
         routing = self.router(x)
-        y, dropped = self.experts(x, routing.expert_ids, routing.gates)
+        y, dropped = self.experts(x, routing.expert_ids, routing.gates, expert_axis=expert_axis,
+                                  dispatch_dtype=dispatch_dtype, valid_length=valid_length,
+                                  operands=operands)
         y = y.astype(jnp.float32)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).astype(jnp.float32)
+            y = y + self.shared_experts(x, operands=operands).astype(jnp.float32)
         num_experts = routing.scores.shape[-1]
         counts = jax.nn.one_hot(routing.expert_ids, num_experts,
                                 dtype=jnp.float32).sum(axis=(0, 1, 2))

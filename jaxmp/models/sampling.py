@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.models.moe import valid_tokens
 from jaxmp.models.transformer import MoETransformer
 
 __all__ = ["generate"]
@@ -22,8 +21,7 @@ def _next_token(graphdef, state, buffer, n, key, temperature, vocab_limit):
     the context: the next token of each row (int32 [B]) and the next key. Ids at or above
     ``vocab_limit`` (padding rows of the embedding) get a logit of -inf."""
     model = nnx.merge(graphdef, state)
-    with valid_tokens(n):
-        logits, _ = model(buffer)
+    logits, _ = model(buffer, valid_length=n)
     last = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False).astype(jnp.float32)
     if vocab_limit < last.shape[-1]:
         last = jnp.where(jnp.arange(last.shape[-1]) < vocab_limit, last, -jnp.inf)
@@ -44,7 +42,7 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
     size (the temperature is an argument of the step, not a constant of it). Causal
     attention keeps the padding invisible; under capacity dispatch
     (``capacity_factor > 0``) the padding takes no expert slot and the capacity is that of
-    the real context (:func:`jaxmp.models.moe.valid_tokens`), so each step's logits are
+    the real context (``MoETransformer.__call__(valid_length=)``), so each step's logits are
     those of the unpadded context.
 
     Args:

@@ -103,20 +103,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp._checks import BOOL, Choice, Int, Kind, Real, check, is_int, option
+from jaxmp import target as compile_target
+from jaxmp._checks import BOOL, Choice, Int, Kind, Real, check, check_choice, is_int, option
 
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAttention
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, RMSNorm, Rope, SwiGLU
 from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
-from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
+from jaxmp.sharding import DISPATCH_DTYPES, constrain, fsdp_checkpoint_policy
 
 __all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
            "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes"]
@@ -456,12 +457,16 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
 class Block(nnx.Module):
     """Pre-norm block: attention and a dense (``mlp``) or MoE (``moe``) FFN, each residual.
 
-    ``__call__(h [B, T, d]) -> (h, MoEStats or None)``; the residual keeps ``h``'s dtype.
-    ``layers`` holds the indices of the layers this block is: ``(index,)``, or in the
-    scanned layout the stack's layers (its variables then have a leading ``layers`` axis).
+    ``__call__(h [B, T, d], *, expert_axis, dispatch_dtype, valid_length, operands) ->
+    (h, MoEStats or None)`` (the keywords as :meth:`MoETransformer.__call__`'s); the
+    residual keeps ``h``'s dtype. ``layers`` holds the indices of the layers this block
+    is: ``(index,)``, or in the scanned layout the stack's layers (its variables then have
+    a leading ``layers`` axis). ``target``: the compile target of the attention and routed experts'
+    kernel choices (:class:`MoETransformer`).
     """
 
-    def __init__(self, config: ModelConfig, index: int, *, rules: PolicyRules, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, index: int, *, rules: PolicyRules, rngs: nnx.Rngs,
+                 target: Optional[compile_target.Target] = None):
         path = f"blocks/{index}"
         self.layers = (index,)
         std, out_std = _std(config)
@@ -476,7 +481,7 @@ class Block(nnx.Module):
                                     v_head_dim=config.v_head_dim, rope=config.rope,
                                     path=f"{path}/attn", rules=rules, rngs=rngs, init_std=std,
                                     out_std=out_std, implementation=config.attention,
-                                    recompute_core=config.remat == "attention")
+                                    recompute_core=config.remat == "attention", target=target)
         else:
             self.attn = Attention(config.d_model, config.num_heads, config.rope_theta,
                                   path=f"{path}/attn",
@@ -485,7 +490,7 @@ class Block(nnx.Module):
                                   recompute_core=config.remat == "attention",
                                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                   qk_norm=config.qk_norm, qkv_bias=config.qkv_bias,
-                                  norm_eps=config.norm_eps, rope=config.rope)
+                                  norm_eps=config.norm_eps, rope=config.rope, target=target)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm",
                                 rules=rules, rngs=rngs)
         if config.is_moe_layer(index):
@@ -497,19 +502,24 @@ class Block(nnx.Module):
                            moe_kernel=config.moe_kernel, norm_topk_prob=config.norm_topk_prob,
                            routed_scaling_factor=config.routed_scaling_factor,
                            n_group=config.n_group, topk_group=config.topk_group,
-                           group_score=config.group_score)
+                           group_score=config.group_score, target=target)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs,
                               init_std=std, out_std=out_std)
 
-    def __call__(self, h: jax.Array):
-        h = h + self.attn(self.attn_norm(h)).astype(h.dtype)
+    def __call__(self, h: jax.Array, *, expert_axis: Optional[str] = None,
+                 dispatch_dtype: str = "compute", valid_length: Optional[jax.Array] = None,
+                 operands: Optional[dict] = None):
+        """One block; the keyword arguments are :meth:`MoETransformer.__call__`'s."""
+        h = h + self.attn(self.attn_norm(h), operands=operands).astype(h.dtype)
         stats = None
         if hasattr(self, "moe"):
-            y, stats = self.moe(self.ffn_norm(h))
+            y, stats = self.moe(self.ffn_norm(h), expert_axis=expert_axis,
+                                dispatch_dtype=dispatch_dtype, valid_length=valid_length,
+                                operands=operands)
         else:
-            y = self.mlp(self.ffn_norm(h))
+            y = self.mlp(self.ffn_norm(h), operands=operands)
         return h + y.astype(h.dtype), stats
 
 
@@ -529,17 +539,20 @@ def _stack(blocks) -> Block:
     return template
 
 
-def _run_block(graphdef, remat: str, prevent_cse: bool, gather=None, dtypes=None):
-    """``(block state, h) -> (h, stats)`` for one block, under ``jax.checkpoint`` when
-    ``remat`` asks for a block-level policy. With ``gather`` (FSDP) the block's
-    parameters are gathered inside, and the block always runs under
-    :func:`jaxmp.sharding.fsdp_checkpoint_policy` of ``remat``'s policy: it keeps its
-    split parameters and gathers them again for the backward pass, and saves no more
-    than ``remat`` allows."""
+def _run_block(graphdef, remat: str, prevent_cse: bool, gather=None, dtypes=None,
+               block_args: Optional[Mapping[str, Any]] = None):
+    """``(block state, h) -> (h, stats)`` for one block called with ``block_args``
+    (:meth:`Block.__call__`'s keywords), under ``jax.checkpoint`` when ``remat`` asks for
+    a block-level policy. With ``gather`` (FSDP) the block's parameters are gathered
+    inside, and the block always runs under :func:`jaxmp.sharding.fsdp_checkpoint_policy`
+    of ``remat``'s policy: it keeps its split parameters and gathers them again for the
+    backward pass, and saves no more than ``remat`` allows."""
+    block_args = dict(block_args or {})
+
     def run(state, h):
         if gather is not None:
             state = _gathered(state, dtypes, gather)
-        return nnx.merge(graphdef, state)(h)
+        return nnx.merge(graphdef, state)(h, **block_args)
 
     policy = _BLOCK_CHECKPOINT_POLICIES.get(remat)
     if gather is not None:  # FSDP: the remat policy, and never a gathered weight
@@ -580,17 +593,18 @@ def _gathered(state, dtypes: dict, gather):
     return nnx.from_flat_state(flat)
 
 
-def _call_gathered(module: nnx.Module, *args, method: str = "__call__"):
-    """``module.method(*args)``, with its parameters gathered first inside an FSDP step (under
-    :func:`jaxmp.sharding.fsdp_checkpoint_policy`: the backward pass gathers them again)."""
-    gather = param_gather()
+def _call_gathered(module: nnx.Module, gather, *args, method: str = "__call__", **kwargs):
+    """``module.method(*args, **kwargs)``, with its parameters gathered first by ``gather``
+    (FSDP, not None) under :func:`jaxmp.sharding.fsdp_checkpoint_policy`: the backward
+    pass gathers them again."""
     if gather is None:
-        return getattr(module, method)(*args)
+        return getattr(module, method)(*args, **kwargs)
     graphdef, state = nnx.split(module)
     dtypes = param_compute_dtypes(module)
 
     def run(state, *args):
-        return getattr(nnx.merge(graphdef, _gathered(state, dtypes, gather)), method)(*args)
+        module = nnx.merge(graphdef, _gathered(state, dtypes, gather))
+        return getattr(module, method)(*args, **kwargs)
 
     return jax.checkpoint(run, policy=fsdp_checkpoint_policy())(state, *args)
 
@@ -604,6 +618,13 @@ class MoETransformer(nnx.Module):
         :func:`~jaxmp.precision.policy.get_policy_rules` parses, e.g.
         ``"mixed_bf16; router: fp32"``).
       rngs: NNX rngs (stream ``params``).
+      target: the compile target (:class:`jaxmp.target.Target`, the devices the program
+        will run on, which for a deviceless compile are not this host's) that the
+        hardware choices are made for, once, here: ``config.attention="auto"``
+        (:func:`~jaxmp.models.attention.resolve_attention`) and ``config.moe_kernel="auto"``
+        (:func:`~jaxmp.models.moe.resolve_moe_kernel`). None = :func:`jaxmp.target.current`
+        (this host's first device outside :func:`jaxmp.target.compiling_for`);
+        :meth:`jaxmp.train.Experiment.create` passes the mesh's.
 
     Attributes: ``embed``, ``final_norm``, ``head``, and ``blocks`` (a list of
     :class:`Block`, one per layer) or, with ``config.scan_layers``, ``stacks`` (one
@@ -613,7 +634,8 @@ class MoETransformer(nnx.Module):
       ValueError: an attention path that cannot run here (``"cudnn"`` off a GPU).
     """
 
-    def __init__(self, config: ModelConfig, rules: PolicyRules, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rules: PolicyRules, *, rngs: nnx.Rngs,
+                 target: Optional[compile_target.Target] = None):
         # Routers and norms are float32 islands, and an FP8 default leaves the embedding and
         # head alone, unless one of the user's rules says otherwise.
         rules = without_fp8(with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS),
@@ -622,7 +644,9 @@ class MoETransformer(nnx.Module):
         self.config = config
         self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs,
                            head_path="head" if config.tie_embeddings else None)
-        blocks = [Block(config, i, rules=rules, rngs=rngs) for i in range(config.num_layers)]
+        target = target or compile_target.current()
+        blocks = [Block(config, i, rules=rules, rngs=rngs, target=target)
+                  for i in range(config.num_layers)]
         if config.scan_layers:
             self.stacks = nnx.List([_stack([blocks[i] for i in layers])
                                     for layers in layer_stacks(config, rules)])
@@ -658,11 +682,35 @@ class MoETransformer(nnx.Module):
                 out.append(module.path)
         return out
 
-    def __call__(self, tokens: jax.Array):
+    def __call__(self, tokens: jax.Array, *, param_gather: Optional[Callable] = None,
+                 expert_axis: Optional[str] = None, dispatch_dtype: str = "compute",
+                 valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
         """Forward pass.
+
+        The keyword arguments matter only inside the train and eval steps' ``shard_map``
+        (the first three: :func:`jaxmp.train.step.forward_args` of the run's
+        :class:`~jaxmp.sharding.StepPlan`), for sampling from a fixed-shape buffer
+        (``valid_length``) and for diagnostics (``operands``); their defaults run the
+        model on whole arrays.
 
         Args:
           tokens: int [B, T] token ids, T <= max_len.
+          param_gather: ``gather(value, logical_axes, dtype) -> value``, the FSDP all-gather
+            of a parameter split over the data axis (``StepPlan.gather``,
+            :func:`jaxmp.comm.gather_param`), or None (parameters are whole). Each module
+            gathers its own parameters, under :func:`jaxmp.sharding.fsdp_checkpoint_policy`
+            (the backward pass gathers them again).
+          expert_axis: the mesh axis the routed experts are split over (expert
+            parallelism), or None (:meth:`~jaxmp.models.moe.RoutedExperts.__call__`).
+          dispatch_dtype: one of :data:`jaxmp.sharding.DISPATCH_DTYPES`: the dtype the
+            expert-parallel all-to-all sends tokens in.
+          valid_length: int32 scalar n (may be traced), ``1 <= n <= T``: only the first n
+            tokens of each row are real (capacity dispatch then gives the padding no
+            expert slot, :meth:`~jaxmp.models.moe.RoutedExperts.__call__`); None = all T.
+          operands: a dict that every weight matmul records its operands in, keyed
+            ``"<module path>/<weight>"`` (:func:`~jaxmp.models.layers.matmul`;
+            :func:`jaxmp.diagnostics.fp8_report` reads it), or None. Run the model eagerly,
+            unscanned and without block remat to get arrays rather than tracers.
 
         Returns:
           ``(logits, aux)``: logits [B, T, vocab_size] in the head's compute dtype
@@ -675,7 +723,8 @@ class MoETransformer(nnx.Module):
           the fraction of assignments dropped by capacity; 0 dropless).
 
         Raises:
-          ValueError: tokens not an integer [B, T] array, or T > max_len.
+          ValueError: tokens not an integer [B, T] array, T > max_len, or a
+            ``dispatch_dtype`` not in :data:`jaxmp.sharding.DISPATCH_DTYPES`.
         """
         cfg = self.config
         if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
@@ -683,14 +732,18 @@ class MoETransformer(nnx.Module):
                              f"{jnp.shape(tokens)} dtype {jnp.result_type(tokens)}")
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={cfg.max_len}")
-        gather = param_gather()  # FSDP inside the train step: each layer gathers its own weights
-        h = constrain(_call_gathered(self.embed, tokens), _ACT_AXES)
+        check_choice("dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
+        block_args = dict(expert_axis=expert_axis, dispatch_dtype=dispatch_dtype,
+                          valid_length=valid_length, operands=operands)
+        # FSDP (param_gather): each module gathers its own weights.
+        h = constrain(_call_gathered(self.embed, param_gather, tokens), _ACT_AXES)
         stats = []  # MoEStats with a leading layer axis, in layer order
         for block in self.layer_blocks():
             graphdef, state = nnx.split(block)
             # scan needs no CSE guard
             run = _run_block(graphdef, cfg.remat, prevent_cse=not cfg.scan_layers,
-                             gather=gather, dtypes=param_compute_dtypes(block) if gather else None)
+                             gather=param_gather, block_args=block_args,
+                             dtypes=param_compute_dtypes(block) if param_gather else None)
             if cfg.scan_layers:
                 def body(h, layer_state, run=run):
                     h, s = run(layer_state, h)
@@ -703,11 +756,11 @@ class MoETransformer(nnx.Module):
                 s = None if s is None else jax.tree.map(lambda x: x[None], s)
             if s is not None:
                 stats.append(s)
-        h = _call_gathered(self.final_norm, h)
+        h = _call_gathered(self.final_norm, param_gather, h)
         if cfg.tie_embeddings:
-            logits = _call_gathered(self.embed, h, method="attend")
+            logits = _call_gathered(self.embed, param_gather, h, method="attend")
         else:
-            logits = _call_gathered(self.head, h)
+            logits = _call_gathered(self.head, param_gather, h, operands=operands)
         if stats:
             stats = MoEStats(*(jnp.concatenate(parts) for parts in zip(*stats)))
             balance, counts = jnp.sum(stats.balance_loss), stats.expert_counts

@@ -15,8 +15,9 @@ range (fewer mantissa bits), or overflow after ``(g * S).astype(dtype)``.
 
 FP8 (:mod:`jaxmp.fp8`): :func:`fp8_quantization` counts, for one matmul operand under one
 recipe, the elements that FP8 flushes to zero, leaves subnormal or saturates, and its
-relative error; :func:`fp8_report` does it per module and recipe for the operands
-:func:`jaxmp.models.capture_matmul_operands` records. One scale per tensor lets a single
+relative error; :func:`fp8_report` does it per module and recipe for the operands a
+forward pass records (``MoETransformer.__call__(tokens, operands={})``, filled by
+:func:`jaxmp.models.matmul`). One scale per tensor lets a single
 outlier set it for every element; block scales confine it to its tile::
 
     x = jnp.ones((256, 256)).at[0, 0].set(2.0**19)   # one outlier
@@ -418,8 +419,8 @@ def fp8_report(operands: Mapping[str, Mapping[str, Any]],
     """:func:`fp8_quantization` of every operand of every matmul, under each recipe.
 
     Args:
-      operands: ``{name: {"x": activation, "w": weight, ...}}``, e.g. what
-        :func:`jaxmp.models.capture_matmul_operands` recorded during a forward pass
+      operands: ``{name: {"x": activation, "w": weight, ...}}``, e.g. the dict a forward
+        pass ``MoETransformer.__call__(tokens, operands=found)`` filled
         (``"blocks/0/mlp/w_gate"``); keys other than ``x``, ``w``, ``g`` are ignored.
       recipes: the recipes to compare (delayed is counted at its best case, the current
         amax; pass ``amax`` to :func:`fp8_quantization` for a stale one).

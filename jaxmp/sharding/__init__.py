@@ -27,11 +27,11 @@ strategy     state at rest (master, moments)  parameters in the forward pass
 In every strategy the routed experts' ``expert`` axis is split over ``"expert"``
 (expert parallelism) and the batch over both mesh axes. The router's output axis is
 ``expert_logit``, never split: every device routes to every expert. Inside the train
-step (``shard_map``), :func:`in_step` tells the model which mesh axis carries expert
-parallelism, how to gather an FSDP-split parameter and in which dtype the expert
-dispatch travels (:func:`expert_axis`, :func:`param_gather`, :func:`dispatch_dtype`);
-outside it the first two are None, the dtype is ``"compute"``, and the model runs on
-whole arrays.
+step (``shard_map``), the model is told which mesh axis carries expert parallelism, how
+to gather an FSDP-split parameter and in which dtype the expert dispatch travels by
+arguments of its call (:class:`StepPlan`'s ``expert_axis``, ``gather`` and
+``layout.dispatch_dtype``, :func:`jaxmp.train.step.forward_args`); without them the
+model runs on whole arrays.
 
 ``parallel.dispatch_dtype`` (:data:`DISPATCH_DTYPES`): ``"compute"`` sends the tokens of
 the expert-parallel all-to-all in the compute dtype; ``"e4m3"`` sends them as E4M3 with
@@ -43,8 +43,8 @@ The package, one concept to a module (everything is re-exported here):
 * :mod:`jaxmp.sharding.rules`: the rule tables, the axis names, :class:`Layout` and
   :func:`layout`, :func:`make_mesh`, and the shardings of whole arrays
   (:func:`logical_to_sharding`, :func:`state_shardings`, :func:`batch_sharding`);
-* :mod:`jaxmp.sharding.context`: what a trace reads (:func:`use_rules` /
-  :func:`constrain`; :func:`in_step` and its accessors);
+* :mod:`jaxmp.sharding.context`: the rule table a trace annotates activations by
+  (:func:`use_rules` / :func:`constrain`);
 * :mod:`jaxmp.sharding.plan`: :class:`StepPlan`, the steps' per-device layout built once
   per run (specs at rest and in the forward pass, each gradient leaf's all-reduce or
   reduce-scatter, the FSDP gather, ZeRO-1's compute-copy all-gather), and

@@ -18,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmp.precision import comm
 from jaxmp.precision._vma import as_axes, varying_axes
-from jaxmp.sharding.context import in_step
 from jaxmp.sharding.rules import DATA_AXIS, EXPERT_AXIS, Layout, state_shardings
 
 __all__ = ["StepPlan", "fsdp_checkpoint_policy"]
@@ -112,11 +111,6 @@ class StepPlan:
     def batch_spec(self) -> PartitionSpec:
         """The ``PartitionSpec`` of a ``[B, ...]`` batch: B over :attr:`axes`."""
         return PartitionSpec(self.axes)
-
-    def in_step(self):
-        """:func:`jaxmp.sharding.in_step` with this plan's expert axis, FSDP gather and
-        dispatch dtype: entered inside the steps' ``shard_map``."""
-        return in_step(self.expert_axis, self.gather, self.layout.dispatch_dtype)
 
     def varying(self, tree: Any) -> Any:
         """Every leaf made device-varying over all of :attr:`axes` (inside ``shard_map``):

@@ -37,7 +37,7 @@ from jaxmp.train.data import DataPipeline, create_pipeline
 from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
-from jaxmp.train.step import make_eval_step, make_train_step
+from jaxmp.train.step import DivergenceCheck, GradExchange, make_eval_step, make_train_step
 
 __all__ = ["Experiment", "module_paths", "unmatched_rules"]
 
@@ -69,9 +69,8 @@ def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) ->
     layout, and a fresh optimizer state."""
     from jaxmp.models import hf
 
-    with target.compiling_for(mesh):
-        model = hf.load_weights(path, settings.model, settings.rules, mesh=mesh,
-                                rules=layout.state_rules)
+    model = hf.load_weights(path, settings.model, settings.rules, mesh=mesh,
+                            rules=layout.state_rules, target=_target_of(mesh))
     n = int(mesh.devices.size)
     comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
                                       settings.comm["grad_compression"])
@@ -80,6 +79,12 @@ def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) ->
     # One buffer per leaf: the eager state shares its zero scalars, which the donating
     # train step may not receive twice.
     return jax.tree.map(lambda x: x.copy(), jax.device_put(state, shardings))
+
+
+def _target_of(mesh: Mesh) -> target.Target:
+    """The compile target of ``mesh``: its devices, which for a deviceless compile are
+    topology devices, not this host's (:mod:`jaxmp.target`)."""
+    return target.of_device(mesh.devices.flat[0])
 
 
 def _cast_copy(params: Any, dtypes: dict) -> Any:
@@ -171,18 +176,19 @@ class Experiment:
 
         # Hardware choices (attention and moe_kernel "auto") follow the devices the step is
         # compiled for, which for a deviceless compile are topology devices (jaxmp.target).
+        compile_for = _target_of(mesh)
+
         def init() -> TrainState:
-            with target.compiling_for(mesh):
-                model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed))
+            model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed),
+                                   target=compile_for)
             comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
                                               settings.comm["grad_compression"])
             # ZeRO-1's compute copy is cast afterwards, from the stored params (restored_state).
             return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
                                       comm_state=comm_state)[1]
 
-        with target.compiling_for(mesh):
-            model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
-                                                          rngs=nnx.Rngs(cfg.seed)))
+        model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
+                                                      rngs=nnx.Rngs(cfg.seed), target=compile_for))
         graphdef = split_model(model)[0]
         abstract = jax.eval_shape(init)
         copy_fn = functools.partial(_cast_copy, dtypes=param_compute_dtypes(model))
@@ -196,13 +202,13 @@ class Experiment:
         batch_sh = sharding.batch_sharding(mesh, layout.state_rules)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 abstract, state_sh)
-        step = make_train_step(graphdef, optimizer, plan=plan, lr_schedule=lr_schedule,
-                               bias_update_rate=settings.model.bias_update_rate,
-                               grad_accum_steps=cfg.train.grad_accum_steps,
-                               loss_spike_factor=cfg.train.loss_spike_factor,
-                               grad_norm_spike_factor=cfg.train.grad_norm_spike_factor,
-                               grad_compression=settings.comm["grad_compression"],
-                               topk_ratio=settings.comm["topk_ratio"])
+        step = make_train_step(
+            graphdef, optimizer, plan=plan, lr_schedule=lr_schedule,
+            bias_update_rate=settings.model.bias_update_rate,
+            grad_accum_steps=cfg.train.grad_accum_steps,
+            exchange=GradExchange(settings.comm["grad_compression"], settings.comm["topk_ratio"]),
+            divergence=DivergenceCheck(cfg.train.loss_spike_factor,
+                                       cfg.train.grad_norm_spike_factor))
         return cls(
             settings=settings, mesh=mesh, layout=layout, rules=model.rules,
             graphdef=graphdef, module_paths=tuple(module_paths(model)),

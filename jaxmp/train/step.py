@@ -32,7 +32,8 @@ histories on an applied step and is selected away, bitwise, on a skipped one.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import functools
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,10 +48,27 @@ from jaxmp.precision.loss_scale import all_finite, select_tree
 from jaxmp.sharding import StepPlan
 from jaxmp.train.state import TrainState
 
-__all__ = ["loss_fn", "make_train_step", "make_eval_step"]
+__all__ = ["loss_fn", "forward_args", "GradExchange", "DivergenceCheck", "make_train_step",
+           "make_eval_step"]
 
 
-def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None):
+def forward_args(plan: StepPlan) -> Dict[str, Any]:
+    """The keyword arguments of ``MoETransformer.__call__`` inside the steps' ``shard_map``
+    over ``plan``'s mesh, those the plan uses: ``param_gather`` (the FSDP gather,
+    ``plan.gather``) under FSDP; ``expert_axis`` (``plan.expert_axis``) and
+    ``dispatch_dtype`` (``plan.layout.dispatch_dtype``) under expert parallelism. So a
+    model of its own (any NNX module called as ``model(tokens) -> (logits, aux)``) runs
+    under a plan without either, and one that cannot take them fails by name."""
+    args: Dict[str, Any] = {}
+    if plan.gather is not None:
+        args["param_gather"] = plan.gather
+    if plan.expert_axis is not None:
+        args.update(expert_axis=plan.expert_axis, dispatch_dtype=plan.layout.dispatch_dtype)
+    return args
+
+
+def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None, *,
+            forward: Optional[Mapping[str, Any]] = None):
     """The training loss, multiplied by the loss scale, and what the step logs.
 
     Args:
@@ -62,6 +80,8 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None):
         them (``nnx.split_state(rest, FP8State, ...)``), so that they can be
         differentiated: their cotangent is their update (Flax's "overwrite with
         gradient").
+      forward: keyword arguments of the model's call (:func:`forward_args` inside the
+        steps' ``shard_map``); None = none.
 
     Returns:
       ``(loss_scale.scale(cross_entropy + aux_loss), (cross_entropy, aux))``: the
@@ -71,7 +91,7 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None):
     """
     if amax is not None:
         rest = nnx.merge_state(amax, rest)
-    logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
+    logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"], **(forward or {}))
     ce = ops.cross_entropy(logits, batch["targets"])
     return loss_scale.scale(ce + aux["aux_loss"]), (ce, aux)
 
@@ -120,20 +140,91 @@ def _mean_aux(ces, auxes):
                         "dropped_fraction": auxes["dropped_fraction"].mean()}
 
 
-def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: StepPlan,
-                   reduce_dtype, comm_kwargs):
-    """Per-device gradients inside ``shard_map``, reduced as ``plan.reduces`` says.
+class GradExchange(NamedTuple):
+    """How the devices exchange gradients (the reduce dtype is the plan's).
 
-    Returns ``(grads, finite, ce, aux, new_comm_state, new_amax)``: float32 unscaled
-    gradients of the mean loss laid out like the master weights (replicated, or split
-    over ``data`` for zero1 / fsdp), the verdict of every device's *local* gradients
-    (``pmin``, taken before compression), the cross-entropy and ``aux_loss`` averaged
-    over devices (the balance loss of each device's own batch), expert counts summed over
-    devices, and the updated FP8 amax histories (max over micro-batches and over every
-    batch axis of the mesh, replicated; empty without delayed scaling).
+    Attributes:
+      compression: ``"none"`` (all-reduce / reduce-scatter, :func:`jaxmp.comm.reduce_gradients`)
+        or ``"topk"`` (:func:`jaxmp.comm.topk_compress` with an error-feedback residual in
+        ``TrainState.comm_state``; data parallelism only).
+      topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
     """
-    n, axes = plan.total, plan.axes
-    topk = comm_kwargs["grad_compression"] == "topk"
+
+    compression: str = "none"
+    topk_ratio: float = 0.3
+
+
+class DivergenceCheck(NamedTuple):
+    """When an applied step looks divergent (``_health``); a factor of 0 turns its test off.
+
+    Attributes:
+      loss_spike_factor: the loss exceeds this many times the running mean of the
+        healthy steps' losses.
+      grad_norm_spike_factor: likewise for the unscaled gradient norm (the default 100 is
+        loose because clipped training tolerates large spikes).
+    """
+
+    loss_spike_factor: float = 3.0
+    grad_norm_spike_factor: float = 100.0
+
+
+class _DeviceInputs(NamedTuple):
+    """What each device's gradient computation reads (the arguments of ``shard_map``)."""
+
+    params: Any       # as the forward pass reads them (ZeRO-1's compute copy, else masters)
+    biases: Any       # router biases, replicated
+    amax: Any         # FP8 delayed-scaling histories, replicated
+    other: Any        # the rest of the model's state, replicated
+    loss_scale: Any   # replicated
+    residual: Any     # top-k error feedback [devices, ...] or None, split over the devices
+    batch: Any        # split over the batch axes
+
+    @classmethod
+    def specs(cls, plan: StepPlan) -> "_DeviceInputs":
+        """The ``shard_map`` in_spec of each field on ``plan``'s mesh."""
+        rep, split = PartitionSpec(), plan.batch_spec
+        return cls(params=plan.compute_specs, biases=rep, amax=rep, other=rep, loss_scale=rep,
+                   residual=split, batch=split)
+
+
+class _DeviceGrads(NamedTuple):
+    """The reduced gradients of one step and what the step logs, out of ``shard_map``.
+
+    Attributes:
+      grads: float32 unscaled gradients of the mean loss, laid out like the master
+        weights (replicated, or split over ``data`` for zero1 / fsdp).
+      finite: bool, the verdict of every device's *local* gradients (``pmin``, taken
+        before compression).
+      loss: float32, the cross-entropy averaged over devices.
+      aux: the model's dict: ``aux_loss`` averaged over devices (the balance loss of each
+        device's own batch), ``expert_counts`` summed over devices, ``dropped_fraction``
+        averaged.
+      residual: the new top-k error-feedback residual ``[devices, ...]``, or None.
+      amax: the updated FP8 amax histories (max over micro-batches and over every batch
+        axis of the mesh, replicated; empty without delayed scaling).
+    """
+
+    grads: Any
+    finite: jax.Array
+    loss: jax.Array
+    aux: Dict[str, jax.Array]
+    residual: Any
+    amax: Any
+
+    @classmethod
+    def specs(cls, plan: StepPlan) -> "_DeviceGrads":
+        """The ``shard_map`` out_spec of each field on ``plan``'s mesh."""
+        rep = PartitionSpec()
+        return cls(grads=plan.state_specs, finite=rep, loss=rep, aux=rep,
+                   residual=plan.batch_spec, amax=rep)
+
+
+def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: StepPlan,
+                   exchange: GradExchange) -> _DeviceGrads:
+    """Per-device gradients inside ``shard_map``, reduced as ``plan.reduces`` says (or
+    exchanged as top-k), as a :class:`_DeviceGrads`."""
+    n, axes, reduce_dtype = plan.total, plan.axes, plan.reduce_dtype
+    topk = exchange.compression == "topk"
     residual = state.comm_state["residual"] if topk and state.comm_state is not None else None
     if topk:
         if residual is None:
@@ -144,45 +235,48 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
             raise ValueError(f"the top-k residual has leading dimension(s) {sorted(leading)} but "
                              f"the mesh has {n} devices; build it with num_devices={n}")
     params = state.compute_params if plan.layout.compute_copy else state.params
-    # d(scaled loss)/d(params, amax): the histories' "gradient" is their update.
-    grad_fn = jax.grad(loss_fn, argnums=(1, 6), has_aux=True)
+    # d(scaled loss)/d(params, amax): the histories' "gradient" is their update. The model
+    # is called with the plan's FSDP gather, expert axis and dispatch dtype.
+    grad_fn = jax.grad(functools.partial(loss_fn, forward=forward_args(plan)), argnums=(1, 6),
+                       has_aux=True)
 
-    def per_device(params, biases, amax, other, loss_scale, residual, batch):
+    def per_device(inputs: _DeviceInputs) -> _DeviceGrads:
+        params, biases, amax, other, loss_scale, residual, batch = inputs
         # Device-varying copies (plan.varying): shard_map adds no reduction of its own.
         params, amax = plan.varying(params), plan.varying(amax)
-        with plan.in_step():
-            if grad_accum_steps == 1:
-                (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, other,
-                                                       loss_scale, batch, amax)
-                local_finite = all_finite(grads)
-            else:
-                def body(carry, micro_batch):
-                    acc, amax_acc = carry
-                    (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, other, loss_scale,
-                                                    micro_batch, amax)
-                    # Still scaled: the loss scale stays on the wire (comm.reduce_gradients).
-                    # Amax histories: the max over micro-batches, never the last one (FP8-1).
-                    return ((optim.accumulate(acc, g, loss_scale, grads_scaled=False),
-                             fp8.merge_states(amax_acc, a)), (ce_m, aux_m))
+        if grad_accum_steps == 1:
+            (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, other,
+                                                   loss_scale, batch, amax)
+            local_finite = all_finite(grads)
+        else:
+            def body(carry, micro_batch):
+                acc, amax_acc = carry
+                (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, other, loss_scale,
+                                                micro_batch, amax)
+                # Still scaled: the loss scale stays on the wire (comm.reduce_gradients).
+                # Amax histories: the max over micro-batches, never the last one (FP8-1).
+                return ((optim.accumulate(acc, g, loss_scale, grads_scaled=False),
+                         fp8.merge_states(amax_acc, a)), (ce_m, aux_m))
 
-                # The sum lives in float32 whatever dtype the parameters the forward reads
-                # (a zero1 compute copy is bfloat16): the master dtype of mixed precision.
-                init = plan.varying(optim.accumulator_init(
-                    jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
-                amax_init = plan.varying(
-                    jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, a.dtype), amax))
-                (acc, new_amax), (ces, auxes) = jax.lax.scan(
-                    body, (init, amax_init), _micro_batches(batch, grad_accum_steps))
-                grads, local_finite = optim.accumulated_mean(acc)
-                local_finite = local_finite & all_finite(grads)
-                ce, aux = _mean_aux(ces, auxes)
+            # The sum lives in float32 whatever dtype the parameters the forward reads
+            # (a zero1 compute copy is bfloat16): the master dtype of mixed precision.
+            init = plan.varying(optim.accumulator_init(
+                jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
+            amax_init = plan.varying(
+                jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, a.dtype), amax))
+            (acc, new_amax), (ces, auxes) = jax.lax.scan(
+                body, (init, amax_init), _micro_batches(batch, grad_accum_steps))
+            grads, local_finite = optim.accumulated_mean(acc)
+            local_finite = local_finite & all_finite(grads)
+            ce, aux = _mean_aux(ces, auxes)
         # Every device saw its own activations, gradients and (expert parallelism) experts:
         # the histories' max over all batch axes is every device's, replicated.
         new_amax = jax.tree.map(lambda a: jax.lax.pmax(a, axes), new_amax)
         if topk:  # data parallelism only (validated): every leaf is summed over every axis
             local_state = {"residual": jax.tree.map(lambda r: r[0], residual)}
-            grads, new_state = comm.exchange_gradients(grads, loss_scale, local_state,
-                                                       axis_name=axes, **comm_kwargs)
+            grads, new_state = comm.exchange_gradients(
+                grads, loss_scale, local_state, axis_name=axes, grad_reduce_dtype=reduce_dtype,
+                grad_compression=exchange.compression, topk_ratio=exchange.topk_ratio)
             new_residual = jax.tree.map(lambda r: r[None], new_state["residual"])
         else:
             grads = loss_scale.unscale(
@@ -196,29 +290,35 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
         aux = {"aux_loss": mean(aux["aux_loss"]),
                "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
                "dropped_fraction": mean(aux["dropped_fraction"])}
-        return grads, finite, mean(ce), aux, new_residual, new_amax
+        return _DeviceGrads(grads=grads, finite=finite, loss=mean(ce), aux=aux,
+                           residual=new_residual, amax=new_amax)
 
-    rep, split = PartitionSpec(), plan.batch_spec
-    grads, finite, ce, aux, new_residual, new_amax = jax.shard_map(
-        per_device, mesh=plan.mesh,
-        in_specs=(plan.compute_specs, rep, rep, rep, rep, split, split),
-        out_specs=(plan.state_specs, rep, rep, rep, split, rep))(
-            params, state.biases, amax, other, state.loss_scale, residual, batch)
-    new_comm_state = {"residual": new_residual} if topk else state.comm_state
-    return grads, finite, ce, aux, new_comm_state, new_amax
+    inputs = _DeviceInputs(params=params, biases=state.biases, amax=amax, other=other,
+                           loss_scale=state.loss_scale, residual=residual, batch=batch)
+    return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(_DeviceInputs.specs(plan),),
+                         out_specs=_DeviceGrads.specs(plan))(inputs)
 
 
 _EMA_DECAY = 0.9
 
 
-def _health(state: TrainState, ce, grad_norm, applied, loss_spike_factor, grad_norm_spike_factor):
-    """``(divergent, loss_ema, grad_norm_ema, divergent_steps)`` after this step.
+class _Health(NamedTuple):
+    """The divergence verdict of a step and the running means after it."""
+
+    divergent: jax.Array        # bool
+    loss_ema: jax.Array         # float32
+    grad_norm_ema: jax.Array    # float32
+    divergent_steps: jax.Array  # int32, in a row
+
+
+def _health(state: TrainState, ce, grad_norm, applied, check: DivergenceCheck) -> _Health:
+    """The :class:`_Health` after this step.
 
     An applied step looks divergent when its loss is not finite, when its loss exceeds
-    ``loss_spike_factor`` times the running mean of the healthy applied steps' losses,
-    when its gradient norm exceeds ``grad_norm_spike_factor`` times theirs, or when its
-    gradient norm is exactly 0 (no learning signal: a collapsed model). A factor of 0
-    turns that test off. Only healthy applied steps move the running means.
+    ``check.loss_spike_factor`` times the running mean of the healthy applied steps'
+    losses, when its gradient norm exceeds ``check.grad_norm_spike_factor`` times theirs,
+    or when its gradient norm is exactly 0 (no learning signal: a collapsed model). A
+    factor of 0 turns that test off. Only healthy applied steps move the running means.
     """
     ce, grad_norm = ce.astype(jnp.float32), grad_norm.astype(jnp.float32)
     seen = state.loss_ema > 0
@@ -226,8 +326,9 @@ def _health(state: TrainState, ce, grad_norm, applied, loss_spike_factor, grad_n
     def above(x, ema, factor):
         return seen & (factor > 0) & (x > factor * ema)
 
-    divergent = applied & (~jnp.isfinite(ce) | above(ce, state.loss_ema, loss_spike_factor)
-                           | above(grad_norm, state.grad_norm_ema, grad_norm_spike_factor)
+    divergent = applied & (~jnp.isfinite(ce)
+                           | above(ce, state.loss_ema, check.loss_spike_factor)
+                           | above(grad_norm, state.grad_norm_ema, check.grad_norm_spike_factor)
                            | (grad_norm == 0))
     healthy = applied & ~divergent
 
@@ -236,7 +337,7 @@ def _health(state: TrainState, ce, grad_norm, applied, loss_spike_factor, grad_n
 
     steps = jnp.where(divergent, state.divergent_steps + 1,
                       jnp.where(applied, 0, state.divergent_steps)).astype(jnp.int32)
-    return divergent, ema(state.loss_ema, ce), ema(state.grad_norm_ema, grad_norm), steps
+    return _Health(divergent, ema(state.loss_ema, ce), ema(state.grad_norm_ema, grad_norm), steps)
 
 
 def _check_plan(plan, who: str) -> None:
@@ -247,9 +348,8 @@ def _check_plan(plan, who: str) -> None:
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: StepPlan,
                     lr_schedule: optax.Schedule, bias_update_rate: float = 0.0,
-                    grad_accum_steps: int = 1, grad_compression: str = "none",
-                    topk_ratio: float = 0.3, loss_spike_factor: float = 3.0,
-                    grad_norm_spike_factor: float = 100.0) -> Callable:
+                    grad_accum_steps: int = 1, exchange: GradExchange = GradExchange(),
+                    divergence: DivergenceCheck = DivergenceCheck()) -> Callable:
     """Returns the pure ``train_step(state, batch) -> (state, metrics)``.
 
     The settings are checked once, before any work, by
@@ -269,13 +369,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
       bias_update_rate: gamma of auxiliary-loss-free balancing; 0 leaves biases fixed.
       grad_accum_steps: micro-batches per step; each device's share of the batch must be
         divisible by it. Gradients accumulate in the master dtype under one loss scale.
-      grad_compression: ``"none"`` or ``"topk"`` (:func:`jaxmp.comm.topk_compress`;
-        needs ``state.comm_state``).
-      topk_ratio: fraction of each leaf sent per step under top-k, in (0, 1].
-      loss_spike_factor: an applied step whose loss exceeds this many times the running
-        mean of the healthy steps' losses looks divergent (0 = off).
-      grad_norm_spike_factor: likewise for the unscaled gradient norm (0 = off; the
-        default 100 is loose because clipped training tolerates large spikes).
+      exchange: a :class:`GradExchange`: all-reduce / reduce-scatter, or top-k
+        compression (needs ``state.comm_state``) and its ratio.
+      divergence: a :class:`DivergenceCheck`: when an applied step looks divergent.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, B split over the
     mesh's data axis. Metrics (float32 scalars unless noted): ``loss`` (cross-entropy),
@@ -291,30 +387,29 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
         top-k without (or with a mis-sized) ``state.comm_state``.
     """
     _check_plan(plan, "make_train_step")
-    layout, reduce_dtype = plan.layout, plan.reduce_dtype
-    comm_kwargs = dict(grad_reduce_dtype=reduce_dtype, grad_compression=grad_compression,
-                       topk_ratio=topk_ratio)
-    topk = grad_compression == "topk"
+    layout = plan.layout
+    topk = exchange.compression == "topk"
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
         amax, other = nnx.split_state(state.rest, FP8State, ...)
-        grads, finite, ce, aux, new_comm_state, new_amax = _sharded_grads(
-            graphdef, state, amax, other, batch, grad_accum_steps, plan, reduce_dtype,
-            comm_kwargs)
+        out = _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan,
+                             exchange)
+        aux = out.aux
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
         update = optim.apply_gradients(
-            optimizer, grads, state.opt_state, state.params, state.loss_scale,
-            grads_scaled=False, grads_finite=finite, extra=(state.biases, amax),
-            new_extra=(new_biases, new_amax))
+            optimizer, out.grads, state.opt_state, state.params, state.loss_scale,
+            grads_scaled=False, grads_finite=out.finite, extra=(state.biases, amax),
+            new_extra=(new_biases, out.amax))
         biases, amax = update.extra
+        new_comm_state = state.comm_state
         if topk:  # a skipped step leaves the residual bitwise, as the params
-            new_comm_state = select_tree(update.applied, new_comm_state, state.comm_state)
+            new_comm_state = select_tree(update.applied, {"residual": out.residual},
+                                         state.comm_state)
         not_applied = (~update.applied).astype(jnp.int32)
         skipped = state.skipped_steps + not_applied
         consecutive = (state.consecutive_skips + 1) * not_applied
-        divergent, loss_ema, norm_ema, divergent_steps = _health(
-            state, ce, update.grad_norm, update.applied, loss_spike_factor, grad_norm_spike_factor)
+        health = _health(state, out.loss, update.grad_norm, update.applied, divergence)
         new_compute = None
         if layout.compute_copy:  # the new master weights, gathered in the compute dtype
             # Cast from the master weights as stored: the barrier keeps XLA from fusing a
@@ -328,10 +423,11 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
             step=state.step + 1, params=update.params, biases=biases,
             rest=nnx.merge_state(amax, other),
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
-            consecutive_skips=consecutive, loss_ema=loss_ema, grad_norm_ema=norm_ema,
-            divergent_steps=divergent_steps, comm_state=new_comm_state, compute_params=new_compute)
+            consecutive_skips=consecutive, loss_ema=health.loss_ema,
+            grad_norm_ema=health.grad_norm_ema, divergent_steps=health.divergent_steps,
+            comm_state=new_comm_state, compute_params=new_compute)
         metrics = {
-            "loss": ce.astype(jnp.float32),
+            "loss": out.loss.astype(jnp.float32),
             "aux_loss": jnp.asarray(aux["aux_loss"], jnp.float32),
             "grad_norm": update.grad_norm,
             "loss_scale": state.loss_scale.loss_scale,
@@ -344,13 +440,28 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
             "lr": jnp.asarray(lr_schedule(state.step - state.skipped_steps), jnp.float32),
             "expert_counts": aux["expert_counts"],
             "dropped_fraction": jnp.asarray(aux["dropped_fraction"], jnp.float32),
-            "divergent": divergent,
-            "divergent_steps": divergent_steps,
-            "loss_ema": loss_ema,
+            "divergent": health.divergent,
+            "divergent_steps": health.divergent_steps,
+            "loss_ema": health.loss_ema,
         }
         return new_state, metrics
 
     return train_step
+
+
+class _EvalInputs(NamedTuple):
+    """What each device's eval forward reads (the argument of ``shard_map``)."""
+
+    params: Any  # as the forward pass reads them
+    biases: Any  # replicated
+    rest: Any    # replicated
+    batch: Any   # split over the batch axes
+
+    @classmethod
+    def specs(cls, plan: StepPlan) -> "_EvalInputs":
+        """The ``shard_map`` in_spec of each field on ``plan``'s mesh."""
+        rep = PartitionSpec()
+        return cls(params=plan.compute_specs, biases=rep, rest=rep, batch=plan.batch_spec)
 
 
 def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
@@ -367,23 +478,22 @@ def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
       ValueError: ``plan`` is not a :class:`~jaxmp.sharding.StepPlan`.
     """
     _check_plan(plan, "make_eval_step")
-    layout = plan.layout
+    layout, forward = plan.layout, forward_args(plan)
 
     def eval_step(state: TrainState, batch):
         params = state.compute_params if layout.compute_copy else state.params
 
-        def per_device(params, biases, rest, batch):
-            with plan.in_step():
-                logits, _ = nnx.merge(graphdef, params, biases, rest)(batch["inputs"])
-            tokens = jnp.asarray(batch["targets"].size, jnp.float32)
-            loss = ops.cross_entropy(logits, batch["targets"]) * tokens
+        def per_device(inputs: _EvalInputs):
+            model = nnx.merge(graphdef, inputs.params, inputs.biases, inputs.rest)
+            logits, _ = model(inputs.batch["inputs"], **forward)
+            targets = inputs.batch["targets"]
+            tokens = jnp.asarray(targets.size, jnp.float32)
+            loss = ops.cross_entropy(logits, targets) * tokens
             return {"loss": jax.lax.psum(loss, plan.axes),
                     "tokens": jax.lax.psum(tokens, plan.axes)}
 
-        rep = PartitionSpec()
-        return jax.shard_map(
-            per_device, mesh=plan.mesh,
-            in_specs=(plan.compute_specs, rep, rep, plan.batch_spec),
-            out_specs=rep)(params, state.biases, state.rest, batch)
+        inputs = _EvalInputs(params=params, biases=state.biases, rest=state.rest, batch=batch)
+        return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(_EvalInputs.specs(plan),),
+                             out_specs=PartitionSpec())(inputs)
 
     return eval_step
