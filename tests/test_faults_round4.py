@@ -1,0 +1,39 @@
+"""Nothing lost, round four (issue 28's closing attack): what a fresh attack on the
+trainer, its readers and its workdir found, each as a test that failed before its fix.
+
+Everything is called in-process; no test here needs a process boundary.
+"""
+import os
+
+import pytest
+
+from jaxmp.train.workdir import LOCK_NAME, WorkdirLock
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_left_whole(tmp_path):
+    """A ``.jaxmp.lock`` replaced by a symlink (to a file of the user's, or to the run's
+    own ``metrics.jsonl``) was followed: taking the lock over truncated the target and
+    wrote the holder record into it. It is refused in one line naming the link, and the
+    target keeps its bytes."""
+    victim = tmp_path / "notes.txt"
+    victim.write_text("precious\n")
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(ValueError, match=r"\.jaxmp\.lock is a symbolic link") as e:
+        with WorkdirLock(workdir):
+            pass
+    assert "\n" not in str(e.value)
+    assert victim.read_text() == "precious\n"
+    assert (workdir / LOCK_NAME).is_symlink()  # left for the user to look at
+
+
+def test_a_dangling_lock_symlink_creates_nothing_at_its_target(tmp_path):
+    """A dangling symlink was followed by ``O_CREAT``: a file appeared where it pointed."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / LOCK_NAME).symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="symbolic link"):
+        with WorkdirLock(workdir):
+            pass
+    assert not os.path.lexists(tmp_path / "elsewhere")
