@@ -55,3 +55,27 @@ def test_a_sample_prompt_that_is_not_text_is_refused_before_any_work():
         check_sample_memory(exp)
     assert "\n" not in str(e.value)
     check_sample_memory(Experiment.create(small_config(sample_prompt="def é("), num_devices=1))
+
+
+@pytest.mark.parametrize("line, fault", [
+    (b'{"step": "45", "split": "train"}', "integer step"),
+    (b'{"step": null, "split": "train"}', "integer step"),
+    (b'{"step": true, "split": "train"}', "integer step"),
+    (b'{"step": 4\xa0, "split": "train"}', "not UTF-8 text"),
+])
+def test_a_damaged_metrics_line_is_one_line_naming_the_file_and_line(tmp_path, line, fault):
+    """A resume reads ``metrics.jsonl`` to drop what lies past its checkpoint. A line
+    whose step is not an integer was a raw ``TypeError`` traceback (``'<=' not
+    supported``); a byte that is not UTF-8 (a flipped high bit) a ``UnicodeDecodeError``
+    naming neither the file nor the line. Both are a ValueError naming both, and the
+    history is left as it was."""
+    from jaxmp.train.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    good = b'{"step": 5, "split": "train", "loss": 4.5}\n'
+    path.write_bytes(good + line + b"\n")
+    for call in (lambda: read_metrics(path), lambda: MetricsWriter(tmp_path, start_step=5)):
+        with pytest.raises(ValueError, match=rf"metrics\.jsonl, line 2: .*{fault}") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert path.read_bytes() == good + line + b"\n"
