@@ -79,3 +79,18 @@ def test_a_damaged_metrics_line_is_one_line_naming_the_file_and_line(tmp_path, l
             call()
         assert "\n" not in str(e.value)
     assert path.read_bytes() == good + line + b"\n"
+
+
+def test_a_jsonl_text_with_an_unpaired_surrogate_escape_names_the_file_and_line(tmp_path):
+    """``{"text": "\\ud800abc"}`` is valid JSON (tools that cut a surrogate pair in two
+    write it) but not text: it was ``'utf-8' codec can't encode character`` with no file,
+    line or field named."""
+    from jaxmp.train.data import load_documents
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "\\ud800abc"}\n')
+    with pytest.raises(ValueError, match=r"a\.jsonl, line 2: field 'text' is not text "
+                                         r"\(surrogates not allowed at character 0: an "
+                                         r"unpaired \\ud800 escape\)") as e:
+        load_documents(str(tmp_path))
+    assert "\n" not in str(e.value)

@@ -81,7 +81,13 @@ def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
                 raise ValueError(
                     f"{file}, line {lineno}: expected a JSON object with a string "
                     f"field {text_field!r}, got {line[:80]!r}")
-            docs.append((f"{file}:{lineno}", record[text_field].encode("utf-8")))
+            try:
+                text = record[text_field].encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
+                raise ValueError(f"{file}, line {lineno}: field {text_field!r} is not text "
+                                 f"({e.reason} at character {e.start}: an unpaired "
+                                 f"\\u{ord(e.object[e.start]):04x} escape)") from None
+            docs.append((f"{file}:{lineno}", text))
     return docs
 
 
