@@ -11,40 +11,32 @@ step at 40% of the H200's dense BF16 peak, 120 ms at 40% of its TF32 peak. The l
 scanned (one dense and one MoE stack compile instead of 12 layers) and attention "auto"
 runs cuDNN's fused kernel on the GPU for the 16-bit precisions, so no [B, heads, T, T]
 scores are kept; with fp32 (or the reference/xla paths) they are, ~0.5-2 GB per layer.
-The memory (7 GB of train state, logits and activations) stays well under the H200's
-141 GB. benchmarks/gpu_suite.py also times this config's MoE dispatch (dropless
+MoE dispatch is dropless (model.capacity_factor 0, exact); the GPU default awaits the
+suite's dispatch timing. moe_kernel "auto" is the Mosaic GPU grouped GEMM on Hopper,
+ragged_dot elsewhere. The memory (7 GB of train state, logits and activations) stays well
+under the H200's 141 GB. benchmarks/gpu_suite.py also times this config's MoE dispatch (dropless
 ragged_dot vs capacity einsum) at these sizes.
 
 Not yet measured on a GPU; the estimate for the
 command above (three precisions, 55 steps each after a compile each) is a few minutes,
 inside a 10-minute limit.
 """
-import importlib.util
 import pathlib
 
 import ml_collections
 
-# Loaded by path: config files are run by path (jaxmp.train.config.load_config), not imported as a
-# package.
-_spec = importlib.util.spec_from_file_location("tiny_moe",
-                                               pathlib.Path(__file__).with_name("tiny_moe.py"))
-tiny_moe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tiny_moe)
+from jaxmp.train.config import load_config
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = tiny_moe.get_config()
+    config = load_config(pathlib.Path(__file__).with_name("tiny_moe.py"))  # then what differs
     config.model.update(dict(
         vocab_size=32768, num_layers=12, d_model=1024, num_heads=16, d_ff=4096, max_len=1024,
-        num_experts=8, num_shared_experts=1, top_k=2, d_expert=1024, first_dense_layers=1,
-        score_fn="softmax", aux_loss_weight=0.01, bias_update_rate=0.001,
-        # dropless (exact); the GPU default awaits the suite's dispatch timing
-        capacity_factor=0.0,
-        moe_kernel="auto",         # the Mosaic GPU grouped GEMM on Hopper, ragged_dot elsewhere
-        attention="auto",          # cuDNN's fused kernel on the GPU, the reference path elsewhere
+        num_experts=8, d_expert=1024,
+        score_fn="softmax",        # the router its deviceless figures were compiled with
         scan_layers=True,          # a dense and a MoE stack, each compiled once
-        remat="none"))
+    ))
     config.optim.update(dict(learning_rate=3e-4, warmup_steps=10))
     config.data.seq_len = 1024
-    config.train.update(dict(batch_size=16, steps=1000))
+    config.train.steps = 1000
     return config

@@ -14,8 +14,8 @@ import math
 import numbers
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["Int", "Real", "Choice", "Kind", "is_int", "is_real", "check", "check_int",
-           "check_real", "check_choice", "check_float", "check_matmul", "F32_MAX"]
+__all__ = ["Int", "Real", "Choice", "Kind", "BOOL", "option", "is_int", "is_real", "check",
+           "check_int", "check_real", "check_choice", "check_float", "check_matmul", "F32_MAX"]
 
 # float32's largest finite value, (2 - 2**-23) * 2**127 (IEEE 754 binary32), as a Python
 # float: float(np.finfo(np.float32).max). The bound of every float32-held setting.
@@ -127,6 +127,27 @@ class Kind:
     @property
     def allowed(self) -> str:
         return self.text
+
+
+def _is_bool(value: Any) -> bool:
+    import numpy as np  # NumPy's bool_ (what a comparison of arrays gives) counts too
+
+    return isinstance(value, (bool, np.bool_))
+
+
+BOOL = Kind(_is_bool, "True or False")
+
+
+def option(default: Any, meaning: str, allowed: Any = None) -> Any:
+    """A dataclass field that declares one config key: its ``default``, the values it
+    allows (a spec; None: any) and its one-line ``meaning``, kept in the field's metadata.
+
+    :class:`jaxmp.models.ModelConfig` declares the run config's ``model.*`` keys this way;
+    :mod:`jaxmp.train.keys` reads them (``dataclasses.fields``), so the default, the check,
+    ``train.py --help`` and docs/CONFIG.md come from this one place. The key's type is its
+    default's (as a ``ml_collections.ConfigDict`` types a field by its first value).
+    """
+    return dataclasses.field(default=default, metadata={"meaning": meaning, "allowed": allowed})
 
 
 def check(name: str, value: Any, spec) -> Any:

@@ -74,7 +74,7 @@ Round to nearest never moves. Stochastic rounding's *mean* follows float64 (each
 
 ## tiny_moe, 3 seeds
 
-`benchmarks/update_rounding.py` trains `configs/tiny_moe.py` with the trainer's own step under `mixed_bf16` (float32 masters) and `pure_bf16` with each rounding, bf16 Adam moments in every mode, at a learning rate of 1e-4 (constant after warm-up), where most Adam steps are below half an ulp of their weight. The recorded result (`benchmarks/update_rounding.json`):"""),
+`benchmarks/update_rounding.py` trains `configs/tiny_moe.py` (with a softmax router, as when it was recorded) with the trainer's own step under `mixed_bf16` (float32 masters) and `pure_bf16` with each rounding, bf16 Adam moments in every mode, at a learning rate of 1e-4 (constant after warm-up), where most Adam steps are below half an ulp of their weight. The recorded result (`benchmarks/update_rounding.json`):"""),
     ("code", """\
 from benchmarks import update_rounding as bench
 

@@ -48,9 +48,11 @@ jax.config.update("jax_disable_most_optimizations", True)
 # below, slowest first (test-seconds, tests/README.md): starting with the longest keeps one
 # worker from running a long group alone at the end. A group or module missing here runs
 # later, in collection order; no result changes.
-SLOWEST_FIRST = ("test_preemption.py", "gpu_seed", "faults_processes", "test_faults.py",
+SLOWEST_FIRST = ("two_processes", "gpu_seed", "faults_processes", "test_faults.py",
                  "test_grouped_gemm_deviceless.py", "test_hf.py", "test_install.py",
-                 "test_faults_round3.py", "test_update_rounding.py", "test_distributed_startup.py",
+                 "test_faults_round3.py", "test_readers_beside_trainer.py",
+                 "test_update_rounding.py", "test_distributed_startup.py",
+                 "test_start_up_silences.py", "test_start_up_peers.py",
                  "gpu_dense_1b", "test_gpu_target.py", "test_train.py", "gpu_suite_toy",
                  "test_fp8_train.py", "test_parallel.py", "parallel_accounting", "test_artifacts.py",
                  "test_fp8_kernel.py", "test_grouped_gemm.py", "test_scan_remat.py",

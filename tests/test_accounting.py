@@ -2,11 +2,11 @@
 against hand arithmetic: a matmul + tanh whose saved arrays are known, a 1-layer dense
 model with d_model 8 counted by formula, hand-written HLO, and the tiny_moe acceptance
 ratios from the command line."""
+import contextlib
+import io
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -352,17 +352,20 @@ def test_bad_device_counts_are_rejected():
 
 @pytest.fixture(scope="module")
 def tiny_cli(tmp_path_factory):
+    """``python -m jaxmp.report --config configs/tiny_moe.py`` (its ``main``, in this
+    process: the 8 CPU devices are the CLI's default; the bad-input tests below run it
+    the same way): the JSON it writes and what it prints."""
     out = tmp_path_factory.mktemp("acct") / "tiny.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     # The reference attention (what model.attention=auto runs on CPU) keeps its
     # probabilities in the compute dtype, so the activation ratio below measures the
     # policy; XLA's jax.nn.dot_product_attention keeps float32 scores in every policy,
     # which no precision setting can halve (see test_attention.py for its saved bytes).
-    proc = subprocess.run([sys.executable, "-m", "jaxmp.report", "--config", "configs/tiny_moe.py",
-                           "--config.model.attention=reference", "--json", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = report.main(["--config", str(ROOT / "configs" / "tiny_moe.py"),
+                          "--config.model.attention=reference", "--json", str(out)])
+    assert rc == 0, stderr.getvalue()[-3000:]
+    return json.loads(out.read_text()), stdout.getvalue()
 
 
 # tiny_moe by formula: embed + head, final norm, 2 blocks of (2 norms + attention), a

@@ -213,7 +213,8 @@ def test_architecture_override_is_refused(tmp_path):
 
 
 def test_unmappable_model_is_refused_before_writing(tmp_path):
-    """tiny_moe-style shared experts with standard attention map to no family; a Mixtral
+    """Shared experts with a softmax router and standard attention map to no family
+    (configs/tiny_moe.py routes by sigmoid: glm4_moe, tests/test_hf_shipped.py); a Mixtral
     model whose router bias moved cannot be written as Mixtral."""
     import flax.nnx as nnx
 

@@ -109,7 +109,7 @@ def test_features_run_under_mixed_and_fp8_policies(fp32_loss, policy):
     (dict(num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
     (dict(head_dim=7), "head_dim=7 must be even"),
     (dict(rope_dim=10), "rope_dim=10 must be even and at most head_dim=8"),
-    (dict(rope_scaling="linear"), "rope_scaling='linear'; allowed: none, llama3, yarn"),
+    (dict(rope_scaling="linear"), "rope_scaling='linear' must be one of none, llama3, yarn"),
     (dict(rope_scaling="yarn", rope_factor=4.0), "rope_original_max_len >= 1"),
     (dict(num_experts=4, d_expert=8, n_group=3), "n_group=3 must divide num_experts=4"),
     (dict(mlp_only_layers=(5,)), r"mlp_only_layers=\[5\] must be layer indices"),

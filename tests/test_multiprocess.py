@@ -7,9 +7,11 @@ Every wait is bounded by progress (rows in metrics.jsonl) or by a generous limit
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -53,6 +55,30 @@ def finish(procs):
     return out
 
 
+# One 8-device process's losses, computed once per pytest process for the longest run asked
+# and shared by the two-process tests (this module's, tests/test_preemption.py's and
+# tests/test_faults.py's killed peer: one xdist group, GROUP). A run's first steps do not
+# depend on train.steps: OVERRIDES fix the schedule's decay_steps (the two-process runs of
+# 100000 steps in tests/test_preemption.py match one process's shorter run for that reason).
+GROUP = "two_processes"
+REFERENCE_STEPS = 16  # the preemption test's last step is about 10
+_REFERENCE = []
+
+
+def reference_losses(steps):
+    """The train losses of steps 1..``steps`` of one process with 8 CPU devices."""
+    if len(_REFERENCE) < steps:
+        workdir = tempfile.mkdtemp(prefix="jaxmp-reference-")
+        try:
+            train_and_evaluate(load_config("tiny_moe", OVERRIDES + [
+                f"train.steps={max(steps, REFERENCE_STEPS)}", "train.checkpoint_every=100000"]),
+                workdir)
+            _REFERENCE[:] = [r["loss"] for r in rows(workdir)]
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return _REFERENCE[:steps]
+
+
 def rows(workdir):
     path = pathlib.Path(workdir) / "metrics.jsonl"
     if not path.exists():
@@ -60,13 +86,12 @@ def rows(workdir):
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["split"] == "train"]
 
 
+@pytest.mark.xdist_group(GROUP)  # the reference run is shared (reference_losses)
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume_together(tmp_path):
     # One process, 8 devices: the reference, 8 steps.
-    reference = tmp_path / "one"
-    train_and_evaluate(load_config("tiny_moe", OVERRIDES + ["train.steps=8", "train.checkpoint_every=100"]),
-                       str(reference))
-    want = [r["loss"] for r in rows(reference)]
+    want = reference_losses(8)
+    assert len(want) == 8
 
     # Two processes, 4 devices each: 4 steps, a checkpoint at step 4 written by both.
     two = tmp_path / "two"

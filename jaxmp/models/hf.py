@@ -19,8 +19,8 @@ mixtral       Mixtral (softmax top-k router, renormalized gates)
 deepseek_v3   DeepSeek-V3 (MLA, sigmoid router with ``e_score_correction_bias``,
               group-limited top-k, ``routed_scaling_factor``, shared experts,
               ``first_k_dense_replace``, yarn RoPE with ``mscale``)
-deepseek_v2   DeepSeek-V2 / V2-Lite (MLA, softmax router, ``topk_method="greedy"`` only:
-              ``group_limited_greedy``'s group maximum is not implemented)
+deepseek_v2   DeepSeek-V2 / V2-Lite (MLA, softmax router, ``topk_method`` ``greedy`` or
+              ``group_limited_greedy``: a group's score is its best expert's)
 glm4_moe      GLM-4.5 (GQA, partial rotary, optional q/k norm and q/k/v biases, the
               DeepSeek-V3 router and shared experts)
 ============  =====================================================================
@@ -150,10 +150,8 @@ FAMILIES: Dict[str, Family] = {
                            "shared": "shared_experts"}),
 }
 FAMILIES["deepseek_v2"] = Family(
-    "DeepseekV2ForCausalLM",
-    {k: v for k, v in FAMILIES["deepseek_v3"].fields.items()
-     if k not in ("n_group", "topk_group")},
-    {"score_fn": "softmax", "n_group": 1, "topk_group": 1, "rope_layout": "interleaved"},
+    "DeepseekV2ForCausalLM", dict(FAMILIES["deepseek_v3"].fields),
+    {"score_fn": "softmax", "rope_layout": "interleaved", "group_score": "max"},
     {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate", "shared": "shared_experts"})
 FAMILIES["glm4_moe"] = Family(
     "Glm4MoeForCausalLM",
@@ -167,8 +165,7 @@ _FAMILY_CHECKS = {
     "qwen3_moe": {"decoder_sparse_step"},
     "deepseek_v3": {"topk_method", "scoring_func", "rope_interleave", "moe_layer_freq",
                     "attention_bias"},
-    "deepseek_v2": {"topk_method", "scoring_func", "moe_layer_freq", "attention_bias",
-                    "n_group", "topk_group"},
+    "deepseek_v2": {"topk_method", "scoring_func", "moe_layer_freq", "attention_bias"},
     "glm4_moe": set(),
 }
 
@@ -193,7 +190,9 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], out: Dict[str, Any]) -> No
     params.pop("rope_theta", None)
     merged = {**scaling, **params}
     kind = merged.pop("rope_type", merged.pop("type", "default"))
-    partial = merged.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    # transformers' Glm4MoeConfig sets 0.5 where config.json gives no factor.
+    partial = merged.pop("partial_rotary_factor", hf.get(
+        "partial_rotary_factor", 0.5 if model_type == "glm4_moe" else 1.0))
     out["rope_theta"] = float(theta)
     if partial != 1.0:
         if out.get("kv_lora_rank"):
@@ -293,12 +292,20 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
         out["norm_topk_prob"] = bool(out.get("norm_topk_prob", False))
     if model_type in ("deepseek_v2", "deepseek_v3"):
         v3 = model_type == "deepseek_v3"
-        checks = {"topk_method": "noaux_tc" if v3 else "greedy",
-                  "scoring_func": "sigmoid" if v3 else "softmax", "moe_layer_freq": 1,
-                  "attention_bias": False}
+        checks = {"topk_method": ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy"),
+                  "scoring_func": ("sigmoid" if v3 else "softmax",), "moe_layer_freq": (1,),
+                  "attention_bias": (False,)}
         for key, want in checks.items():
-            if key in hf and hf[key] != want:
-                raise _err(model_type, key, hf[key], repr(want))
+            if key in hf and hf[key] not in want:
+                raise _err(model_type, key, hf[key], " or ".join(map(repr, want)))
+        if not v3 and hf.get("topk_method", "greedy") == "greedy":
+            out["n_group"] = out["topk_group"] = 1  # transformers' greedy ignores the groups
+        elif not v3 and out.get("num_experts"):  # group_limited_greedy
+            per_group = out["num_experts"] // max(1, out.get("n_group") or 1)
+            if out.get("top_k", 1) > (out.get("topk_group") or 1) * per_group:
+                raise _err(model_type, "num_experts_per_tok", out.get("top_k"),
+                           "at most topk_group x the experts of a group (transformers "
+                           "would pick masked experts with gate 0)")
         if v3:
             out["rope_layout"] = "interleaved" if hf.get("rope_interleave", True) else "half"
         elif out.get("norm_topk_prob"):  # transformers' DeepseekV2 never normalizes
@@ -352,14 +359,16 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
                   q_lora_rank=config.q_lora_rank or None,
                   num_key_value_heads=config.num_heads)
     if family == "deepseek_v2":
-        hf.update(topk_method="greedy", attention_bias=False,
+        grouped = config.topk_group < config.n_group
+        hf.update(topk_method="group_limited_greedy" if grouped else "greedy",
+                  attention_bias=False,
                   q_lora_rank=config.q_lora_rank or None,
                   num_key_value_heads=config.num_heads)
     if family == "mixtral":
         hf["intermediate_size"] = config.d_expert
     hf["rope_theta"] = config.rope_theta
-    if config.rope_dim and config.rope_dim != config.head_dim:
-        hf["partial_rotary_factor"] = config.rope_dim / config.head_dim
+    if (config.rope_dim and config.rope_dim != config.head_dim) or family == "glm4_moe":
+        hf["partial_rotary_factor"] = (config.rope_dim or config.head_dim) / config.head_dim
     if config.rope_scaling != "none":
         scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor,
                    "original_max_position_embeddings": config.rope_original_max_len}
@@ -386,7 +395,7 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
 
 _MOE_FIELDS = ("num_shared_experts", "top_k", "d_expert", "first_dense_layers", "score_fn",
                "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
-               "mlp_only_layers")
+               "group_score", "mlp_only_layers")
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim")
 
@@ -396,6 +405,8 @@ def _relevant_fields(config: ModelConfig) -> List[str]:
     skip = set(RUNTIME_FIELDS)
     if not config.num_experts:
         skip |= set(_MOE_FIELDS)
+    if config.topk_group == config.n_group:  # routing not group-limited
+        skip.add("group_score")
     if config.num_dense_layers == 0:
         skip.add("d_ff")
     if config.is_mla:
@@ -438,11 +449,27 @@ def family_of(config: ModelConfig) -> str:
 # ---- weights -------------------------------------------------------------------------------
 
 
+def _safetensors():
+    """The ``safetensors`` package (in the ``train`` extra, not in jaxmp's core install).
+
+    Raises:
+      ImportError: it is not installed (one line naming the extra).
+    """
+    try:
+        import safetensors
+        import safetensors.numpy  # noqa: F401
+    except ImportError:
+        raise ImportError("Hugging Face checkpoints (jaxmp.models.from_pretrained, "
+                          "save_pretrained) need safetensors: pip install 'jaxmp[train]' "
+                          "(or pip install safetensors)") from None
+    return safetensors
+
+
 class _Files:
     """The checkpoint's tensors by name over its (possibly sharded) safetensors files."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
+        safe_open = _safetensors().safe_open
 
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
@@ -455,19 +482,31 @@ class _Files:
         else:
             raise ValueError(f"{path}: neither model.safetensors nor "
                              f"model.safetensors.index.json found")
-        self.path, self.weight_map, self._open = path, weight_map, {}
-        self._safe_open = safe_open
+        self.path, self.weight_map = path, weight_map
+        self._safe_open, self._shapes = safe_open, {}
 
     def slice(self, name: str):
+        """The tensor's lazy slice over a mapping of its file opened for this read only:
+        when the slice is dropped the file is unmapped, so the pages read do not stay in
+        the process's resident memory (a cached handle kept the whole checkpoint's pages
+        resident: benchmarks/hf_load_memory.py)."""
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        with self._safe_open(os.path.join(self.path, self.weight_map[name]), "np") as f:
+            return f.get_slice(name)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The tensor's shape, from its file's header (each file's header is read once)."""
         if name not in self.weight_map:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
         file = self.weight_map[name]
-        if file not in self._open:
-            self._open[file] = self._safe_open(os.path.join(self.path, file), "np")
-        return self._open[file].get_slice(name)
-
-    def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(self.slice(name).get_shape())
+        if file not in self._shapes:
+            with self._safe_open(os.path.join(self.path, file), "np") as f:
+                self._shapes[file] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        if name not in self._shapes[file]:
+            raise ValueError(f"{self.path}: {file} has no tensor {name!r} (the index says "
+                             f"it has)")
+        return self._shapes[file][name]
 
 
 def _norm_index(index, shape):
@@ -638,7 +677,9 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
     Raises:
       ValueError: a config.json field that cannot be represented (named), an override
         outside :data:`RUNTIME_FIELDS`, a missing tensor or a tensor of the wrong shape.
+      ImportError: safetensors is not installed (the ``train`` extra), before any work.
     """
+    _safetensors()
     hf = read_config(path)
     fields = config_from_hf(hf)
     for key in overrides:
@@ -672,7 +713,9 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
 
     Raises:
       ValueError: an unsupported family, a missing tensor or one of the wrong shape.
+      ImportError: safetensors is not installed (the ``train`` extra).
     """
+    _safetensors()
     hf = read_config(path)
     config_from_hf(hf)
     family = hf["model_type"]
@@ -775,9 +818,9 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
     Raises:
       ValueError: an architecture that maps to no family, or a field or nonzero router
         bias the family cannot hold (one line, named), before anything is written.
+      ImportError: safetensors is not installed (the ``train`` extra).
     """
-    from safetensors.numpy import save_file
-
+    save_file = _safetensors().numpy.save_file
     family = family or family_of(model.config)
     dtypes = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
     dtype = "bfloat16" if dtypes == {"bfloat16"} else "float32"

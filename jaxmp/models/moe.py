@@ -68,6 +68,7 @@ __all__ = [
     "expert_capacity",
     "valid_tokens",
     "SCORE_FNS",
+    "GROUP_SCORES",
     "MOE_KERNELS",
     "resolve_moe_kernel",
 ]
@@ -97,6 +98,9 @@ def valid_tokens(n: jax.Array):
         _VALID.value = previous
 
 SCORE_FNS = ("softmax", "sigmoid")
+# A group's score in group-limited routing: the sum of its two best scores (DeepSeek-V3's
+# noaux_tc) or its best score (DeepSeek-V2's group_limited_greedy).
+GROUP_SCORES = ("top2_sum", "max")
 MOE_KERNELS = ("auto", "ragged_dot", "pallas")
 
 
@@ -217,21 +221,25 @@ class Router(nnx.Module):
         transformers' Qwen3-MoE ``norm_topk_prob=False``).
       routed_scaling_factor: multiplies the gates (DeepSeek-V3's 2.5).
       n_group, topk_group: group-limited routing (DeepSeek-V3 report, section 2.1.2):
-        only experts in the ``topk_group`` of ``n_group`` groups with the best sum of
-        their two highest biased scores are eligible; ``topk_group == n_group`` is off.
+        only experts in the ``topk_group`` of ``n_group`` groups with the best group
+        scores are eligible; ``topk_group == n_group`` is off.
+      group_score: a group's score: ``"top2_sum"``, the sum of its two highest biased
+        scores (DeepSeek-V3's ``noaux_tc``), or ``"max"``, its highest (DeepSeek-V2's
+        ``group_limited_greedy``, the device-limited routing of the DeepSeek-V2 report,
+        section 2.2.2); see :data:`GROUP_SCORES`.
 
     Variables: ``kernel`` [d_model, E] (``embed``, ``expert_logit``) in ``policy.param_dtype``;
     ``bias`` :class:`RouterBias` float32 [E] (``expert_logit``: never split, every device
     routes to every expert), zeros.
 
     Raises:
-      ValueError: bad ``top_k`` or ``score_fn``.
+      ValueError: bad ``top_k``, ``score_fn`` or ``group_score``.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_fn: str = "softmax", *,
                  path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
-                 n_group: int = 1, topk_group: int = 1):
+                 n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum"):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if score_fn not in SCORE_FNS:
@@ -239,6 +247,9 @@ class Router(nnx.Module):
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and "
                              f"topk_group={topk_group} be in [1, n_group]")
+        if group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score={group_score!r}; allowed: {', '.join(GROUP_SCORES)}")
+        self.group_score = group_score
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.top_k = top_k
@@ -280,10 +291,13 @@ class Router(nnx.Module):
     def _group_limited(self, choice: jax.Array) -> jax.Array:
         """``choice`` [..., E] with the experts outside the ``topk_group`` best of ``n_group``
         groups set to -inf; a group's score is the sum of its two best choices
-        (DeepSeek-V3's ``noaux_tc``, transformers' ``DeepseekV3TopkRouter``)."""
+        (DeepSeek-V3's ``noaux_tc``, transformers' ``DeepseekV3TopkRouter``) or its best
+        (``group_score="max"``: transformers' ``DeepseekV2TopkRouter``,
+        ``group_limited_greedy``)."""
         e = choice.shape[-1]
         grouped = choice.reshape(choice.shape[:-1] + (self.n_group, e // self.n_group))
-        best = jax.lax.top_k(grouped, min(2, e // self.n_group))[0].sum(-1)  # [..., G]
+        two = 1 if self.group_score == "max" else min(2, e // self.n_group)
+        best = jax.lax.top_k(grouped, two)[0].sum(-1)  # [..., G]
         _, groups = jax.lax.top_k(best, self.topk_group)
         keep = jax.nn.one_hot(groups, self.n_group, dtype=jnp.bool_).any(-2)  # [..., G]
         keep = jnp.repeat(keep, e // self.n_group, axis=-1)

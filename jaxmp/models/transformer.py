@@ -110,11 +110,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp._checks import check_int
+from jaxmp._checks import BOOL, Choice, Int, Kind, Real, check, is_int, option
 
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAttention
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, RMSNorm, Rope, SwiGLU
-from jaxmp.models.moe import MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
+from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import constrain, fsdp_checkpoint_policy, param_gather
 
@@ -134,12 +134,19 @@ FLOAT32_ISLANDS = ("router", "norm")
 # Module-path patterns that an FP8 default policy leaves in its compute dtype (DeepSeek-V3 3.3.1).
 FP8_EXCLUDED = ("embed", "head")
 
+_POSITIVE = Real(0, lo_open=True)
 _ACT_AXES = ("batch", None, None)  # only the batch: FSDP maps "embed" to the batch axis too
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and routing hyper-parameters of :class:`MoETransformer` (validated on creation).
+
+    Each field is declared once, by :func:`jaxmp._checks.option`: its default, the values
+    it allows and a one-line meaning. These are the run config's ``model.*`` keys: their
+    defaults, their checks, ``train.py --help`` and docs/CONFIG.md are read from the fields
+    (:mod:`jaxmp.train.keys`). ``ModelConfig()`` is a tiny dense model on bytes (257 tokens,
+    2 blocks of width 64); every architecture feature and MoE is off by default.
 
     Attributes:
       vocab_size: tokens in the vocabulary (>= 1).
@@ -161,7 +168,7 @@ class ModelConfig:
         Transformer default 0.01); 0 disables it.
       bias_update_rate: gamma of auxiliary-loss-free balancing (DeepSeek-V3: 0.001); 0
         disables it (read by the trainer).
-      capacity_factor: None or 0 = dropless; > 0 = GShard capacity per sequence.
+      capacity_factor: 0 (or None) = dropless; > 0 = GShard capacity per sequence.
       moe_kernel: the dropless routed experts' kernel, one of
         :data:`~jaxmp.models.moe.MOE_KERNELS` (``"auto"``: the Mosaic GPU grouped GEMM on a
         Hopper-or-newer compile target, else ``ragged_dot``; see
@@ -199,6 +206,9 @@ class ModelConfig:
       routed_scaling_factor: multiplies the routed experts' gates (DeepSeek-V3: 2.5).
       n_group, topk_group: group-limited routing (DeepSeek-V3); ``topk_group ==
         n_group`` (1, 1) is off.
+      group_score: a group's score in group-limited routing, ``"top2_sum"`` (DeepSeek-V3)
+        or ``"max"`` (DeepSeek-V2's ``group_limited_greedy``); see
+        :class:`~jaxmp.models.moe.Router`.
       mlp_only_layers: layer indices with a dense FFN though ``>= first_dense_layers``
         (Qwen-MoE's ``mlp_only_layers``).
       q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
@@ -211,71 +221,90 @@ class ModelConfig:
     program).
     """
 
-    vocab_size: int
-    num_layers: int
-    d_model: int
-    num_heads: int
-    d_ff: int
-    max_len: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    num_experts: int = 0
-    num_shared_experts: int = 0
-    top_k: int = 2
-    d_expert: int = 0
-    first_dense_layers: int = 0
-    score_fn: str = "softmax"
-    aux_loss_weight: float = 0.01
-    bias_update_rate: float = 0.0
-    capacity_factor: Optional[float] = None
-    moe_kernel: str = "auto"
-    attention: str = "auto"
-    scan_layers: bool = False
-    remat: str = "none"
+    vocab_size: int = option(257, "embedding rows; at least the tokenizer's vocabulary (257 = "
+                                  "bytes + end-of-document), a multiple of 128 suits GPUs", Int(1))
+    num_layers: int = option(2, "Transformer blocks", Int(1))
+    d_model: int = option(64, "model width", Int(1))
+    num_heads: int = option(4, "attention heads (divide d_model; head_dim even)", Int(1))
+    d_ff: int = option(256, "hidden width of the dense SwiGLU layers (first_dense_layers)",
+                       Int(0))
+    max_len: int = option(128, "longest sequence (RoPE positions); data.seq_len <= max_len",
+                          Int(1, 2**31 - 1, "an integer in [1, 2**31 - 1] (positions are int32)"))
+    rope_theta: float = option(10000.0, "RoPE base frequency", _POSITIVE)
+    norm_eps: float = option(1e-6, "RMSNorm epsilon", _POSITIVE)
+    num_experts: int = option(0, "routed experts per MoE layer (0 = a dense model)", Int(0))
+    num_shared_experts: int = option(0, "always-on experts per MoE layer (DeepSeekMoE)", Int(0))
+    top_k: int = option(2, "routed experts per token", Int(1))
+    d_expert: int = option(0, "hidden width of each expert", Int(0))
+    first_dense_layers: int = option(0, "leading blocks with a dense SwiGLU instead of MoE",
+                                     Int(0))
+    score_fn: str = option("softmax", "router scores: softmax or sigmoid (DeepSeek-V3)",
+                           Choice(SCORE_FNS))
+    aux_loss_weight: float = option(0.01, "alpha of the load-balancing loss", Real(0))
+    bias_update_rate: float = option(0.0, "gamma of auxiliary-loss-free balancing (DeepSeek-V3)",
+                                     Real(0))
+    capacity_factor: Optional[float] = option(
+        0.0, "0 = dropless dispatch; > 0 = GShard slots per expert (expert parallelism needs it)",
+        Kind(lambda v: v is None or Real(0).ok(v), "0 or None (dropless) or a finite number > 0"))
+    moe_kernel: str = option("auto", "auto | ragged_dot | pallas (the Mosaic GPU grouped GEMM; "
+                                     "auto: on Hopper and newer GPUs)", Choice(MOE_KERNELS))
+    attention: str = option("auto", "reference | xla | cudnn | auto (cuDNN where it runs, else "
+                                    "reference)", Choice(ATTENTION_IMPLEMENTATIONS))
+    scan_layers: bool = option(False, "stack the blocks and run them with jax.lax.scan", BOOL)
+    remat: str = option("none", "none | attention | dots_saveable | full (per block)",
+                        Choice(REMAT_POLICIES))
     # Architecture features of open model families (jaxmp.models.hf); the defaults are off.
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    qk_norm: bool = False
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    rope_dim: int = 0
-    rope_layout: str = "half"
-    rope_scaling: str = "none"
-    rope_factor: float = 1.0
-    rope_original_max_len: int = 0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: float = 0.0
-    rope_mscale_all_dim: float = 0.0
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    n_group: int = 1
-    topk_group: int = 1
-    mlp_only_layers: Tuple[int, ...] = ()
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
+    num_kv_heads: int = option(0, "key/value heads (grouped-query attention; 0 = num_heads)",
+                               Int(0))
+    head_dim: int = option(0, "width of each head (0 = d_model / num_heads)", Int(0))
+    qk_norm: bool = option(False, "per-head RMSNorm of q and k before RoPE (Qwen3)", BOOL)
+    qkv_bias: bool = option(False, "biases on the q, k, v projections (Qwen2)", BOOL)
+    tie_embeddings: bool = option(False, "the output head is the embedding table transposed",
+                                  BOOL)
+    rope_dim: int = option(0, "rotated dimensions per head (partial rotary; 0 = all)", Int(0))
+    rope_layout: str = option("half", "half (pairs i, i+d/2: LLaMA) | interleaved (pairs 2i, "
+                                      "2i+1: DeepSeek)", Choice(ROPE_LAYOUTS))
+    rope_scaling: str = option("none", "none | llama3 | yarn (context extension of RoPE)",
+                               Choice(ROPE_SCALINGS))
+    rope_factor: float = option(1.0, "llama3/yarn: context extension factor", Real())
+    rope_original_max_len: int = option(0, "llama3/yarn: the context before extension", Int(0))
+    rope_low_freq_factor: float = option(1.0, "llama3: low-frequency band edge", Real())
+    rope_high_freq_factor: float = option(4.0, "llama3: high-frequency band edge", Real())
+    rope_beta_fast: float = option(32.0, "yarn: ramp edge in rotations (extrapolation)", Real())
+    rope_beta_slow: float = option(1.0, "yarn: ramp edge in rotations (interpolation)", Real())
+    rope_mscale: float = option(0.0, "yarn: mscale of the attention factor (0 = unset)", Real())
+    rope_mscale_all_dim: float = option(0.0, "yarn: mscale_all_dim (0 = unset; MLA scales "
+                                             "scores by its mscale squared)", Real())
+    norm_topk_prob: bool = option(True, "normalize the chosen experts' gates to sum to 1", BOOL)
+    routed_scaling_factor: float = option(1.0, "multiplies the routed experts' gates "
+                                               "(DeepSeek-V3: 2.5)", _POSITIVE)
+    n_group: int = option(1, "expert groups of group-limited routing (DeepSeek-V3)", Int(1))
+    topk_group: int = option(1, "groups a token may route to (= n_group: routing not limited)",
+                             Int(1))
+    group_score: str = option("top2_sum", "a group's score: top2_sum (DeepSeek-V3) | max "
+                                          "(DeepSeek-V2 group_limited_greedy)",
+                              Choice(GROUP_SCORES))
+    mlp_only_layers: Tuple[int, ...] = option(
+        (), "layer indices with a dense FFN (Qwen-MoE), besides first_dense_layers",
+        Kind(lambda v: isinstance(v, (tuple, list)) and all(is_int(i) and i >= 0 for i in v),
+             "a tuple of layer indices"))
+    q_lora_rank: int = option(0, "MLA: query latent width (0 = a plain q projection)", Int(0))
+    kv_lora_rank: int = option(0, "MLA: key/value latent width (> 0 = Multi-head Latent "
+                                  "Attention, DeepSeek-V2/V3)", Int(0))
+    qk_nope_head_dim: int = option(0, "MLA: per-head q/k width without RoPE", Int(0))
+    qk_rope_head_dim: int = option(0, "MLA: per-head q/k width with RoPE (one key shared)",
+                                   Int(0))
+    v_head_dim: int = option(0, "MLA: per-head value width", Int(0))
 
     def __post_init__(self):
         def need(ok, msg):
             if not ok:
                 raise ValueError(msg)
 
-        for name in ("vocab_size", "num_layers", "d_model", "num_heads", "max_len"):
-            v = getattr(self, name)
-            check_int(name, v, 1)
-        for name in ("num_kv_heads", "head_dim", "rope_dim", "q_lora_rank", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "rope_original_max_len"):
-            check_int(name, getattr(self, name), 0)
-        check_int("n_group", self.n_group, 1)
-        check_int("topk_group", self.topk_group, 1)
-        object.__setattr__(self, "mlp_only_layers",
-                           tuple(int(i) for i in (self.mlp_only_layers or ())))
+        for f in dataclasses.fields(self):  # each field's own allowed values (its declaration)
+            if f.metadata.get("allowed") is not None:
+                check(f.name, getattr(self, f.name), f.metadata["allowed"])
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
         head_dim_set = self.head_dim != 0
         if self.head_dim == 0:
             need(self.d_model % self.num_heads == 0,
@@ -303,10 +332,6 @@ class ModelConfig:
                                                f"with kv_lora_rank > 0 (MLA)")
             need(not (self.qk_norm or self.qkv_bias),
                  "qk_norm and qkv_bias are not defined for MLA (kv_lora_rank > 0)")
-        need(self.rope_layout in ROPE_LAYOUTS,
-             f"rope_layout={self.rope_layout!r}; allowed: {', '.join(ROPE_LAYOUTS)}")
-        need(self.rope_scaling in ROPE_SCALINGS,
-             f"rope_scaling={self.rope_scaling!r}; allowed: {', '.join(ROPE_SCALINGS)}")
         if self.rope_scaling != "none":
             need(self.rope_factor > 0 and self.rope_original_max_len >= 1,
                  f"rope_scaling={self.rope_scaling!r} needs rope_factor > 0 (got "
@@ -316,25 +341,12 @@ class ModelConfig:
             need(self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
                  f"llama3 scaling needs rope_high_freq_factor={self.rope_high_freq_factor} > "
                  f"rope_low_freq_factor={self.rope_low_freq_factor} > 0")
-        need(self.routed_scaling_factor > 0,
-             f"routed_scaling_factor={self.routed_scaling_factor} must be > 0")
         need(all(0 <= i < self.num_layers for i in self.mlp_only_layers),
              f"mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in "
              f"[0, num_layers={self.num_layers})")
-        need(self.rope_theta > 0, f"rope_theta={self.rope_theta} must be > 0")
-        need(self.norm_eps > 0, f"norm_eps={self.norm_eps} must be > 0")
-        need(self.num_experts >= 0, f"num_experts={self.num_experts} must be >= 0 (0 = all dense)")
         need(0 <= self.first_dense_layers <= self.num_layers,
              f"first_dense_layers={self.first_dense_layers} must be in [0, "
              f"num_layers={self.num_layers}]")
-        need(self.aux_loss_weight >= 0, f"aux_loss_weight={self.aux_loss_weight} must be >= 0")
-        need(self.bias_update_rate >= 0, f"bias_update_rate={self.bias_update_rate} must be >= 0")
-        need(self.attention in ATTENTION_IMPLEMENTATIONS,
-             f"attention={self.attention!r}; allowed: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        need(isinstance(self.scan_layers, (bool, np.bool_)),
-             f"scan_layers={self.scan_layers!r} must be True or False")
-        need(self.remat in REMAT_POLICIES,
-             f"remat={self.remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
         if self.num_dense_layers > 0:
             need(self.d_ff >= 1, f"d_ff={self.d_ff} must be >= 1 with "
                                  f"{self.num_dense_layers} dense layers")
@@ -342,12 +354,6 @@ class ModelConfig:
             need(1 <= self.top_k <= self.num_experts,
                  f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
             need(self.d_expert >= 1, f"d_expert={self.d_expert} must be >= 1 with num_experts > 0")
-            need(self.num_shared_experts >= 0,
-                 f"num_shared_experts={self.num_shared_experts} must be >= 0")
-            need(self.score_fn in SCORE_FNS,
-                 f"score_fn={self.score_fn!r}; allowed: {', '.join(SCORE_FNS)}")
-            need(self.capacity_factor is None or self.capacity_factor >= 0,
-                 f"capacity_factor={self.capacity_factor} must be None, 0 (dropless) or > 0")
             cf = self.capacity_factor or 0.0
             need(cf * self.max_len * self.top_k / self.num_experts <= 2**31 - 1,
                  f"capacity_factor={self.capacity_factor} gives "
@@ -355,8 +361,6 @@ class ModelConfig:
                  f"(capacity_factor * max_len * top_k / num_experts), more than an int32 array "
                  f"dimension holds (2**31 - 1); an expert never needs more than max_len slots: "
                  f"use at most num_experts / top_k = {self.num_experts / self.top_k:g}")
-            need(self.moe_kernel in MOE_KERNELS,
-                 f"moe_kernel={self.moe_kernel!r}; allowed: {', '.join(MOE_KERNELS)}")
             need(self.num_experts % self.n_group == 0 and self.topk_group <= self.n_group,
                  f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
                  f"topk_group={self.topk_group} be at most n_group")
@@ -369,8 +373,8 @@ class ModelConfig:
         field) is left out.
 
         Raises:
-          ValueError: a key that is not a field (listed), a missing required field, or
-            a value that fails validation.
+          ValueError: a key that is not a field (listed), or a value that fails
+            validation.
         """
         data = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
         data.pop("init_from", None)
@@ -378,10 +382,6 @@ class ModelConfig:
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}; allowed: {sorted(fields)}")
-        missing = [n for n, f in fields.items()
-                   if f.default is dataclasses.MISSING and n not in data]
-        if missing:
-            raise ValueError(f"model config is missing required keys {missing}")
         return cls(**data)
 
     @property
@@ -496,7 +496,8 @@ class Block(nnx.Module):
                            rules=rules, rngs=rngs, init_std=std, out_std=out_std,
                            moe_kernel=config.moe_kernel, norm_topk_prob=config.norm_topk_prob,
                            routed_scaling_factor=config.routed_scaling_factor,
-                           n_group=config.n_group, topk_group=config.topk_group)
+                           n_group=config.n_group, topk_group=config.topk_group,
+                           group_score=config.group_score)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs,

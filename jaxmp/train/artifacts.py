@@ -239,7 +239,8 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
     of the family the architecture maps to; a Hugging Face tokenizer is written as
     ``tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-document token
-    (``eos_token``), which ``transformers.AutoTokenizer`` reads. A byte or SentencePiece
+    (``eos_token``), which ``transformers.AutoTokenizer`` reads; the byte tokenizer is
+    written as the same ids in that form (:meth:`ByteTokenizer.to_hf`). A SentencePiece
     tokenizer has no such file: none is written (``tokenizer`` is None in the result).
 
     Returns:
@@ -257,6 +258,8 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     out = pathlib.Path(out).expanduser()
     family = save_pretrained(model, str(out))
     file = None
+    if isinstance(tokenizer, ByteTokenizer):
+        tokenizer = HFTokenizer(tokenizer.to_hf(), "bytes", tokenizer.eos_id)
     if isinstance(tokenizer, HFTokenizer):
         file = tokenizer.save(out).name
         eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)

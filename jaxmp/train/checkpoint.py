@@ -76,7 +76,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxmp._checks import check_int
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import all_finite
-from jaxmp.train.keys import KEYS
+from jaxmp.train.keys import DEFAULTS
 
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
            "state_checksums", "json_digest", "config_differences", "residual_adapter",
@@ -108,9 +108,6 @@ def _lookup(config: dict, dotted: str):
     return node
 
 
-_DEFAULTS = {k.name: k.default for k in KEYS}
-
-
 def config_differences(saved: dict, current: dict) -> list:
     """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
     (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`. A key the saved config
@@ -120,7 +117,7 @@ def config_differences(saved: dict, current: dict) -> list:
     for section in INCOMPATIBLE_KEYS:
         a, b = (flatten_dict({section: _lookup(c, section)}, sep=".") for c in (saved, current))
         for key in sorted(set(a) | set(b)):
-            if key not in a and key in _DEFAULTS and b.get(key) == _DEFAULTS[key]:
+            if key not in a and key in DEFAULTS and b.get(key) == DEFAULTS[key]:
                 continue  # a newer key at its default: the checkpoint ran with that behaviour
             if (key not in MAY_CHANGE_KEYS
                 and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):

@@ -3,13 +3,15 @@
 A run config is an ``ml_collections.ConfigDict`` with the sections ``model``,
 ``precision``, ``optim``, ``data``, ``train`` and a top-level ``seed`` (the Flax
 examples' layout: a config file's ``get_config()`` returns it). :func:`default_config`
-holds every key the trainer reads, with its default; a config file may leave keys out
-(they get these defaults) but may not add any: a key that is not here is a typo, and
-:func:`validate_config` names it with the closest valid key.
+holds every key the trainer reads, with its default (each key is declared once, in
+:mod:`jaxmp.train.keys`); a config file may leave keys out (they get these defaults) but
+may not add any: a key that is not here is a typo, and :func:`validate_config` names it
+with the closest valid key.
 
 * :func:`load_config` runs a config file's ``get_config()``, completes it with every
   default and applies ``KEY=VALUE`` overrides: the one loader of ``train.py``, the
-  report, the benchmarks and the tests.
+  report, the benchmarks and the tests, and the one completion of a run (a complete
+  config, :func:`is_complete`, is only copied by :func:`complete_config` after).
 * :func:`validate_config` checks every value before any work is done and returns the
   parsed :class:`Settings` (model shape, policy rules, loss scale, gradient
   communication), so nothing is parsed twice. The
@@ -18,6 +20,7 @@ holds every key the trainer reads, with its default; a config file may leave key
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import importlib.util
@@ -26,42 +29,34 @@ import math
 import pathlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
-from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_int, is_real
+from jaxmp._checks import is_int, is_real
 from jaxmp.models import ModelConfig
-from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
-from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS
-from jaxmp.models.moe import MOE_KERNELS
-from jaxmp.models.transformer import REMAT_POLICIES
 from jaxmp.precision import comm
-from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
-from jaxmp.precision.policy import PRESETS, PolicyRules, canonical_dtype, get_policy_rules
-from jaxmp.train.keys import KEYS
-from jaxmp.train.data import SEED, TOKEN_DTYPES
-from jaxmp.train.optimizer import SCHEDULES
+from jaxmp.precision.policy import PRESETS, PolicyRules, get_policy_rules
+from jaxmp.train.keys import DEFAULTS, KEYS
 
-__all__ = ["default_config", "complete_config", "load_config", "apply_overrides",
+__all__ = ["default_config", "complete_config", "is_complete", "load_config", "apply_overrides",
            "config_to_dict", "Settings", "ALLOWED", "validate_config",
            "flat_keys", "closest_key"]
 
-_I32_MAX = 2**31 - 1  # the train state's step counters and the model's positions are int32
 _REPO = pathlib.Path(__file__).resolve().parents[2]  # where configs/ and train.py live
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """Every key the trainer reads, with its default (configs/tiny_moe.py sets the model).
+    """Every key the trainer reads, with its default, locked (a new key is a typo).
 
-    Built from :data:`jaxmp.train.keys.KEYS`, the one table of keys, defaults and
-    meanings that ``python train.py --help`` and ``docs/CONFIG.md`` print. The model
-    section has the required shape keys of :class:`~jaxmp.models.ModelConfig` at
-    tiny_moe's values; see that class for each (``attention``, ``scan_layers`` and
-    ``remat`` are explained in :mod:`jaxmp.models.attention` and
-    :mod:`jaxmp.models.transformer`).
+    Built from :data:`jaxmp.train.keys.KEYS`, the one declaration of each key (the
+    ``model.*`` keys are :class:`~jaxmp.models.ModelConfig`'s fields: ``ModelConfig()``
+    is the default model, a tiny dense Transformer on bytes). A config file may start from
+    it and change what differs (``configs/tiny_moe.py``); as ``ml_collections`` does for a
+    locked config, setting a key that does not exist raises, naming the keys that do.
     """
     c = ml_collections.ConfigDict()
     for key in KEYS:
@@ -69,6 +64,7 @@ def default_config() -> ml_collections.ConfigDict:
         if section and section not in c:
             c[section] = ml_collections.ConfigDict()
         (c[section] if section else c)[leaf] = key.default
+    c.lock()
     return c
 
 
@@ -98,13 +94,25 @@ def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ValueError
                       f"jaxmp.train.config.default_config)")
 
 
+def is_complete(config: Any) -> bool:
+    """Whether ``config`` is a complete run config: a locked ``ConfigDict`` (what
+    :func:`default_config`, :func:`complete_config` and :func:`load_config` return) that has
+    every key."""
+    return (isinstance(config, ml_collections.ConfigDict) and config.is_locked
+            and sorted(flat_keys(config)) == _FLAT_KEYS)
+
+
 def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with every missing key set to its default.
+    """A copy of ``config`` with every missing key set to its default, locked (as
+    :func:`default_config`: a new key raises). A config that :func:`is_complete` is only
+    copied: a run completes its config once, when :func:`load_config` reads it.
 
     Raises:
       ValueError: ``config`` has a key that :func:`default_config` does not (a typo),
         named with the closest valid key.
     """
+    if is_complete(config):
+        return copy.deepcopy(config)
     defaults = default_config()
     valid = flat_keys(defaults)
     given = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
@@ -129,7 +137,9 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
                 merged[key][sub] = v
         else:
             merged[key] = value
-    return ml_collections.ConfigDict(merged)
+    out = ml_collections.ConfigDict(merged)
+    out.lock()
+    return out
 
 
 def _parse_value(text: str) -> Any:
@@ -217,7 +227,8 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
 
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
-        defines no ``get_config``, or its ``get_config()`` raises or returns something
+        defines no ``get_config``, leaves ``model.init_from`` a placeholder (``None``, as
+        configs/finetune.py does) that no override fills, or its ``get_config()`` raises or returns something
         other than a ConfigDict or dict (each one line naming the file and the cause); an
         unknown key in it or in ``overrides``; a value of the wrong type.
     """
@@ -249,6 +260,10 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
                          f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
     given = set(_given(config)) | {text.partition("=")[0].strip() for text in overrides}
     config = apply_overrides(complete_config(config), overrides, where)
+    if config.model.init_from is None:  # a placeholder: configs/finetune.py, DIR not given
+        raise ValueError(f"config file {name} sets no model architecture (it comes from "
+                         f"model.init_from): give --config.model.init_from=DIR, a Hugging "
+                         f"Face checkpoint directory")
     if config.model.init_from:  # the architecture from DIR, checked against what is set
         _apply_init_from(config, {k: _get(config, k) for k in given if _has(config, k)})
     return config
@@ -296,82 +311,13 @@ class Settings:
     reduce_dtype: Any = None
 
 
-_STEPS = Int(1, _I32_MAX, "an integer in [1, 2**31 - 1] (the train state counts steps in int32)")
-_COUNT = Int(1)
-_SPIKE = Kind(lambda v: is_real(v) and (v == 0 or 1 < v < math.inf),
-              "0 (off) or a finite number > 1")
-_UNIT_OPEN = Real(0, 1, hi_open=True, text="in [0, 1)")
-_MOMENT_DTYPE = Kind(lambda v: not v or canonical_dtype(v) is not None,
-                     "'' (the master dtype) or a dtype name such as bfloat16")
-
-# Every checked key and what it allows, in the order they are checked. The keys not here
-# are parsed whole below (the policy, the loss scale, the gradient communication, the
-# model's shape by ModelConfig, the parallel layout).
-ALLOWED: Dict[str, Any] = {
-    "train.steps": _STEPS,
-    "train.batch_size": _COUNT,
-    "train.log_every": _STEPS,
-    "train.grad_accum_steps": _COUNT,
-    "train.keep_checkpoints": _COUNT,
-    "train.checkpoint_every": _STEPS,
-    "train.eval_every": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = never)"),
-    "train.num_devices": Int(0, text="an integer >= 0 (0 = all devices)"),
-    "train.max_consecutive_skips": _STEPS,
-    "train.loss_spike_factor": _SPIKE,
-    "train.grad_norm_spike_factor": _SPIKE,
-    "train.max_divergent_steps": _STEPS,
-    "train.sample_tokens": Int(0),
-    "train.sample_temperature": Real(0, text="a finite number >= 0 (0 = greedy)"),
-    "train.sample_prompt": Kind(lambda v: isinstance(v, str), "a string"),
-    "optim.learning_rate": Real(0, F32_MAX, lo_open=True,
-                                text="a number > 0 that float32 can hold"),
-    "optim.warmup_steps": Int(0, _I32_MAX),
-    "optim.decay_steps": Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = train.steps)"),
-    "optim.final_lr_fraction": Real(0, 1, text="in [0, 1]"),
-    "optim.weight_decay": Real(0),
-    "optim.grad_clip": Real(0, text="a finite number >= 0 (0 = off)"),
-    "optim.b1": _UNIT_OPEN,
-    "optim.b2": _UNIT_OPEN,
-    "optim.eps": Real(0, lo_open=True),
-    "optim.schedule": Choice(SCHEDULES),
-    "optim.mu_dtype": _MOMENT_DTYPE,
-    "optim.nu_dtype": _MOMENT_DTYPE,
-    "optim.update_rounding": Choice(UPDATE_ROUNDINGS),
-    "data.path": Kind(lambda v: v is None or isinstance(v, str),
-                      "a path, a glob or '' (the stdlib corpus)"),
-    "data.text_field": Kind(lambda v: isinstance(v, str) and v.strip() != "",
-                            "a non-empty field name"),
-    "data.seq_len": _COUNT,
-    "data.eval_fraction": _UNIT_OPEN,
-    "data.num_eval_batches": Int(0, text="an integer >= 0 (0 = no evaluation)"),
-    "data.max_tokens": Int(0, text="an integer >= 0 (0 = all)", none_ok=True),
-    "data.tokenizer": Kind(lambda v: isinstance(v, str), "'bytes', a tokenizer.json or "
-                           "SentencePiece .model path, or 'bpe:VOCAB'"),
-    "data.token_dtype": Choice(TOKEN_DTYPES, "uint16 or uint32"),
-    "data.eod_id": Int(-1, text="an integer >= 0, or -1 (the tokenizer's own)"),
-    "seed": SEED,
-    "model.attention": Choice(ATTENTION_IMPLEMENTATIONS),
-    "model.moe_kernel": Choice(MOE_KERNELS),
-    "model.scan_layers": Kind(lambda v: isinstance(v, bool), "True or False"),
-    "model.remat": Choice(REMAT_POLICIES),
-    "model.rope_theta": Real(),
-    "model.norm_eps": Real(),
-    "model.aux_loss_weight": Real(),
-    "model.bias_update_rate": Real(),
-    "model.rope_layout": Choice(ROPE_LAYOUTS),
-    "model.rope_scaling": Choice(ROPE_SCALINGS),
-    "model.qk_norm": Kind(lambda v: isinstance(v, bool), "True or False"),
-    "model.qkv_bias": Kind(lambda v: isinstance(v, bool), "True or False"),
-    "model.tie_embeddings": Kind(lambda v: isinstance(v, bool), "True or False"),
-    "model.norm_topk_prob": Kind(lambda v: isinstance(v, bool), "True or False"),
-    "model.routed_scaling_factor": Real(0, lo_open=True),
-    "model.init_from": Kind(lambda v: isinstance(v, str), "'' or a checkpoint directory"),
-    "model.mlp_only_layers": Kind(lambda v: isinstance(v, (tuple, list)) and all(
-        is_int(i) and i >= 0 for i in v), "a tuple of layer indices"),
-    # The model's other checks are ModelConfig's; an int32 position is the run's.
-    "model.max_len": Kind(lambda v: not is_int(v) or v <= _I32_MAX,
-                          "at most 2**31 - 1 (positions are int32)"),
-}
+# Every checked key and what it allows (each key's declaration in jaxmp.train.keys, the
+# model.* keys' in ModelConfig's fields); train.* are checked first (the batch split needs
+# them), then the others in the order of KEYS. The keys without a spec are parsed whole
+# below (the policy, the loss scale, the gradient communication, the parallel layout).
+ALLOWED: Dict[str, Any] = {k.name: k.allowed for k in sorted(
+    KEYS, key=lambda k: not k.name.startswith("train.")) if k.allowed is not None}
+_FLAT_KEYS = sorted(DEFAULTS)
 
 
 def _get(config: ml_collections.ConfigDict, key: str) -> Any:
@@ -388,7 +334,8 @@ def _check_table(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None
             raise ValueError(f"{key}={value!r} is not allowed; it must be {spec.allowed}")
 
 
-def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Settings:
+def validate_config(config: ml_collections.ConfigDict,
+                    num_devices: Optional[int] = None) -> Settings:
     """Checks every setting of a run before any work is done; returns what it parsed.
 
     Each key of :data:`ALLOWED` is checked against its entry, then what takes parsing
@@ -396,9 +343,10 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
     layout) is parsed once, and the keys that constrain each other are checked together.
 
     Args:
-      config: a run config (missing keys take :func:`default_config`'s values).
+      config: a run config (missing keys take :func:`default_config`'s values; a
+        complete one, :func:`is_complete`, is not completed again).
       num_devices: devices of the mesh, ``data`` times ``expert`` (the batch is split
-        over all of them).
+        over all of them); None: ``train.num_devices``, or all devices when it is 0.
 
     Returns:
       The :class:`Settings`.
@@ -423,11 +371,14 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
         allowed.
     """
     given = _given(config)
-    config = complete_config(config)
+    config = complete_config(config)  # a copy only, for a config that load_config read
     _apply_init_from(config, given)  # a second time (after load_config) changes nothing
     t, d, p = config.train, config.data, config.precision
+    if num_devices is None:
+        _check_table(config, ["train.num_devices"])
+        num_devices = t.num_devices or len(jax.devices())
     keys = list(ALLOWED)
-    after = keys.index("optim.learning_rate")  # the batch split is checked after train.*
+    after = sum(k.startswith("train.") for k in keys)  # the batch split is checked after train.*
     _check_table(config, keys[:after])
     if t.batch_size % t.grad_accum_steps:
         raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
@@ -471,9 +422,14 @@ def validate_config(config: ml_collections.ConfigDict, num_devices: int) -> Sett
 
 
 def _given(config) -> Dict[str, Any]:
-    """The dotted keys the config file or command line sets, with their values."""
+    """The dotted keys the config file or command line sets, with their values: those it
+    has, or for a complete config (one built from :func:`default_config`) those that
+    differ from their defaults."""
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return flatten_dict(data, sep=".")
+    given = flatten_dict(data, sep=".")
+    if is_complete(config):
+        given = {k: v for k, v in given.items() if v != DEFAULTS[k]}
+    return given
 
 
 def _apply_init_from(config: ml_collections.ConfigDict, given: Dict[str, Any]) -> None:

@@ -10,6 +10,11 @@ tokens. Training batches come from a ``grain.MapDataset`` (global shuffle,
 reshuffled every epoch) whose iterator state is a small JSON-serialisable dict,
 so a resumed run sees exactly the batches it would have seen.
 
+The pipeline's parts are modules of their own, whose public names are importable from
+here too: :mod:`jaxmp.train.corpus` (finding and reading the documents, the train/eval
+split), :mod:`jaxmp.train.streams` (token streams as windows) and
+:mod:`jaxmp.train.shards` (pre-tokenized token shards).
+
 Example::
 
     cfg = ml_collections.ConfigDict(dict(path=None, text_field="text", seq_len=256,
@@ -21,519 +26,26 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import glob
-import json
 import math
 import os
 import pathlib
 import sys
-import sysconfig
-import zlib
 from typing import Any, Optional, Sequence
 
 import grain
 import numpy as np
 
 from jaxmp._checks import Int, check, check_int, check_real
-from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer
+from jaxmp.train.corpus import (TOKEN_SUFFIXES, check_data_path, data_files,  # noqa: F401
+                                default_corpus_files, eval_score, load_documents,
+                                split_documents, token_files)
+from jaxmp.train.shards import TOKEN_DTYPES, shard_streams  # noqa: F401
+from jaxmp.train.streams import ShardStream, TokenStream  # noqa: F401
+from jaxmp.train import tokenizer as tokenizer_module
+from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer, text_pieces  # noqa: F401
 
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Bumped when the meaning of a saved iterator state changes.
 _STATE_VERSION = 1
-
-
-def default_corpus_files() -> list[pathlib.Path]:
-    """Returns the standard library's ``.py`` files, sorted by relative path.
-
-    The root is ``sysconfig.get_paths()["stdlib"]``; subpackages are included,
-    ``site-packages`` / ``dist-packages`` (third-party code) and ``__pycache__``
-    are not, and directory symlinks are not followed.
-
-    Returns:
-      Absolute paths, sorted by their POSIX path relative to the stdlib root, so
-      the order is the same on every machine with the same Python version.
-
-    Raises:
-      FileNotFoundError: the stdlib holds no ``.py`` file (e.g. a zipped stdlib).
-    """
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        files.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    if not files:
-        raise FileNotFoundError(f"no .py files under the stdlib directory {root}")
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
-    docs = []
-    with open(file, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{file}, line {lineno}: invalid JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(
-                    f"{file}, line {lineno}: expected a JSON object with a string "
-                    f"field {text_field!r}, got {line[:80]!r}")
-            try:
-                text = record[text_field].encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
-                raise ValueError(f"{file}, line {lineno}: field {text_field!r} is not text "
-                                 f"({e.reason} at character {e.start}: an unpaired "
-                                 f"\\u{ord(e.object[e.start]):04x} escape)") from None
-            docs.append((f"{file}:{lineno}", text))
-    return docs
-
-
-def _is_text_file(path: str) -> bool:
-    """No NUL byte in the first 8 KiB: git's rule for telling text from binary files."""
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
-
-
-def _walk_directory(root: str) -> list[str]:
-    """Every file below ``root``, recursively, sorted, none read; hidden files and
-    directories (names starting with ``.``) and ``__pycache__`` are skipped, symlinked
-    directories not followed."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
-        files.extend(f for f in (os.path.join(dirpath, n) for n in filenames
-                                 if not n.startswith(".")) if os.path.isfile(f))
-    return sorted(files)
-
-
-def _match_parts(pattern: Sequence[str], parts: Sequence[str]) -> bool:
-    """Whether path components ``parts`` match glob components ``pattern`` as
-    ``glob.glob(recursive=True)`` does: ``**`` is any number of directories, another
-    component one name (``fnmatch``), and a name starting with ``.`` only matches a
-    component that starts with ``.``."""
-    if not pattern:
-        return not parts
-    head, rest = pattern[0], pattern[1:]
-    if head == "**":
-        return any(_match_parts(rest, parts[i:]) for i in range(len(parts) + 1)
-                   if not any(p.startswith(".") for p in parts[:i]))
-    return (bool(parts) and (not parts[0].startswith(".") or head.startswith("."))
-            and fnmatch.fnmatchcase(parts[0], head) and _match_parts(rest, parts[1:]))
-
-
-def _glob_files(pattern: str, links: Optional[list] = None) -> list[str]:
-    """The files a glob matches, sorted, like ``glob.glob(pattern, recursive=True)``, but
-    a ``**`` walks each real directory once: a symlinked directory that leads to one
-    already walked (an ancestor: a loop) is not entered again, where ``glob`` follows it
-    round and round. Each such link is appended to ``links`` as ``(link, target)``."""
-    if "**" not in pattern:
-        return sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
-    parts = pattern.split(os.sep)
-    i = 0
-    while i < len(parts) - 1 and not glob.has_magic(parts[i]):
-        i += 1
-    prefix = os.sep.join(parts[:i]) if i else ""
-    root = prefix or (os.sep if pattern.startswith(os.sep) else os.curdir)
-    rest = parts[i:]
-    if not os.path.isdir(root):
-        return []
-    found, st = [], os.stat(root)
-    walked = {(st.st_dev, st.st_ino)}  # walked, or to be walked: each real directory once
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        keep = []
-        for name in sorted(dirnames):
-            if name.startswith(".") and not any(p.startswith(".") for p in rest):
-                continue  # glob's ** enters no hidden directory
-            sub = os.path.join(dirpath, name)
-            try:
-                st = os.stat(sub)
-            except OSError:  # a dangling link
-                continue
-            if (st.st_dev, st.st_ino) in walked:
-                if links is not None:
-                    links.append((sub, os.path.realpath(sub)))
-                continue
-            walked.add((st.st_dev, st.st_ino))
-            keep.append(name)
-        dirnames[:] = keep
-        rel = os.path.relpath(dirpath, root)
-        rel_parts = [] if rel == os.curdir else rel.split(os.sep)
-        for name in filenames:
-            if _match_parts(rest, rel_parts + [name]):
-                file = os.path.join(dirpath, name) if prefix else os.path.join(*rel_parts, name)
-                if os.path.isfile(file):
-                    found.append(file)
-    return sorted(found)
-
-
-def _walked_once_warning(path: str, links: Sequence[tuple]) -> list:
-    """The warning for the symlinked directories a glob did not enter twice."""
-    if not links:
-        return []
-    why = []
-    for link, target in links[:3]:
-        parent = os.path.realpath(os.path.dirname(link) or ".")
-        loop = parent == target or parent.startswith(target.rstrip(os.sep) + os.sep)
-        why.append(f"the link {link!r} points to its own ancestor {target!r}, a loop" if loop
-                   else f"the link {link!r} leads to {target!r}")
-    return [f"data.path {path!r}: {len(links)} linked director{'y' if len(links) == 1 else 'ies'} "
-            f"lead to directories already walked ({'; '.join(why)}); each real directory is "
-            f"walked once"]
-
-
-def _directory_files(root: str) -> list[str]:
-    """Every text file below ``root``, recursively, sorted; hidden files and directories
-    (names starting with ``.``) and ``__pycache__`` are skipped, symlinked directories not
-    followed.
-
-    Raises:
-      ValueError: no text file is found (the message counts what was skipped).
-    """
-    found, skipped = [], 0
-    for file in _walk_directory(root):
-        if _is_text_file(file):
-            found.append(file)
-        else:
-            skipped += 1
-    if not found:
-        raise ValueError(f"data.path directory {root!r} holds no text file ({skipped} binary "
-                         f"file(s) skipped); give a directory of text files, a glob such as "
-                         f"'{root}/**/*.txt', or .jsonl files")
-    return sorted(found)
-
-
-def _looping_links(files: Sequence[str]) -> dict:
-    """``{link: target}`` for each symlinked directory on the paths of ``files`` that
-    points to one of its own ancestors (a glob's ``**`` follows it again and again)."""
-    loops, seen = {}, set()
-    for file in files:
-        d = os.path.dirname(file)
-        while d and d not in seen:
-            seen.add(d)
-            if os.path.islink(d):
-                target = os.path.realpath(d)
-                parent = os.path.realpath(os.path.dirname(d) or ".")
-                if parent == target or parent.startswith(target.rstrip(os.sep) + os.sep):
-                    loops[d] = target
-            d = os.path.dirname(d)
-    return loops
-
-
-def _unique_text_files(path: str, files: Sequence[str], warnings: list) -> list[str]:
-    """``files`` with each real file once (symlinks resolved: the first path in sorted
-    order is kept) and binary files left out, with a warning for each kind of skip.
-
-    Raises:
-      ValueError: none of ``files`` is a text file.
-    """
-    first, duplicates = {}, []
-    for file in files:
-        real = os.path.realpath(file)
-        if real in first:
-            duplicates.append((file, first[real]))
-        else:
-            first[real] = file
-    if duplicates:
-        loops = _looping_links([f for f, _ in duplicates])
-        why = "".join(f"; the link {link!r} points to its own ancestor {target!r}, a loop"
-                      for link, target in sorted(loops.items())[:3])
-        warnings.append(f"data.path {path!r}: {len(duplicates)} path(s) lead to files already read "
-                        f"(e.g. {duplicates[0][0]!r} is {duplicates[0][1]!r}){why}; each file is "
-                        f"read once")
-    kept = list(first.values())
-    text = [f for f in kept if _is_text_file(f)]
-    binary = [f for f in kept if f not in set(text)]
-    if not text:
-        raise ValueError(f"data.path {path!r} matches no text file ({len(binary)} binary file(s), "
-                         f"e.g. {binary[0]!r}: a NUL byte in its first 8 KiB); give text files, a "
-                         f"directory of them, or .jsonl files")
-    if binary:
-        warnings.append(f"data.path {path!r}: skipped {len(binary)} binary file(s) (a NUL byte in "
-                        f"the first 8 KiB), e.g. {binary[0]!r}")
-    return text
-
-
-def data_files(path: str, links: Optional[list] = None) -> list[str]:
-    """The files ``data.path`` names (a directory's text files, recursively; or a glob's,
-    each real directory walked once: :func:`_glob_files`), sorted: what
-    :func:`load_documents` reads, found before it reads them.
-
-    Raises:
-      ValueError: ``path`` does not exist, is a directory of no text file (each file's
-        first 8 KiB are read for a NUL byte), or is a glob that matches no file.
-    """
-    expanded = os.path.expanduser(path)
-    if os.path.isdir(expanded):
-        files = _directory_files(expanded)
-    else:
-        files = _glob_files(expanded, links)
-    if not files:
-        if not glob.has_magic(expanded):
-            raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
-                             "such as 'corpus/**/*.txt', or '' for the standard library's "
-                             "sources)")
-        raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
-                         f"'corpus/**/*.txt', or '' for the standard library's sources)")
-    return files
-
-
-def check_data_path(path: str) -> None:
-    """Fails fast for a ``data.path`` that names nothing, reading no file: a path that
-    does not exist, or a glob that matches no file (as :func:`data_files` says it). A
-    directory is walked, and its files tested for text, only when it is read.
-
-    Raises:
-      ValueError: as :func:`data_files`.
-    """
-    if path and not os.path.isdir(os.path.expanduser(path)):
-        data_files(path)
-
-
-def load_documents(path: str | None, text_field: str = "text",
-                   warnings: list | None = None) -> list[tuple[str, bytes]]:
-    """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
-
-    Args:
-      path: ``None`` or ``""`` for the stdlib corpus (:func:`default_corpus_files`,
-        names are POSIX paths relative to the stdlib root); a directory, meaning every
-        text file below it, recursively (text: no NUL byte in its first 8 KiB; hidden
-        files and directories skipped); or a glob (``**`` matches any number of
-        directories) of files. Each text file is one document read as raw bytes; a
-        ``.jsonl`` file holds one JSON object per non-blank line, whose ``text_field``
-        string (UTF-8 encoded) is one document named ``"file:line"``. Files are taken in
-        sorted path order; directories a glob matches are not expanded. Each real file
-        is read once, however many paths (symbolic links) lead to it, and binary files
-        (a NUL byte in the first 8 KiB) are skipped, both with a warning.
-      text_field: the ``.jsonl`` field holding the text.
-      warnings: a list that gets a sentence for each thing skipped (repeated files,
-        links that loop, binary files).
-
-    Returns:
-      Documents in a deterministic order.
-
-    Raises:
-      ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid
-        JSON or lacks a string ``text_field`` (names the file and line number).
-    """
-    if not path:
-        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-        docs = [(p.relative_to(root).as_posix(), p.read_bytes())
-                for p in default_corpus_files()]
-        return [d for d in docs if d[1]]
-    warnings = warnings if warnings is not None else []
-    links: list = []
-    found = data_files(path, links)
-    warnings.extend(_walked_once_warning(path, links))
-    files = _unique_text_files(path, found, warnings)
-    docs = []
-    for file in files:
-        if file.lower().endswith(".jsonl"):
-            docs.extend(_jsonl_documents(file, text_field))
-        else:
-            with open(file, "rb") as f:
-                docs.append((file, f.read()))
-    return [d for d in docs if d[1]]
-
-
-def _eval_score(name: str) -> float:
-    # crc32 is stable across processes and machines, unlike hash() of a str.
-    return zlib.crc32(name.encode("utf-8")) / 2**32
-
-
-def split_documents(docs: Sequence[tuple[str, bytes]],
-                    eval_fraction: float) -> tuple[list, list]:
-    """Splits documents into train and eval by a stable hash of their names.
-
-    A document goes to eval iff ``zlib.crc32(name.encode()) / 2**32 <
-    eval_fraction``. The choice depends only on the name, so it is the same on
-    every machine and run, and adding or removing documents never moves the
-    others to the other split. Each split keeps the input order. The eval share
-    is ``eval_fraction`` of the documents in expectation, not exactly.
-
-    Args:
-      docs: ``(name, bytes)`` documents.
-      eval_fraction: in ``[0, 1)``; 0 puts every document in train.
-
-    Returns:
-      ``(train_docs, eval_docs)``, disjoint, together all of ``docs``.
-
-    Raises:
-      ValueError: ``eval_fraction`` is outside ``[0, 1)``.
-    """
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    train, evals = [], []
-    for doc in docs:
-        (evals if _eval_score(doc[0]) < eval_fraction else train).append(doc)
-    return train, evals
-
-
-class TokenStream:
-    """A packed token stream viewed as non-overlapping windows of ``seq_len + 1``.
-
-    Window ``i`` is ``tokens[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its
-    first ``seq_len`` tokens are model inputs and its last ``seq_len`` the
-    next-token targets. The tail shorter than a window is dropped. Tokens are
-    stored once, as uint16 (2 bytes/token; the stdlib is ~30 M byte tokens, ~60 MB) or
-    uint32 where an id needs it; a uint16/uint32 array (a ``np.memmap`` of a
-    pre-tokenized file included) is used as it is, not copied. Windows are sliced on
-    demand, so the stream is a grain random-access source.
-
-    Args:
-      tokens: 1-D array of non-negative integer ids.
-      seq_len: model sequence length (> 0).
-
-    Raises:
-      ValueError: ``seq_len <= 0``, ``tokens`` is not 1-D, or it holds fewer than
-        ``seq_len + 1`` tokens (the message gives both counts).
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        if not isinstance(seq_len, (int, np.integer)) or seq_len <= 0:
-            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-        if tokens.size < seq_len + 1:
-            raise ValueError(
-                f"corpus has {tokens.size} tokens, fewer than the seq_len + 1 = "
-                f"{seq_len + 1} needed for one sequence")
-        self.seq_len = int(seq_len)
-        if tokens.dtype not in (np.uint16, np.uint32):
-            wide = tokens.size and int(tokens.max()) >= 2**16
-            tokens = tokens.astype(np.uint32 if wide else np.uint16)
-        self.tokens = tokens
-        n = tokens.size // (seq_len + 1)
-        self._windows = self.tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
-
-    @classmethod
-    def from_documents(cls, docs: Sequence[tuple[str, bytes]], seq_len: int, *,
-                       max_tokens: int | None = None) -> "TokenStream":
-        """Packs documents, each followed by EOS (256), into one stream.
-
-        Args:
-          docs: ``(name, bytes)`` documents in order; every byte is one token.
-          seq_len: model sequence length.
-          max_tokens: keep only the first ``max_tokens`` tokens of the packed
-            stream (``None`` or 0: all); documents past the cap are never copied.
-
-        Returns:
-          The stream.
-
-        Raises:
-          ValueError: as for the constructor, or ``max_tokens < 0``.
-        """
-        if max_tokens is not None and max_tokens < 0:
-            raise ValueError(f"max_tokens must be None or >= 0, got {max_tokens}")
-        max_tokens = max_tokens or None
-        kept, total = [], 0
-        for _, data in docs:
-            if max_tokens is not None and total >= max_tokens:
-                break
-            kept.append(data)
-            total += len(data) + 1
-        lengths = np.fromiter((len(d) for d in kept), dtype=np.int64, count=len(kept))
-        eos_at = np.cumsum(lengths + 1) - 1
-        tokens = np.empty(total, dtype=np.uint16)
-        is_byte = np.ones(total, dtype=bool)
-        is_byte[eos_at] = False
-        tokens[is_byte] = np.frombuffer(b"".join(kept), dtype=np.uint8)
-        tokens[eos_at] = ByteTokenizer.eos_id
-        return cls(tokens[:max_tokens], seq_len)
-
-    @classmethod
-    def from_token_documents(cls, docs: Sequence[tuple[str, np.ndarray]], seq_len: int, *,
-                             max_tokens: int | None = None) -> "TokenStream":
-        """Packs tokenized documents (each already ending in its EOS) into one stream.
-
-        Args:
-          docs: ``(name, ids)`` documents in order, ``ids`` a 1-D integer array.
-          seq_len: model sequence length.
-          max_tokens: keep only the first ``max_tokens`` tokens (``None`` or 0: all).
-
-        Raises:
-          ValueError: as for the constructor.
-        """
-        kept, total = [], 0
-        for _, ids in docs:
-            if max_tokens and total >= max_tokens:
-                break
-            kept.append(ids)
-            total += len(ids)
-        dtype = np.uint32 if any(a.dtype.itemsize > 2 and a.size and a.max() >= 2**16
-                                 for a in kept) else np.uint16
-        tokens = np.concatenate(kept).astype(dtype) if kept else np.zeros(0, dtype)
-        return cls(tokens[:max_tokens or None], seq_len)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the stream, including the dropped tail."""
-        return int(self.tokens.size)
-
-    def __len__(self) -> int:
-        return self._windows.shape[0]
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        """Returns window ``index`` as int32 ``[seq_len + 1]``."""
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"window {index} out of range for {len(self)} windows")
-        return self._windows[index].astype(np.int32)
-
-    def batch(self, window_ids: Any) -> dict[str, np.ndarray]:
-        """Gathers windows into a ``{"inputs", "targets"}`` batch.
-
-        Args:
-          window_ids: integer array ``[B]`` of window indices.
-
-        Returns:
-          ``inputs = w[:, :-1]`` and ``targets = w[:, 1:]`` of the gathered
-          windows ``w``, both contiguous int32 ``[B, seq_len]``.
-        """
-        w = self._windows[np.asarray(window_ids)].astype(np.int32)
-        return {"inputs": np.ascontiguousarray(w[:, :-1]),
-                "targets": np.ascontiguousarray(w[:, 1:])}
-
-
-class ShardStream:
-    """Windows of several token arrays (pre-tokenized shards, memory-mapped), as one
-    random-access source: each shard is a :class:`TokenStream` (windows never cross a
-    shard boundary; each shard's tail shorter than a window is dropped) and window ids
-    run through the shards in order.
-
-    Raises:
-      ValueError: no shard holds one window.
-    """
-
-    def __init__(self, arrays: Sequence[np.ndarray], seq_len: int):
-        window = seq_len + 1
-        self.seq_len = seq_len
-        self.parts = [TokenStream(a, seq_len) for a in arrays if a.size >= window]
-        if not self.parts:
-            total = sum(int(a.size) for a in arrays)
-            raise ValueError(f"the token shards hold {total} tokens and none holds the "
-                             f"seq_len + 1 = {window} needed for one sequence")
-        self._starts = np.cumsum([0] + [len(p) for p in self.parts])
-        self._sizes = [int(a.size) for a in arrays]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the shards, including the dropped tails."""
-        return int(sum(self._sizes))
-
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    def batch(self, window_ids: Any) -> dict[str, np.ndarray]:
-        """As :meth:`TokenStream.batch`."""
-        ids = np.asarray(window_ids).reshape(-1) % len(self)
-        part = np.searchsorted(self._starts, ids, side="right") - 1
-        w = np.stack([self.parts[p]._windows[i - self._starts[p]] for p, i in zip(part, ids)])
-        w = w.astype(np.int32).reshape(len(ids), self.seq_len + 1)
-        return {"inputs": np.ascontiguousarray(w[:, :-1]),
-                "targets": np.ascontiguousarray(w[:, 1:])}
 
 
 class _EvalBatches(Sequence):
@@ -664,7 +176,7 @@ def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need
         return sum(len(d) for _, d in ds)
 
     if need_eval and (tokens(eval_docs) < window or tokens(train_docs) < window):
-        by_score = sorted(docs, key=lambda d: _eval_score(d[0]))
+        by_score = sorted(docs, key=lambda d: eval_score(d[0]))
         taken, count = set(), 0
         for name, d in by_score:
             if count >= window:
@@ -707,113 +219,6 @@ def _split_streams(docs, eval_fraction: float, seq_len: int, max_tokens, *, need
 def _count(n: int, noun: str) -> str:
     """``"1 document"``, ``"2 documents"``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-TOKEN_SUFFIXES = (".bin", ".npy")
-TOKEN_DTYPES = ("uint16", "uint32")
-
-
-def token_files(path: Optional[str]) -> list:
-    """The pre-tokenized shard files ``data.path`` names (a ``.bin`` / ``.npy`` file, a
-    glob matching only such files, or a directory holding only such files, recursively,
-    hidden ones aside), sorted; ``[]`` when it names text. No file is read.
-
-    Raises:
-      ValueError: a glob or a directory holds both token files and other files.
-    """
-    if not path:
-        return []
-    expanded = os.path.expanduser(path)
-    if os.path.isdir(expanded):
-        files, what = _walk_directory(expanded), "directory holds"
-    else:
-        files, what = _glob_files(expanded), "matches"
-    tokens = [f for f in files if f.lower().endswith(TOKEN_SUFFIXES)]
-    if tokens and len(tokens) != len(files):
-        other = next(f for f in files if not f.lower().endswith(TOKEN_SUFFIXES))
-        raise ValueError(f"data.path {path!r} {what} pre-tokenized shards ({tokens[0]}) and "
-                         f"other files ({other}); give one kind (e.g. a glob such as "
-                         f"'DIR/**/*{os.path.splitext(tokens[0])[1]}')")
-    return tokens
-
-
-def _open_shard(file: str, dtype: str) -> np.ndarray:
-    """A shard memory-mapped: a ``.npy`` in its own dtype, a ``.bin`` as flat ``dtype``."""
-    if file.lower().endswith(".npy"):
-        try:
-            array = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise ValueError(f"{file} is not a .npy token shard: {' '.join(str(e).split())[:200]}"
-                             ) from None
-        if array.ndim != 1 or array.dtype.name not in TOKEN_DTYPES:
-            raise ValueError(f"{file} holds a {array.dtype.name} array of shape {array.shape}; a "
-                             f"token shard is 1-D {' or '.join(TOKEN_DTYPES)}")
-        return array
-    size = os.path.getsize(file)
-    itemsize = np.dtype(dtype).itemsize
-    if size % itemsize:
-        raise ValueError(f"{file} has {size} bytes, not a whole number of {dtype} tokens; check "
-                         f"data.token_dtype (allowed: {', '.join(TOKEN_DTYPES)})")
-    if size == 0:
-        return np.zeros(0, dtype)
-    return np.memmap(file, dtype=dtype, mode="r")
-
-
-def _scan_shard(array: np.ndarray, eod: int, chunk: int = 1 << 24) -> tuple:
-    """``(max id, end-of-document count)`` of a shard, read in 16 M-token chunks."""
-    top, docs = -1, 0
-    for start in range(0, array.size, chunk):
-        part = np.asarray(array[start:start + chunk])
-        top = max(top, int(part.max()))
-        docs += int(np.count_nonzero(part == eod))
-    return top, docs
-
-
-def _shard_streams(files, data_config, tokenizer, eod: int, seq_len: int, eval_fraction: float,
-                   max_tokens, need_eval: bool):
-    """``(train, eval or None, notes, documents)`` of pre-tokenized shards: eval is the
-    last ``max(seq_len + 1, eval_fraction * tokens)`` tokens of the last shard."""
-    dtype = getattr(data_config, "token_dtype", "uint16") or "uint16"
-    if dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.token_dtype={dtype!r} is not allowed; it must be one of "
-                         f"{', '.join(TOKEN_DTYPES)}")
-    arrays = [_open_shard(f, dtype) for f in files]
-    documents = 0
-    for file, array in zip(files, arrays):
-        top, docs = _scan_shard(array, eod)
-        documents += docs
-        if top >= tokenizer.vocab_size:
-            raise ValueError(f"{file} holds token id {top}, outside the vocabulary of "
-                             f"data.tokenizer={tokenizer.name!r} ([0, {tokenizer.vocab_size})); "
-                             f"set data.tokenizer to the tokenizer that wrote the shards")
-    total = sum(int(a.size) for a in arrays)
-    window = seq_len + 1
-    notes, evals = [], None
-    if need_eval:
-        held = max(window, math.ceil(eval_fraction * total))
-        last = arrays[-1]
-        if last.size - held < 0 or total - held < window:
-            raise ValueError(f"eval is the last {held} tokens of the last shard {files[-1]}, which "
-                             f"holds {last.size} of the {total} tokens; train needs {window} more. "
-                             "Add tokens, lower data.seq_len or data.eval_fraction, or set "
-                             "data.num_eval_batches=0")
-        arrays = arrays[:-1] + [last[:last.size - held]]
-        eval_array = last[last.size - held:]
-        if max_tokens:
-            eval_array = eval_array[:max_tokens]
-        evals = TokenStream(eval_array, seq_len)
-        notes.append(f"data.path holds pre-tokenized shards: eval is the last {held} of their "
-                     f"{total} tokens (the end of {files[-1]}), train the rest")
-    if max_tokens:
-        capped, left = [], max_tokens
-        for a in arrays:
-            if left <= 0:
-                break
-            capped.append(a[:left])
-            left -= min(left, a.size)
-        arrays = capped
-    train = ShardStream(arrays, seq_len)
-    return train, evals, notes, documents
 
 
 def _prompt_from(stream, tokenizer, max_tokens: int = 16) -> np.ndarray:
@@ -887,8 +292,11 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
       process_index: this process, in ``[0, process_count)``.
       process_count: number of processes sharing each global batch.
       workdir: the run directory, where ``bpe:VOCAB`` keeps its ``tokenizer.json``.
-      progress: say on stdout what is being read and whether a BPE is being trained, and
-        show a progress bar (stderr) while tokenizing takes longer than 2 s.
+      progress: say on stdout what is being read and whether a BPE is being trained (on
+        how much text: a sample when the train split exceeds ``BPE_TRAIN_BYTES``), and
+        show a progress bar (stderr) for reading the files, counting the BPE's words and
+        tokenizing, each once it has taken ``PROGRESS_DELAY_S`` (2 s;
+        :mod:`jaxmp.train.tokenizer`).
 
     Returns:
       The pipeline.
@@ -931,19 +339,24 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
                                    train_texts=(None if not spec.startswith("bpe:")
                                                 else _no_text(path)))
         eod = tokenizer.eos_id
-        train, evals, notes, num_documents = _shard_streams(
+        train, evals, notes, num_documents = shard_streams(
             shards, data_config, tokenizer, eod, seq_len, eval_fraction, max_tokens, num_eval > 0)
         starts_mid = True
     else:
         what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
         _say(progress, f"reading {what}")
-        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings)
+        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings,
+                              progress=progress)
         split = split_documents(docs, eval_fraction)
         if trains_bpe:
-            size = sum(len(d) for _, d in split[0] or docs)
-            _say(progress, f"training a byte-level BPE ({spec}) on {size / 2**20:,.1f} MiB of text")
+            size, cap = sum(len(d) for _, d in split[0] or docs), tokenizer_module.BPE_TRAIN_BYTES
+            _say(progress, f"training a byte-level BPE ({spec}) on {min(size, cap) / 2**20:,.1f} "
+                           f"MiB of text" + (f", an even sample of the {size / 2**20:,.1f} MiB of "
+                                             f"the train split (at most BPE_TRAIN_BYTES)"
+                                             if size > cap else ""))
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0,
-                                   train_texts=lambda: (d for _, d in split[0] or docs))
+                                   train_texts=lambda: (d for _, d in split[0] or docs),
+                                   progress=progress)
         tokenized = _tokenize(docs, tokenizer, progress=progress)
         names = {name for name, _ in split[1]}
         tok_split = ([d for d in tokenized if d[0] not in names],
@@ -994,16 +407,46 @@ def _no_text(path):
     return fail
 
 
-def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False) -> list:
+def _tokenize(docs, tokenizer, chunk: int = 1024, progress: bool = False,
+              piece_bytes: Optional[int] = None) -> list:
     """``(name, ids)`` of each document, each ending in the tokenizer's EOS; with
-    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken 2 s."""
+    ``progress``, a progress bar over the bytes (tqdm, on stderr) once it has taken
+    ``PROGRESS_DELAY_S``.
+
+    Documents are encoded ``chunk`` at a time (``encode_batch``), and one longer than
+    ``piece_bytes`` (default 16 x ``PIECE_BYTES``, 1 MiB) in pieces cut before a space or
+    line break (:func:`~jaxmp.train.tokenizer.text_pieces`; its ids are the pieces' ids
+    concatenated, so a tokenizer's memory holds one piece's encoding at a time, and the
+    progress bar moves within it). A byte-level BPE's pre-tokenizer splits words at those
+    cuts, SentencePiece's too, so the ids are the whole document's; a cut inside a run
+    of ``piece_bytes`` without a space may differ from it there.
+    """
     from tqdm import tqdm
+    piece_bytes = piece_bytes or 16 * tokenizer_module.PIECE_BYTES
     out = []
     with tqdm(total=sum(len(d) for _, d in docs), desc=f"data: tokenizing ({tokenizer.name})",
               unit="B", unit_scale=True, disable=not progress, file=sys.stderr,
-              leave=False, delay=2.0) as bar:
+              leave=True, delay=tokenizer_module.PROGRESS_DELAY_S) as bar:
         for start in range(0, len(docs), chunk):
             part = docs[start:start + chunk]
-            out.extend(zip((n for n, _ in part), tokenizer.encode_batch([d for _, d in part])))
-            bar.update(sum(len(d) for _, d in part))
+            small = [i for i, (_, d) in enumerate(part) if len(d) <= piece_bytes]
+            encoded = dict(zip(small, tokenizer.encode_batch([part[i][1] for i in small])))
+            bar.update(sum(len(part[i][1]) for i in small))
+            for i, (name, doc) in enumerate(part):
+                ids = encoded[i] if i in encoded else _encode_in_pieces(doc, tokenizer,
+                                                                        piece_bytes, bar)
+                out.append((name, ids))
     return out
+
+
+def _encode_in_pieces(doc, tokenizer, piece_bytes: int, bar, group: int = 8) -> np.ndarray:
+    """The ids of one long document, encoded ``group`` pieces at a time (see
+    :func:`_tokenize`); EOS only at its end."""
+    parts, pieces = [], text_pieces(doc, piece_bytes)
+    while True:
+        batch = [p for _, p in zip(range(group), pieces)]
+        if not batch:
+            break
+        parts.extend(ids[:-1] for ids in tokenizer.encode_batch(batch))  # each piece's EOS off
+        bar.update(sum(len(p) for p in batch))
+    return np.concatenate(parts + [np.asarray([tokenizer.eos_id], parts[0].dtype)])

@@ -46,7 +46,9 @@ Start-up is bounded and says what it waits for (:func:`initialize`): process 0 c
 that the coordinator's port is free before JAX binds it, each process says which
 processes it waits for, and one that is still waiting after ``startup_timeout`` seconds
 leaves with one line. :func:`check_same_config` then compares the processes' configs
-through JAX's key-value store, before any collective.
+through JAX's key-value store, before any collective. A peer lost during these exchanges
+(the key-value store's host, process 0, died) is one line and :data:`PEER_LOST_EXIT`,
+unless JAX's own abort comes first.
 
 A preemption notice (SIGTERM) reaches JAX's own handler, which
 ``jax.distributed.initialize`` installs (its preemption sync manager): the training loop
@@ -113,6 +115,19 @@ def _stop(peer: int, how: str) -> None:
             pass
     os.write(2, line.encode())
     os._exit(PEER_LOST_EXIT)
+
+
+def _lost_in_start_up(peer: int, what: str, error: BaseException) -> None:
+    """A key-value exchange of the start-up failed (JAX's client raises once the
+    coordination service, hosted by process 0, is gone, or a peer never wrote its key):
+    gives the watchdog, where one runs, a moment to name the lost process, then writes
+    one line naming ``peer`` and exits with :data:`PEER_LOST_EXIT` (:func:`_stop`); never
+    a traceback."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.settle(PeerWatchdog.ECHO_S)
+    detail = " ".join(str(error).split()[:6]).rstrip(":")
+    _stop(peer, f"was lost {what} ({type(error).__name__}: {detail})")
+    threading.Event().wait()  # _stop returned: the watchdog's thread is exiting the process
 
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
@@ -260,6 +275,10 @@ def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
       config_dict: the run's config as plain values (``config_to_dict``).
       timeout_s: seconds to wait for another process's config.
 
+    A process lost during the exchange (JAX's client raises: process 0, which hosts the
+    key-value store, died; or a process wrote nothing within ``timeout_s``) ends this
+    process with one line naming it and :data:`PEER_LOST_EXIT`, not a traceback.
+
     Raises:
       ValueError: a process's config differs; the line names the first differing keys.
     """
@@ -270,11 +289,20 @@ def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
     text = json.dumps(config_dict, sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()
     me = state.process_id
-    state.client.key_value_set(f"jaxmp/config/{me}", text)
+    try:
+        state.client.key_value_set(f"jaxmp/config/{me}", text)
+    except (RuntimeError, OSError) as e:  # process 0's coordination service is gone
+        _lost_in_start_up(0, "before the processes compared their configs", e)
     for other in range(state.num_processes):
         if other == me:
             continue
-        theirs = state.client.blocking_key_value_get(f"jaxmp/config/{other}", timeout_s * 1000)
+        try:
+            theirs = state.client.blocking_key_value_get(f"jaxmp/config/{other}",
+                                                         timeout_s * 1000)
+        except (RuntimeError, OSError) as e:  # the service is gone, or `other` never wrote
+            gone = "DEADLINE_EXCEEDED" not in str(e)
+            _lost_in_start_up(0 if gone else other,
+                              "before the processes compared their configs", e)
         if hashlib.sha256(theirs.encode()).hexdigest() == digest:
             continue
         mine, their = _flatten(config_dict), _flatten(json.loads(theirs))
@@ -357,7 +385,9 @@ class PeerWatchdog:
     seconds (stopped, hung, or on a machine that vanished without closing its
     connections) is lost too, and so is one that has not connected ``silence_s``
     seconds after process 0's watchdog started (it died between
-    ``jax.distributed.initialize`` and its first word).
+    ``jax.distributed.initialize`` and its first word). A process other than 0 that
+    cannot read process 0's watchdog port or connect to it (process 0 died first) leaves
+    with one line and :data:`PEER_LOST_EXIT` too.
 
     Args:
       process_id: this process.
@@ -397,8 +427,11 @@ class PeerWatchdog:
             timer.daemon = True
             timer.start()
         else:
-            port = int(get_value(_KEY, 300_000))
-            self._up = socket.create_connection((host, port), timeout=60)
+            try:  # process 0 may die before (or while) its watchdog port is read
+                port = int(get_value(_KEY, 300_000))
+                self._up = socket.create_connection((host, port), timeout=60)
+            except (RuntimeError, OSError) as e:
+                _lost_in_start_up(0, "before its watchdog was reached", e)
             self._up.settimeout(silence_s)
             self._send(self._up, f"hello {process_id}\n")
             threading.Thread(target=self._read, args=(self._up, 0), name="jaxmp-watchdog",

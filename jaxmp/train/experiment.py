@@ -32,7 +32,7 @@ from jaxmp.models import MoETransformer, count_params
 from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
-from jaxmp.train.config import Settings, complete_config, validate_config
+from jaxmp.train.config import Settings, validate_config
 from jaxmp.train.data import DataPipeline, create_pipeline
 from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
@@ -117,8 +117,9 @@ class Experiment:
       plan: the :class:`jaxmp.sharding.StepPlan` both steps run by, built once here.
       workdir: the run directory (set by the trainer before :attr:`data` is read), where
         a ``bpe:VOCAB`` tokenizer is kept; None trains one in memory.
-      progress: say on stderr what reading the data does (files, BPE training,
-        tokenizing with a progress bar); set by the trainer on process 0.
+      progress: say what reading the data does (lines on stdout; progress bars on stderr
+        for reading the files, training a BPE and tokenizing); set by the trainer on
+        process 0.
     """
 
     settings: Settings
@@ -158,9 +159,8 @@ class Experiment:
             than exist.
         """
         if mesh is None:  # validated first, so a bad layout is named before the mesh is built
-            num_devices = num_devices or complete_config(config).train.num_devices or None
-            settings = validate_config(config, num_devices or len(jax.devices()))
-            mesh = sharding.make_mesh(num_devices, expert=settings.layout.expert)
+            settings = validate_config(config, num_devices or None)
+            mesh = sharding.make_mesh(settings.num_devices, expert=settings.layout.expert)
         else:
             settings = validate_config(config, int(mesh.devices.size))
         n = int(mesh.devices.size)
@@ -272,19 +272,31 @@ class Experiment:
             or corpus (:func:`~jaxmp.train.data.create_pipeline`).
         """
         cfg = self.config
+        self.check_tokenizer()
+        data = create_pipeline(cfg.data, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count(),
+                               workdir=self.workdir, progress=self.progress)
+        self._check_vocab(data.tokenizer)
+        return data
+
+    def check_tokenizer(self) -> None:
+        """The cheap checks of ``data.tokenizer`` against ``model.vocab_size``, before any
+        document is read: ``bpe:VOCAB`` compared by its number, bytes' 257 ids, a
+        ``tokenizer.json`` or ``.model`` file loaded (no BPE trained, no corpus read).
+
+        Raises:
+          ValueError: the vocabulary is larger than ``model.vocab_size`` (the message gives
+            the size to set), or the file does not load.
+        """
+        cfg = self.config
         spec, have = cfg.data.tokenizer, self.model_config.vocab_size
         if spec.startswith("bpe:") and spec[4:].isdigit() and int(spec[4:]) > have:
             need = int(spec[4:])  # refused before the BPE is trained
             raise ValueError(f"model.vocab_size={have} is smaller than data.tokenizer={spec!r} "
                              f"({need} tokens); set model.vocab_size={round_vocab(need)} (the next "
                              f"multiple of 128) or at least {need}")
-        if spec.lower().endswith((".json", ".model")):  # a file: checked before any tokenizing
+        if spec in ("", "bytes") or spec.lower().endswith((".json", ".model")):  # no corpus read
             self._check_vocab(load_tokenizer(spec, eod_id=cfg.data.eod_id, save=False))
-        data = create_pipeline(cfg.data, global_batch_size=cfg.train.batch_size, seed=cfg.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count(),
-                               workdir=self.workdir, progress=self.progress)
-        self._check_vocab(data.tokenizer)
-        return data
 
     def _check_vocab(self, tokenizer) -> None:
         """Raises ValueError when ``model.vocab_size`` is below ``tokenizer``'s vocabulary."""

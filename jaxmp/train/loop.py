@@ -472,31 +472,52 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
     check_data_path(exp.config.data.path)  # before the step compiles
+    exp.check_tokenizer()  # before the workdir is made and the corpus read
     check_sample_memory(exp)
-    existed = pathlib.Path(workdir).exists()
+    try:  # what the workdir held (None: nothing, it did not exist)
+        before = set(os.listdir(workdir)) if pathlib.Path(workdir).is_dir() else None
+    except OSError:  # unreadable: prepare_workdir says so; nothing of it is ever removed
+        before = False
     workdir = prepare_workdir(workdir)
     try:
         return _run(exp, workdir)
+    except WorkdirInUse:  # what is there is the other trainer's, however new
+        raise
     except BaseException:
-        if not existed:
-            _remove_untrained(workdir)
+        if before is not False:
+            _remove_untrained(workdir, before)
         raise
 
 
-def _remove_untrained(workdir: pathlib.Path) -> None:
-    """Removes a workdir this run created when the run failed before it logged a step or
-    saved a checkpoint (it holds no more than a lock file, an empty checkpoints
-    directory, a tokenizer, TensorBoard's empty event files), so a failed start leaves
-    nothing behind; what a run that trained logged is kept. One process only: a
-    multi-process run's workdir is left to its processes."""
-    if jax.process_count() > 1:
+def _remove_untrained(workdir: pathlib.Path, before: Optional[set] = None) -> None:
+    """Removes what a failed start added to ``workdir`` when the run failed before it
+    logged a step or saved a checkpoint (a lock file, an empty checkpoints directory, a
+    tokenizer, TensorBoard's empty event files): the whole workdir when this run created
+    it (``before`` None), else the entries not among the names ``before`` held. A failed
+    start so leaves nothing behind; what a run that trained logged is kept. In a
+    multi-process run process 0 (the lock's holder) removes it; another process only a
+    workdir it created that is empty (it may have made it again after process 0 left)."""
+    if jax.process_index() != 0:
+        if before is None:
+            try:
+                os.rmdir(workdir)  # fails unless empty: nothing of process 0's is touched
+            except OSError:
+                pass
         return
     ckpts, metrics = workdir / "checkpoints", workdir / "metrics.jsonl"
     if (ckpts.is_dir() and any(ckpts.iterdir())) or (metrics.exists()
                                                      and metrics.stat().st_size):
         return
     import shutil
-    shutil.rmtree(workdir, ignore_errors=True)
+    if before is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for name in set(os.listdir(workdir)) - before:
+        path = workdir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:

@@ -15,7 +15,9 @@ tokenizer cannot say exactly (then bits per byte is not reported).
 * ``"bpe:VOCAB"``: a byte-level BPE of ``VOCAB`` tokens (``<|endoftext|>`` included)
   trained with ``tokenizers`` on the training documents (GPT-2's byte-level scheme,
   Radford et al. 2019), saved as ``WORKDIR/tokenizer.json`` and read back from there on
-  resume, so a resumed run tokenizes as the first one did.
+  resume, so a resumed run tokenizes as the first one did. It is trained on at most
+  :data:`BPE_TRAIN_BYTES` (an even sample of a larger corpus), given in pieces of at most
+  :data:`PIECE_BYTES` (:func:`text_pieces`): bounded in time and memory.
 
 Text tokenizers (all but bytes) see each document decoded as UTF-8 with
 ``errors="replace"``: invalid UTF-8 becomes U+FFFD before tokenization.
@@ -26,12 +28,14 @@ import functools
 import json
 import os
 import pathlib
+import sys
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_tokenizer",
-           "train_bpe", "TOKENIZER_FILE", "EOS_CANDIDATES", "round_vocab"]
+           "train_bpe", "TOKENIZER_FILE", "EOS_CANDIDATES", "round_vocab", "text_pieces",
+           "bpe_sample", "BPE_TRAIN_BYTES", "PIECE_BYTES"]
 
 TOKENIZER_FILE = "tokenizer.json"
 # End-of-document tokens looked for in a tokenizer.json, in this order.
@@ -138,6 +142,25 @@ class ByteTokenizer:
     def save(self, directory: str | os.PathLike) -> Optional[pathlib.Path]:
         """Nothing to save (the scheme is fixed); returns None."""
         return None
+
+    def to_hf(self):
+        """The same tokenizer as a Hugging Face ``tokenizers.Tokenizer`` (for
+        ``tokenizer.json``, ``--format hf`` exports): GPT-2's byte-level alphabet
+        (:func:`_byte_level_alphabet`) as a BPE without merges, so each byte is its own id
+        ``0..255``, and ``<|endoftext|>`` a special token with id 256 (``eos_id``).
+
+        Returns:
+          ``tokenizers.Tokenizer`` whose ``encode(text).ids`` are :meth:`encode`'s without EOS.
+        """
+        import tokenizers
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = {ch: b for ch, b in _byte_level_alphabet().items()}
+        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([tokenizers.AddedToken("<|endoftext|>", special=True)])
+        return tok
 
 
 @functools.lru_cache(maxsize=1)
@@ -311,17 +334,91 @@ class SentencePieceTokenizer:
         return path
 
 
-def train_bpe(texts: Iterable[str | bytes], vocab_size: int) -> HFTokenizer:
+# A byte-level BPE is trained on at most this many bytes of the training documents, an
+# even sample of them when there are more (64 MiB: far more than a vocabulary of tens of
+# thousands of merges needs; GPT-2's 50k merges came from 40 GB, but their counts settle
+# long before), so that its time and memory are bounded whatever the corpus.
+BPE_TRAIN_BYTES = 64 << 20
+# Text is handed to the BPE trainer and to the tokenizers in pieces of at most this many
+# bytes: the ``tokenizers`` trainer holds about 80 bytes per byte of one text it is given
+# (a 200 MB single-line file took 7.4 GB), per piece it holds only the piece's.
+PIECE_BYTES = 1 << 16
+# A progress bar (stderr) appears once a phase has taken this long.
+PROGRESS_DELAY_S = 2.0
+
+
+def text_pieces(text: str | bytes, max_bytes: int = PIECE_BYTES) -> Iterable[str | bytes]:
+    """``text`` cut into consecutive pieces of at most ``max_bytes`` (bytes, or characters
+    of a ``str``), each cut just before the last space or line break of its window, so a
+    pre-tokenizer that splits words there (GPT-2's byte-level one, SentencePiece's) sees
+    the same words in the pieces as in the whole; a window without either is cut at its
+    end (for bytes, moved back to a UTF-8 character boundary).
+
+    Yields:
+      Slices of ``text`` (its own type) whose concatenation is ``text``, one at a time.
+    """
+    if len(text) <= max_bytes:
+        yield text
+        return
+    space, newline = (" ", "\n") if isinstance(text, str) else (b" ", b"\n")
+    lo = 0
+    while len(text) - lo > max_bytes:
+        hi = lo + max_bytes
+        cut = max(text.rfind(space, lo + 1, hi + 1), text.rfind(newline, lo + 1, hi + 1))
+        if cut <= lo:
+            cut = hi
+            if not isinstance(text, str):
+                while cut > lo + 1 and text[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+                    cut -= 1
+        yield text[lo:cut]
+        lo = cut
+    yield text[lo:]
+
+
+def bpe_sample(texts: Sequence[str | bytes], max_bytes: int = BPE_TRAIN_BYTES,
+               piece_bytes: int = PIECE_BYTES) -> Iterable[str | bytes]:
+    """The pieces (:func:`text_pieces`) of ``texts`` a BPE is trained on: all of them when
+    they hold at most ``max_bytes`` bytes, else an even, deterministic sample of them of
+    about ``max_bytes`` (piece ``j`` of ``n`` is kept when ``floor((j + 1) * r)`` exceeds
+    ``floor(j * r)``, ``r = max_bytes / total``), so every part of the corpus is seen."""
+    return (piece for piece, kept in _sampled(texts, max_bytes, piece_bytes) if kept)
+
+
+def _sampled(texts, max_bytes: int, piece_bytes: int):
+    """``(piece, kept)`` of every piece of ``texts``, in order (:func:`bpe_sample`)."""
+    total = sum(len(t) for t in texts)
+    ratio = min(1.0, max_bytes / total) if total else 1.0
+    j = 0
+    for text in texts:
+        for piece in text_pieces(text, piece_bytes):
+            yield piece, ratio >= 1.0 or int((j + 1) * ratio) > int(j * ratio)
+            j += 1
+
+
+def train_bpe(texts: Iterable[str | bytes], vocab_size: int, *,
+              max_bytes: int = BPE_TRAIN_BYTES, progress: bool = False) -> HFTokenizer:
     """Trains a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` is id 0).
 
     GPT-2's scheme with the ``tokenizers`` library: the 256 byte symbols are the initial
-    alphabet, so any text encodes, and decoding is lossless for valid UTF-8.
+    alphabet, so any text encodes, and decoding is lossless for valid UTF-8. The trainer
+    is given the texts in pieces of at most :data:`PIECE_BYTES` (:func:`text_pieces`), at
+    most ``max_bytes`` of them (:func:`bpe_sample`), so its memory and time are bounded
+    by those, not by the longest document or the corpus.
+
+    Args:
+      texts: the training documents.
+      vocab_size: tokens of the vocabulary, ``<|endoftext|>`` included (>= 257).
+      max_bytes: bytes trained on at most (:data:`BPE_TRAIN_BYTES`).
+      progress: a progress bar over the texts' bytes (tqdm, on stderr; a sample's skipped
+        pieces count as passed) once it has taken :data:`PROGRESS_DELAY_S`, and a line
+        when the merges are computed.
 
     Raises:
       ValueError: ``vocab_size`` below 257 (the bytes and the end-of-document token).
     """
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
     if vocab_size < 257:
         raise ValueError(f"data.tokenizer='bpe:{vocab_size}': a byte-level BPE needs at least "
                          f"257 tokens (256 bytes + <|endoftext|>)")
@@ -331,7 +428,22 @@ def train_bpe(texts: Iterable[str | bytes], vocab_size: int) -> HFTokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator((_as_text(t) for t in texts), trainer=trainer)
+    texts = list(texts)
+    total = sum(len(t) for t in texts)
+
+    def fed():
+        with tqdm(total=total, desc="data: BPE: counting words", unit="B",
+                  unit_scale=True, disable=not progress, file=sys.stderr, leave=True,
+                  delay=PROGRESS_DELAY_S) as bar:  # over the whole text, sampled or not
+            for piece, kept in _sampled(texts, max_bytes, PIECE_BYTES):
+                if kept:
+                    yield _as_text(piece)
+                bar.update(len(piece))
+        if progress:
+            print(f"data: BPE: computing up to {vocab_size - 257} merges", file=sys.stderr,
+                  flush=True)
+
+    tok.train_from_iterator(fed(), trainer=trainer)
     return HFTokenizer(tok, f"bpe:{vocab_size}", eos_id=tok.token_to_id("<|endoftext|>"))
 
 
@@ -346,7 +458,7 @@ def _bpe_vocab(spec: str) -> int:
 
 def load_tokenizer(spec: str, *, workdir: Optional[str | os.PathLike] = None,
                    train_texts: Optional[Callable[[], Iterable[str | bytes]]] = None,
-                   eod_id: int = -1, save: bool = True):
+                   eod_id: int = -1, save: bool = True, progress: bool = False):
     """The tokenizer ``data.tokenizer`` names (see the module docstring).
 
     Args:
@@ -357,6 +469,7 @@ def load_tokenizer(spec: str, *, workdir: Optional[str | os.PathLike] = None,
       eod_id: ``data.eod_id``: the end-of-document id, or -1 for the tokenizer's own.
       save: write a newly trained BPE into ``workdir`` (process 0 only, in a
         multi-process run).
+      progress: show the progress of training a BPE (:func:`train_bpe`).
 
     Raises:
       ValueError: an unknown spec (what is allowed is listed), a missing or unreadable
@@ -381,7 +494,7 @@ def load_tokenizer(spec: str, *, workdir: Optional[str | os.PathLike] = None,
             return tok
         if train_texts is None:
             raise ValueError(f"data.tokenizer={spec!r} needs the training documents to train on")
-        tok = train_bpe(train_texts(), vocab)
+        tok = train_bpe(train_texts(), vocab, progress=progress)
         if eos is not None:  # data.eod_id names another token than <|endoftext|>
             tok = HFTokenizer(tok.tokenizer, spec, eos)
         if saved is not None and save:

@@ -1,0 +1,386 @@
+"""The corpus: the documents ``data.path`` names and their train/eval split.
+
+Finds and reads the documents (the Python standard library's ``.py`` files by default, a
+directory's text files, a glob, ``.jsonl`` files: :func:`load_documents`), finds
+pre-tokenized shard files (:func:`token_files`), and splits documents into train and eval
+by a stable hash of their names (:func:`split_documents`). A part of the pipeline of
+:mod:`jaxmp.train.data`, which re-exports these names.
+"""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import json
+import os
+import pathlib
+import sys
+import sysconfig
+import zlib
+from typing import Optional, Sequence
+
+from jaxmp.train import tokenizer as tokenizer_module
+
+
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def default_corpus_files() -> list[pathlib.Path]:
+    """Returns the standard library's ``.py`` files, sorted by relative path.
+
+    The root is ``sysconfig.get_paths()["stdlib"]``; subpackages are included,
+    ``site-packages`` / ``dist-packages`` (third-party code) and ``__pycache__``
+    are not, and directory symlinks are not followed.
+
+    Returns:
+      Absolute paths, sorted by their POSIX path relative to the stdlib root, so
+      the order is the same on every machine with the same Python version.
+
+    Raises:
+      FileNotFoundError: the stdlib holds no ``.py`` file (e.g. a zipped stdlib).
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        files.extend(pathlib.Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not files:
+        raise FileNotFoundError(f"no .py files under the stdlib directory {root}")
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
+    docs = []
+    with open(file, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{file}, line {lineno}: invalid JSON ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(
+                    f"{file}, line {lineno}: expected a JSON object with a string "
+                    f"field {text_field!r}, got {line[:80]!r}")
+            try:
+                text = record[text_field].encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
+                raise ValueError(f"{file}, line {lineno}: field {text_field!r} is not text "
+                                 f"({e.reason} at character {e.start}: an unpaired "
+                                 f"\\u{ord(e.object[e.start]):04x} escape)") from None
+            docs.append((f"{file}:{lineno}", text))
+    return docs
+
+
+def _is_text_file(path: str) -> bool:
+    """No NUL byte in the first 8 KiB: git's rule for telling text from binary files."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def _walk_directory(root: str) -> list[str]:
+    """Every file below ``root``, recursively, sorted, none read; hidden files and
+    directories (names starting with ``.``) and ``__pycache__`` are skipped, symlinked
+    directories not followed."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "__pycache__")
+        files.extend(f for f in (os.path.join(dirpath, n) for n in filenames
+                                 if not n.startswith(".")) if os.path.isfile(f))
+    return sorted(files)
+
+
+def _match_parts(pattern: Sequence[str], parts: Sequence[str]) -> bool:
+    """Whether path components ``parts`` match glob components ``pattern`` as
+    ``glob.glob(recursive=True)`` does: ``**`` is any number of directories, another
+    component one name (``fnmatch``), and a name starting with ``.`` only matches a
+    component that starts with ``.``."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_match_parts(rest, parts[i:]) for i in range(len(parts) + 1)
+                   if not any(p.startswith(".") for p in parts[:i]))
+    return (bool(parts) and (not parts[0].startswith(".") or head.startswith("."))
+            and fnmatch.fnmatchcase(parts[0], head) and _match_parts(rest, parts[1:]))
+
+
+def _glob_files(pattern: str, links: Optional[list] = None) -> list[str]:
+    """The files a glob matches, sorted, like ``glob.glob(pattern, recursive=True)``, but
+    a ``**`` walks each real directory once: a symlinked directory that leads to one
+    already walked (an ancestor: a loop) is not entered again, where ``glob`` follows it
+    round and round. Each such link is appended to ``links`` as ``(link, target)``."""
+    if "**" not in pattern:
+        return sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    parts = pattern.split(os.sep)
+    i = 0
+    while i < len(parts) - 1 and not glob.has_magic(parts[i]):
+        i += 1
+    prefix = os.sep.join(parts[:i]) if i else ""
+    root = prefix or (os.sep if pattern.startswith(os.sep) else os.curdir)
+    rest = parts[i:]
+    if not os.path.isdir(root):
+        return []
+    found, st = [], os.stat(root)
+    walked = {(st.st_dev, st.st_ino)}  # walked, or to be walked: each real directory once
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        keep = []
+        for name in sorted(dirnames):
+            if name.startswith(".") and not any(p.startswith(".") for p in rest):
+                continue  # glob's ** enters no hidden directory
+            sub = os.path.join(dirpath, name)
+            try:
+                st = os.stat(sub)
+            except OSError:  # a dangling link
+                continue
+            if (st.st_dev, st.st_ino) in walked:
+                if links is not None:
+                    links.append((sub, os.path.realpath(sub)))
+                continue
+            walked.add((st.st_dev, st.st_ino))
+            keep.append(name)
+        dirnames[:] = keep
+        rel = os.path.relpath(dirpath, root)
+        rel_parts = [] if rel == os.curdir else rel.split(os.sep)
+        for name in filenames:
+            if _match_parts(rest, rel_parts + [name]):
+                file = os.path.join(dirpath, name) if prefix else os.path.join(*rel_parts, name)
+                if os.path.isfile(file):
+                    found.append(file)
+    return sorted(found)
+
+
+def _walked_once_warning(path: str, links: Sequence[tuple]) -> list:
+    """The warning for the symlinked directories a glob did not enter twice."""
+    if not links:
+        return []
+    why = []
+    for link, target in links[:3]:
+        parent = os.path.realpath(os.path.dirname(link) or ".")
+        loop = parent == target or parent.startswith(target.rstrip(os.sep) + os.sep)
+        why.append(f"the link {link!r} points to its own ancestor {target!r}, a loop" if loop
+                   else f"the link {link!r} leads to {target!r}")
+    return [f"data.path {path!r}: {len(links)} linked director{'y' if len(links) == 1 else 'ies'} "
+            f"lead to directories already walked ({'; '.join(why)}); each real directory is "
+            f"walked once"]
+
+
+def _directory_files(root: str) -> list[str]:
+    """Every text file below ``root``, recursively, sorted; hidden files and directories
+    (names starting with ``.``) and ``__pycache__`` are skipped, symlinked directories not
+    followed.
+
+    Raises:
+      ValueError: no text file is found (the message counts what was skipped).
+    """
+    found, skipped = [], 0
+    for file in _walk_directory(root):
+        if _is_text_file(file):
+            found.append(file)
+        else:
+            skipped += 1
+    if not found:
+        raise ValueError(f"data.path directory {root!r} holds no text file ({skipped} binary "
+                         f"file(s) skipped); give a directory of text files, a glob such as "
+                         f"'{root}/**/*.txt', or .jsonl files")
+    return sorted(found)
+
+
+def _looping_links(files: Sequence[str]) -> dict:
+    """``{link: target}`` for each symlinked directory on the paths of ``files`` that
+    points to one of its own ancestors (a glob's ``**`` follows it again and again)."""
+    loops, seen = {}, set()
+    for file in files:
+        d = os.path.dirname(file)
+        while d and d not in seen:
+            seen.add(d)
+            if os.path.islink(d):
+                target = os.path.realpath(d)
+                parent = os.path.realpath(os.path.dirname(d) or ".")
+                if parent == target or parent.startswith(target.rstrip(os.sep) + os.sep):
+                    loops[d] = target
+            d = os.path.dirname(d)
+    return loops
+
+
+def _unique_text_files(path: str, files: Sequence[str], warnings: list) -> list[str]:
+    """``files`` with each real file once (symlinks resolved: the first path in sorted
+    order is kept) and binary files left out, with a warning for each kind of skip.
+
+    Raises:
+      ValueError: none of ``files`` is a text file.
+    """
+    first, duplicates = {}, []
+    for file in files:
+        real = os.path.realpath(file)
+        if real in first:
+            duplicates.append((file, first[real]))
+        else:
+            first[real] = file
+    if duplicates:
+        loops = _looping_links([f for f, _ in duplicates])
+        why = "".join(f"; the link {link!r} points to its own ancestor {target!r}, a loop"
+                      for link, target in sorted(loops.items())[:3])
+        warnings.append(f"data.path {path!r}: {len(duplicates)} path(s) lead to files already read "
+                        f"(e.g. {duplicates[0][0]!r} is {duplicates[0][1]!r}){why}; each file is "
+                        f"read once")
+    kept = list(first.values())
+    text = [f for f in kept if _is_text_file(f)]
+    binary = [f for f in kept if f not in set(text)]
+    if not text:
+        raise ValueError(f"data.path {path!r} matches no text file ({len(binary)} binary file(s), "
+                         f"e.g. {binary[0]!r}: a NUL byte in its first 8 KiB); give text files, a "
+                         f"directory of them, or .jsonl files")
+    if binary:
+        warnings.append(f"data.path {path!r}: skipped {len(binary)} binary file(s) (a NUL byte in "
+                        f"the first 8 KiB), e.g. {binary[0]!r}")
+    return text
+
+
+def data_files(path: str, links: Optional[list] = None) -> list[str]:
+    """The files ``data.path`` names (a directory's text files, recursively; or a glob's,
+    each real directory walked once: :func:`_glob_files`), sorted: what
+    :func:`load_documents` reads, found before it reads them.
+
+    Raises:
+      ValueError: ``path`` does not exist, is a directory of no text file (each file's
+        first 8 KiB are read for a NUL byte), or is a glob that matches no file.
+    """
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        files = _directory_files(expanded)
+    else:
+        files = _glob_files(expanded, links)
+    if not files:
+        if not glob.has_magic(expanded):
+            raise ValueError(f"data.path {path!r} does not exist (give a directory, a file, a glob "
+                             "such as 'corpus/**/*.txt', or '' for the standard library's "
+                             "sources)")
+        raise ValueError(f"no file matches data.path glob {path!r} (a directory, a glob such as "
+                         f"'corpus/**/*.txt', or '' for the standard library's sources)")
+    return files
+
+
+def check_data_path(path: str) -> None:
+    """Fails fast for a ``data.path`` that names nothing, reading no file: a path that
+    does not exist, or a glob that matches no file (as :func:`data_files` says it). A
+    directory is walked, and its files tested for text, only when it is read.
+
+    Raises:
+      ValueError: as :func:`data_files`.
+    """
+    if path and not os.path.isdir(os.path.expanduser(path)):
+        data_files(path)
+
+
+def load_documents(path: str | None, text_field: str = "text",
+                   warnings: list | None = None,
+                   progress: bool = False) -> list[tuple[str, bytes]]:
+    """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
+
+    Args:
+      path: ``None`` or ``""`` for the stdlib corpus (:func:`default_corpus_files`,
+        names are POSIX paths relative to the stdlib root); a directory, meaning every
+        text file below it, recursively (text: no NUL byte in its first 8 KiB; hidden
+        files and directories skipped); or a glob (``**`` matches any number of
+        directories) of files. Each text file is one document read as raw bytes; a
+        ``.jsonl`` file holds one JSON object per non-blank line, whose ``text_field``
+        string (UTF-8 encoded) is one document named ``"file:line"``. Files are taken in
+        sorted path order; directories a glob matches are not expanded. Each real file
+        is read once, however many paths (symbolic links) lead to it, and binary files
+        (a NUL byte in the first 8 KiB) are skipped, both with a warning.
+      text_field: the ``.jsonl`` field holding the text.
+      warnings: a list that gets a sentence for each thing skipped (repeated files,
+        links that loop, binary files).
+      progress: a progress bar over the files read (tqdm, on stderr) once reading them
+        has taken ``PROGRESS_DELAY_S`` (:mod:`jaxmp.train.tokenizer`).
+
+    Returns:
+      Documents in a deterministic order.
+
+    Raises:
+      ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid
+        JSON or lacks a string ``text_field`` (names the file and line number).
+    """
+    if not path:
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        docs = [(p.relative_to(root).as_posix(), p.read_bytes())
+                for p in default_corpus_files()]
+        return [d for d in docs if d[1]]
+    warnings = warnings if warnings is not None else []
+    links: list = []
+    found = data_files(path, links)
+    warnings.extend(_walked_once_warning(path, links))
+    files = _unique_text_files(path, found, warnings)
+    docs = []
+    from tqdm import tqdm
+    for file in tqdm(files, desc="data: reading files", unit=" files", disable=not progress,
+                     file=sys.stderr, leave=True, delay=tokenizer_module.PROGRESS_DELAY_S):
+        if file.lower().endswith(".jsonl"):
+            docs.extend(_jsonl_documents(file, text_field))
+        else:
+            with open(file, "rb") as f:
+                docs.append((file, f.read()))
+    return [d for d in docs if d[1]]
+
+
+def eval_score(name: str) -> float:
+    """Where document ``name`` falls in ``[0, 1)``: below ``eval_fraction``, it is an eval
+    document (:func:`split_documents`)."""
+    # crc32 is stable across processes and machines, unlike hash() of a str.
+    return zlib.crc32(name.encode("utf-8")) / 2**32
+
+
+def split_documents(docs: Sequence[tuple[str, bytes]],
+                    eval_fraction: float) -> tuple[list, list]:
+    """Splits documents into train and eval by a stable hash of their names.
+
+    A document goes to eval iff ``zlib.crc32(name.encode()) / 2**32 <
+    eval_fraction``. The choice depends only on the name, so it is the same on
+    every machine and run, and adding or removing documents never moves the
+    others to the other split. Each split keeps the input order. The eval share
+    is ``eval_fraction`` of the documents in expectation, not exactly.
+
+    Args:
+      docs: ``(name, bytes)`` documents.
+      eval_fraction: in ``[0, 1)``; 0 puts every document in train.
+
+    Returns:
+      ``(train_docs, eval_docs)``, disjoint, together all of ``docs``.
+
+    Raises:
+      ValueError: ``eval_fraction`` is outside ``[0, 1)``.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    train, evals = [], []
+    for doc in docs:
+        (evals if eval_score(doc[0]) < eval_fraction else train).append(doc)
+    return train, evals
+
+
+TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+def token_files(path: Optional[str]) -> list:
+    """The pre-tokenized shard files ``data.path`` names (a ``.bin`` / ``.npy`` file, a
+    glob matching only such files, or a directory holding only such files, recursively,
+    hidden ones aside), sorted; ``[]`` when it names text. No file is read.
+
+    Raises:
+      ValueError: a glob or a directory holds both token files and other files.
+    """
+    if not path:
+        return []
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        files, what = _walk_directory(expanded), "directory holds"
+    else:
+        files, what = _glob_files(expanded), "matches"
+    tokens = [f for f in files if f.lower().endswith(TOKEN_SUFFIXES)]
+    if tokens and len(tokens) != len(files):
+        other = next(f for f in files if not f.lower().endswith(TOKEN_SUFFIXES))
+        raise ValueError(f"data.path {path!r} {what} pre-tokenized shards ({tokens[0]}) and "
+                         f"other files ({other}); give one kind (e.g. a glob such as "
+                         f"'DIR/**/*{os.path.splitext(tokens[0])[1]}')")
+    return tokens

@@ -1,0 +1,132 @@
+"""A peer lost during a multi-process start-up's key-value exchanges (issue 28, item 4):
+the watchdog's port (process 0 publishes it) and the config digests. JAX's client
+raises once process 0, which hosts the key-value store, is gone; that was a Python
+traceback. It is one line naming the lost process and exit status 1 now.
+
+The exchanges' failures are made deterministic in small subprocesses (a client that
+raises what JAX's raises), and one real pair over loopback shows the whole path: process
+0 dies right after ``jax.distributed.initialize``. Each process is bounded by a timeout.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _configs import ROOT
+
+LIMIT_S = 300  # per subprocess: generous on a slow, shared machine
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+
+_FAKE_CLIENT = """
+import sys
+import jax
+from jax._src import distributed as state
+from jaxmp.train import distributed
+
+error, me = sys.argv[1], int(sys.argv[2])
+
+class Client:
+    def key_value_set(self, key, value):
+        pass
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        raise jax.errors.JaxRuntimeError(error)
+
+state.global_state.client, state.global_state.num_processes = Client(), 2
+state.global_state.process_id = me
+distributed._RUN.update(num_processes=2, process_id=me, describe=lambda: "WHERE")
+if sys.argv[3] == "watchdog":
+    distributed.PeerWatchdog(me, 2, "127.0.0.1", lambda: "WHERE",
+                             (Client().key_value_set, Client().blocking_key_value_get), 5.0)
+else:
+    distributed.check_same_config({"seed": 0}, timeout_s=1)
+print("went on")
+"""
+
+
+def _run_fake(*args):
+    p = subprocess.run([sys.executable, "-c", _FAKE_CLIENT, *args], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=LIMIT_S)
+    return p.returncode, p.stdout, [line for line in p.stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("error, me, where, lost", [
+    ("UNAVAILABLE: Socket closed", 1, "watchdog", 0),
+    ("UNAVAILABLE: Socket closed", 1, "config", 0),
+    ("DEADLINE_EXCEEDED: GetKeyValue() timed out with key: jaxmp/config/1", 0, "config", 1),
+])
+def test_a_failed_start_up_exchange_is_one_line_naming_the_lost_process(error, me, where, lost):
+    rc, out, err = _run_fake(error, str(me), where)
+    assert rc == 1 and "went on" not in out, err
+    what = ("before its watchdog was reached" if where == "watchdog" else
+            "before the processes compared their configs")
+    detail = " ".join(error.split()[:6]).rstrip(":")
+    assert err == [f"train.py: error: process {lost} of 2 was lost {what} (JaxRuntimeError: "
+                   f"{detail}); process {me} stops too. WHERE; rerun all 2 processes to resume"]
+
+
+_PAIR = """
+import importlib.util, os, pathlib, sys, time
+path = pathlib.Path(sys.argv[4]) / "jaxmp" / "train" / "distributed.py"
+spec = importlib.util.spec_from_file_location("jaxmp_train_distributed", path)
+distributed = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(distributed)
+address, pid, workdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+distributed.initialize(address, 2, pid, heartbeat_timeout=20, workdir=workdir)
+if pid == 0:
+    time.sleep(1.0)
+    os._exit(3)  # dies before its watchdog runs and before any config is published
+watchdog = distributed.start_watchdog(workdir)
+distributed.check_same_config({"seed": 0}, 60)
+print("went on")
+"""
+
+
+@pytest.mark.slow
+def test_process_0_dead_before_the_exchanges_ends_process_1_without_a_traceback(tmp_path):
+    """Process 1 stops within a bounded time, by this module's line or by JAX's own abort
+    (which races with it from JAX's error-polling thread); never by a Python traceback."""
+    from test_multiprocess import free_port
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", _PAIR, address, str(i), str(tmp_path),
+                               str(ROOT)], cwd=ROOT, env=ENV, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        out = [p.communicate(timeout=LIMIT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode == 3, out[0][1][-3000:]
+    err = out[1][1]
+    assert procs[1].returncode != 0 and "went on" not in out[1][0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("train.py: error: process 0 of 2 "
+                                                                 "was lost before")]
+    assert ours or "JAX distributed service detected fatal errors" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_failed_two_process_start_leaves_no_workdir(tmp_path):
+    """Both processes refuse a corpus too short for one window (after the workdir was
+    made and locked): each exits 1 with one line, and process 0 removes the workdir the
+    run created (it was left holding a lone lock file)."""
+    from test_distributed_startup import _lines, _train
+    from test_multiprocess import free_port
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("too short")
+    port, workdir = free_port(), tmp_path / "run"
+    procs = [_train(workdir, port, i, f"data.path={corpus}") for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=LIMIT_S)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errs):
+        assert p.returncode == 1 and "Traceback" not in err, err[-3000:]
+        assert len(_lines(err)) == 1 and _lines(err)[0].startswith("train.py: error: "), \
+            err[-3000:]
+    assert not workdir.exists(), sorted(p.name for p in workdir.rglob("*"))
