@@ -300,7 +300,8 @@ def load_documents(path: str | None, text_field: str = "text",
 
     Raises:
       ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid
-        JSON or lacks a string ``text_field`` (names the file and line number).
+        JSON, lacks a string ``text_field`` or holds one that is not text (an unpaired
+        surrogate escape); the message names the file and line number.
     """
     if not path:
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])
