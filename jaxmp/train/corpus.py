@@ -62,7 +62,13 @@ def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
                 raise ValueError(
                     f"{file}, line {lineno}: expected a JSON object with a string "
                     f"field {text_field!r}, got {line[:80]!r}")
-            docs.append((f"{file}:{lineno}", record[text_field].encode("utf-8")))
+            try:
+                text = record[text_field].encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
+                raise ValueError(f"{file}, line {lineno}: field {text_field!r} is not text "
+                                 f"({e.reason} at character {e.start}: an unpaired "
+                                 f"\\u{ord(e.object[e.start]):04x} escape)") from None
+            docs.append((f"{file}:{lineno}", text))
     return docs
 
 
@@ -294,7 +300,8 @@ def load_documents(path: str | None, text_field: str = "text",
 
     Raises:
       ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid
-        JSON or lacks a string ``text_field`` (names the file and line number).
+        JSON, lacks a string ``text_field`` or holds one that is not text (an unpaired
+        surrogate escape); the message names the file and line number.
     """
     if not path:
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])

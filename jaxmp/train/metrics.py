@@ -60,27 +60,34 @@ def read_metrics(path: str | os.PathLike, split: Optional[str] = None) -> List[d
     it on resume; any other line that is not JSON is an error.
 
     Raises:
-      ValueError: a line that is not a JSON object, naming the file and line number.
+      ValueError: a line that is not UTF-8 text, not a JSON object, or whose ``step`` is
+        not an integer, naming the file and line number.
     """
     path = pathlib.Path(path)
     if not path.exists():
         return []
-    text = path.read_text()
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
+    lines = path.read_bytes().split(b"\n")
+    if lines and lines[-1] == b"":
         lines.pop()
     elif lines:
         lines.pop()  # torn last line: no newline was written after it
     records = []
-    for i, line in enumerate(lines, start=1):
+    for i, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}, line {i}: not UTF-8 text ({e.reason} at byte {e.start} "
+                             f"of the line)") from None
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError as e:
             raise ValueError(f"{path}, line {i}: not a JSON record ({e})") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise ValueError(f"{path}, line {i}: not a metrics record: {line[:80]!r}")
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"{path}, line {i}: not a metrics record (an object with an "
+                             f"integer step): {line[:80]!r}")
         if split is None or record.get("split") == split:
             records.append(record)
     return records
@@ -146,7 +153,7 @@ class MetricsWriter:
         then replaces it atomically."""
         if not self.path.exists():
             return
-        text = self.path.read_text()
+        text = self.path.read_bytes().decode("utf-8", errors="replace")  # read_metrics checks
         torn = bool(text) and not text.endswith("\n")
         if torn:
             line = text.rsplit("\n", 1)[-1]

@@ -80,6 +80,8 @@ class WorkdirLock:
     Raises (on enter):
       WorkdirInUse: a live process holds the lock; the message names its process id,
         host and start time.
+      ValueError: the lock file is a symbolic link or a directory (it is never followed:
+        taking a lock over truncates the file).
     """
 
     def __init__(self, workdir):
@@ -97,7 +99,14 @@ class WorkdirLock:
         return record if isinstance(record, dict) else None
 
     def __enter__(self) -> "WorkdirLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # O_NOFOLLOW: taking a lock over truncates it, never a link's target
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.EISDIR):
+                raise
+            kind = "a symbolic link" if self.path.is_symlink() else "a directory"
+            raise ValueError(f"{self.path} is {kind}, where the workdir's lock file belongs; "
+                             f"remove it (nothing of the run is kept in it) and rerun") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
