@@ -287,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
     import jax
 
-    if "JAX_PLATFORMS" not in os.environ:  # the CUDA plugin registers on the CPU platform
+    if not args.toy and "JAX_PLATFORMS" not in os.environ:  # the CUDA plugin: CPU platform
         jax.config.update("jax_platforms", "cpu")
     from jaxmp.analysis import gpu
 
@@ -307,11 +307,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "fit_margin": gpu.FIT_MARGIN, "jax": jax.__version__,
                         "device_bytes": {t: gpu.get_target(t).memory_bytes for t in targets}},
               "moe": {}, "cases": []}
-    done = {}
+    done, kept = {}, []
     if args.resume and os.path.isfile(f"{args.out}.json"):
         old = json.loads(pathlib.Path(f"{args.out}.json").read_text())
+        for field in ("devices", "toy", "per_device_batch", "seq_len", "capacity_factor"):
+            if old["setup"][field] != report["setup"][field]:
+                parser.error(f"--resume: {args.out}.json has {field}={old['setup'][field]!r}, "
+                             f"this run {report['setup'][field]!r}")
         done = {_key(r["model"], r): r for r in old["cases"]}
         report["moe"].update(old.get("moe", {}))
+        setup = report["setup"]  # the table shows the old cases too, in the canonical order
+        sizes = {n: i for i, n in enumerate(released_models())}
+        for field, order in (("models", sizes), ("policies", tuple(POLICIES)),
+                             ("strategies", STRATEGIES), ("targets", TARGETS)):
+            union = set(setup[field]) | set(old["setup"][field])
+            setup[field] = sorted(union, key=list(order).index)
+        setup["device_bytes"] = {**old["setup"]["device_bytes"], **setup["device_bytes"]}
+        kept = [r for r in old["cases"]
+                if not (r["model"] in models and r["policy"] in policies
+                        and r["strategy"] in strategies and r["target"] in targets)]
+    report["cases"] = kept
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
         for name, hf in models.items():
