@@ -29,7 +29,8 @@ the reason in one phrase. These are compiles, not timings: no autotuning, no cuD
 workspace, no allocator or NCCL buffers (:data:`jaxmp.analysis.gpu.CAVEATS`).
 
 It writes ``OUT.json`` (one record per case, rewritten after each case, so a long run
-that is stopped keeps what it compiled; ``--resume`` skips the cases already there) and
+that is stopped keeps what it compiled; ``--resume`` skips the cases already there and
+keeps those this run does not ask for, so that a long run can be done in steps) and
 ``OUT.md`` (one row per model and strategy, one column per policy and target).
 
 ``--toy`` shrinks every config.json (2 layers, width 64, 8 experts, vocabulary 256,

@@ -25,11 +25,13 @@ LLAMA_PARAMS = (2 * V * D  # embedding and head
 BATCH_BYTES = 2 * 64 * 4  # one device's inputs and targets: 64 int32 tokens each
 
 
+TOY = ["--toy", "--models", "Llama-3.1-8B", "--policies", "mixed_bf16"]
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     out = tmp_path_factory.mktemp("released") / "toy"
-    assert rm.main(["--toy", "--models", "Llama-3.1-8B", "--policies", "mixed_bf16",
-                    "--strategies", "dp,fsdp", "--out", str(out)]) == 0
+    assert rm.main([*TOY, "--strategies", "dp,fsdp", "--out", str(out)]) == 0
     return json.loads(Path(f"{out}.json").read_text()), Path(f"{out}.md").read_text()
 
 
@@ -65,6 +67,20 @@ def test_total_and_fit_per_target(toy):
     assert "expert" not in md
 
 
+def test_resume_compiles_nothing_done_and_keeps_the_rest(toy, tmp_path):
+    """A run in steps: --resume with a subset of the cases already there compiles none,
+    and keeps the cases it was not asked for (the table is the same)."""
+    report, md = toy
+    out = tmp_path / "resumed"
+    Path(f"{out}.json").write_text(json.dumps(report))
+    assert rm.main([*TOY, "--strategies", "fsdp", "--resume", "--out", str(out)]) == 0
+    again = json.loads(Path(f"{out}.json").read_text())
+    assert sorted(map(json.dumps, again["cases"])) == sorted(map(json.dumps, report["cases"]))
+    assert Path(f"{out}.md").read_text() == md
+    with pytest.raises(SystemExit):  # another batch size is another experiment
+        rm.main([*TOY, "--per_device_batch", "2", "--resume", "--out", str(out)])
+
+
 def test_refused_case_is_a_row_with_its_reason(tmp_path):
     """Expert parallelism without slots (capacity factor 0) is refused by the trainer's
     config check: the row says so instead of the run stopping."""
@@ -74,7 +90,8 @@ def test_refused_case_is_a_row_with_its_reason(tmp_path):
                     "--out", str(out)]) == 0
     (rec,) = json.loads(Path(f"{out}.json").read_text())["cases"]
     assert "memory" not in rec and "capacity_factor > 0" in rec["error"]
-    assert "| fsdp + expert 8 | does not compile: parallel.expert=8" in Path(f"{out}.md").read_text()
+    md = Path(f"{out}.md").read_text()
+    assert "| fsdp + expert 8 | does not compile: parallel.expert=8" in md
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs" / "hf").glob("*.json")))
