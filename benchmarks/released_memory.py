@@ -308,7 +308,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "fit_margin": gpu.FIT_MARGIN, "jax": jax.__version__,
                         "device_bytes": {t: gpu.get_target(t).memory_bytes for t in targets}},
               "moe": {}, "cases": []}
-    done, kept = {}, []
+    done = {}
     if args.resume and os.path.isfile(f"{args.out}.json"):
         old = json.loads(pathlib.Path(f"{args.out}.json").read_text())
         for field in ("devices", "toy", "per_device_batch", "seq_len", "capacity_factor"):
@@ -324,10 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             union = set(setup[field]) | set(old["setup"][field])
             setup[field] = sorted(union, key=list(order).index)
         setup["device_bytes"] = {**old["setup"]["device_bytes"], **setup["device_bytes"]}
-        kept = [r for r in old["cases"]
-                if not (r["model"] in models and r["policy"] in policies
-                        and r["strategy"] in strategies and r["target"] in targets)]
-    report["cases"] = kept
+    # done: the earlier cases not yet visited (each written, so that a stopped run loses none)
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}
         for name, hf in models.items():
@@ -350,11 +347,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     capacity_factor=args.capacity_factor) if todo else []
                     new = {r["target"]: {"model": name, **r} for r in recs}
                     for target in targets:
-                        rec = new.get(target) or done[(name, policy, strategy, target)]
+                        rec = new.get(target) or done.pop((name, policy, strategy, target))
                         if target in new:
                             print(json.dumps(rec), flush=True)
                         report["cases"].append(rec)
-                    _write(args.out, report)
+                    # the done cases this loop has not reached yet are written too
+                    _write(args.out, {**report, "cases": report["cases"] + list(done.values())})
+    report["cases"] += list(done.values())  # the earlier cases this run did not ask for
+    _write(args.out, report)
     print(markdown(report))
     return 0
 
