@@ -51,7 +51,7 @@ from jaxmp.train.experiment import Experiment
 
 __all__ = ["GpuTarget", "TARGETS", "CAVEATS", "FIT_MARGIN", "get_target", "plugin_problem",
            "target_mesh", "full_optimizations", "compile_step", "CompiledStep", "roofline",
-           "gpu_report",
+           "step_memory", "gpu_report",
            "format_gpu_report"]
 
 CAVEATS = (
@@ -354,6 +354,31 @@ def roofline(kernels: List[hlo.Kernel], collectives: List[hlo.Collective], gpu: 
             "gemm_flops": gemm_flops, "attention_flops": attention_flops}
 
 
+def step_memory(compiled, device_bytes: int) -> dict:
+    """Bytes per device of a compiled step, from XLA's ``compiled.memory_analysis()``.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (e.g. :attr:`CompiledStep.compiled`).
+      device_bytes: the device's memory, bytes (:attr:`GpuTarget.memory_bytes`).
+
+    Returns:
+      ``{"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "total_bytes",
+      "device_bytes", "fits"}``: ``total_bytes`` = arguments + outputs - aliased (donated
+      buffers counted once) + temporaries; ``fits`` when it is at most
+      :data:`FIT_MARGIN` of ``device_bytes``.
+    """
+    stats = compiled.memory_analysis()
+    mem = {"argument_bytes": int(stats.argument_size_in_bytes),
+           "output_bytes": int(stats.output_size_in_bytes),
+           "alias_bytes": int(stats.alias_size_in_bytes),
+           "temp_bytes": int(stats.temp_size_in_bytes)}
+    mem["total_bytes"] = (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
+                          + mem["temp_bytes"])
+    mem["device_bytes"] = int(device_bytes)
+    mem["fits"] = mem["total_bytes"] <= FIT_MARGIN * device_bytes
+    return mem
+
+
 def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: int = 8, *,
                top: int = 10, autotune_results: Optional[str] = None,
                step: Optional[CompiledStep] = None) -> dict:
@@ -380,15 +405,7 @@ def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: i
     if step is None:
         step = compile_step(config, gpu, num_devices, autotune_results)
     exp, compiled = step.experiment, step.compiled
-    stats = compiled.memory_analysis()
-    mem = {"argument_bytes": int(stats.argument_size_in_bytes),
-           "output_bytes": int(stats.output_size_in_bytes),
-           "alias_bytes": int(stats.alias_size_in_bytes),
-           "temp_bytes": int(stats.temp_size_in_bytes)}
-    mem["total_bytes"] = (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"]
-                          + mem["temp_bytes"])
-    mem["device_bytes"] = gpu.memory_bytes
-    mem["fits"] = mem["total_bytes"] <= FIT_MARGIN * gpu.memory_bytes
+    mem = step_memory(compiled, gpu.memory_bytes)
     module = hlo.parse_module(step.hlo_text)
     kernels = hlo.hlo_kernels(module)
     collectives = hlo.hlo_collectives(module)
