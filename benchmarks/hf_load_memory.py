@@ -10,9 +10,11 @@ layer with ``model.safetensors.index.json``, as transformers shards) of fixed wi
 the model grows with the layer count while its largest tensor stays the same. A fresh
 Python process per checkpoint loads it with ``from_pretrained(dir, "fp32")`` after a
 warm-up load of a one-layer checkpoint (JAX's backend and the tracing machinery are then
-in memory), and reports its peak resident set (``resource.getrusage(...).ru_maxrss``,
-the kernel's high-water mark, file-backed pages of memory-mapped files included) against
-its resident set just before the load (``/proc/self/statm``). On Linux the high-water
+in memory), and reports its peak resident set (on Linux ``VmHWM`` of ``/proc/self/status``, elsewhere
+``resource.getrusage(...).ru_maxrss``: the kernel's high-water mark, file-backed pages of memory-mapped files included) against
+its resident set just before the load (``/proc/self/statm``). ``ru_maxrss`` is not
+used on Linux: it keeps the parent's high-water mark across fork and exec (a test
+worker's gigabytes). On Linux the high-water
 mark is first reset to the current resident set (``/proc/self/clear_refs``), so that the
 warm-up's own peak cannot hide the load's; elsewhere ``stale_peak`` says by how much an
 earlier peak exceeded the resident set before the load.
@@ -52,6 +54,13 @@ def rss_now():
         return peak()
 
 def peak():
+    try:  # Linux: this process's own high-water mark (VmHWM, reset by clear_refs)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb if sys.platform == "darwin" else kb * 1024
 

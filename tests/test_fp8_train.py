@@ -383,7 +383,10 @@ def test_delayed_fp8_on_scanned_fsdp_expert_parallel_e4m3_dispatch_matches_data_
     by rounding only)."""
     def config(**over):
         c = fp8_config("p=f32,c=f16,o=f32,fp8=delayed/4/0")
-        c.model.update(dict(num_layers=3, capacity_factor=2.0, **over.pop("model", {})))
+        # The softmax router this bound (5%) was set with; under tiny_moe's sigmoid router
+        # since 27a a shared expert's input amax moved 6.2% by the same rounding.
+        c.model.update(dict(num_layers=3, capacity_factor=2.0, score_fn="softmax",
+                            **over.pop("model", {})))
         c.precision.loss_scale = "dynamic:init=2**40,backoff_factor=2**-30,min=1"
         c.parallel.update(over)
         return c
