@@ -43,16 +43,15 @@ def test_a_sample_prompt_that_is_not_text_is_refused_before_any_work():
     """``--config.train.sample_prompt=$'\\xff'`` (bytes that are not UTF-8 reach Python
     as a lone surrogate, ``'\\udcff'``) was accepted; the run trained to its last step,
     then its closing sample failed to encode the prompt: exit 1 and no sample. It is
-    refused at the start, naming the key."""
+    refused at the start, naming the key: the key's declared values are text
+    (``jaxmp.train.keys``), checked with the config before any work."""
     from _configs import small_config
     from jaxmp.train.experiment import Experiment
     from jaxmp.train.loop import check_sample_memory
 
-    config = small_config(sample_prompt="def \udcff(")
-    exp = Experiment.create(config, num_devices=1)
     with pytest.raises(ValueError, match=r"train\.sample_prompt='def \\udcff\(' is not "
                                          r"allowed") as e:
-        check_sample_memory(exp)
+        Experiment.create(small_config(sample_prompt="def \udcff("), num_devices=1)
     assert "\n" not in str(e.value)
     check_sample_memory(Experiment.create(small_config(sample_prompt="def é("), num_devices=1))
 

@@ -44,7 +44,18 @@ _SPIKE = Kind(lambda v: is_real(v) and (v == 0 or 1 < v < math.inf),
 _UNIT_OPEN = Real(0, 1, hi_open=True, text="in [0, 1)")
 _MOMENT_DTYPE = Kind(lambda v: not v or canonical_dtype(v) is not None,
                      "'' (the master dtype) or a dtype name such as bfloat16")
-_STR = Kind(lambda v: isinstance(v, str), "a string")
+
+
+def _is_text(v: Any) -> bool:
+    """A str that UTF-8 encodes: not one holding a lone surrogate (bytes that are not UTF-8
+    on the command line reach Python as such)."""
+    try:
+        return isinstance(v, str) and v.encode("utf-8") is not None
+    except UnicodeEncodeError:
+        return False
+
+
+_TEXT = Kind(_is_text, "text (a string that UTF-8 encodes)")
 
 KEYS: Tuple[Key, ...] = (
     Key("seed", 0, "seed of the initialisation, the data order and the sample, in [0, 2**31 - 1)",
@@ -131,7 +142,7 @@ KEYS: Tuple[Key, ...] = (
     Key("train.max_divergent_steps", 10, "stop after this many divergent-looking steps in a row",
         _STEPS),
     Key("train.sample_prompt", "", "prompt of the final sample ('' = the start of the first eval "
-                                   "document)", _STR),
+                                   "document)", _TEXT),
     Key("train.sample_tokens", 80, "tokens of the final sample (0 = none)", Int(0)),
     Key("train.sample_temperature", 0.8, "sampling temperature (0 = greedy)",
         Real(0, text="a finite number >= 0 (0 = greedy)")),

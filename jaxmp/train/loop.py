@@ -253,17 +253,9 @@ def check_sample_memory(exp: Experiment) -> None:
 
     Raises:
       ValueError: the lower bound exceeds the memory of the device sampling runs on
-        (:func:`_device_memory`); the message gives both and what to change. Or
-        ``train.sample_prompt`` is not text (a lone surrogate: bytes that are not UTF-8
-        on the command line), which the closing sample could not encode.
+        (:func:`_device_memory`); the message gives both and what to change.
     """
     t, m = exp.config.train, exp.model_config
-    try:
-        t.sample_prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"train.sample_prompt={t.sample_prompt!r} is not allowed: it is not text "
-                         f"({e.reason} at position {e.start}); give text that UTF-8 encodes, or "
-                         f"'' for the start of the first eval document") from None
     if not t.sample_tokens:
         return
     pad = m.num_moe_layers == 0 or not m.capacity_factor
