@@ -336,3 +336,73 @@ def test_released_parameter_counts(name):
                                                                        rngs=nnx.Rngs(0))))
     assert (round(total / 1e9, 2 if total < 1e10 else 1),
             round(active / 1e9, 2 if active < 1e10 else 1)) == RELEASED[name]
+
+
+def _near_tie(sp, a, b):
+    """SentencePiece's ids ``a`` and the export's ``b`` of one text differ only where
+    Unigram segmentations of the same characters score within 1e-2 of each other (float64
+    sums of the model's own piece scores)."""
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    j = 0
+    while j < min(len(a), len(b)) - i and a[len(a) - 1 - j] == b[len(b) - 1 - j]:
+        j += 1
+    da, db = a[i:len(a) - j], b[i:len(b) - j]
+    same_text = "".join(map(sp.id_to_piece, da)) == "".join(map(sp.id_to_piece, db))
+    return same_text and abs(sum(map(sp.get_score, da)) - sum(map(sp.get_score, db))) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_a_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path, monkeypatch, kind):
+    """export --format hf of a run whose tokenizer is a SentencePiece model: AutoTokenizer
+    loads the directory, and its ids are SentencePiece's own on 60 standard-library files
+    (a BPE model every token; a Unigram model but near-ties, each checked from the piece
+    scores); the end-of-document token is the model's. A model with no exact counterpart
+    (a char model) is refused before anything is written."""
+    import io
+    import pathlib
+    import sysconfig
+
+    import flax.nnx as nnx
+    spm = pytest.importorskip("sentencepiece")
+
+    from jaxmp.train import artifacts
+    from jaxmp.train.tokenizer import SentencePieceTokenizer
+
+    files = sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:90]
+    docs = [f.read_text(errors="replace") for f in files]
+    docs += ["  two  spaces  ", "\ttab\nnew line ", "é ü 漢字 🙂 \u00a0nbsp", "", "   "]
+
+    def export(kind, out):
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(docs[:30]), model_writer=model,
+            vocab_size=300 if kind == "unigram" else 600,
+            model_type=kind, eos_id=2, minloglevel=2, hard_vocab_limit=False,
+            byte_fallback=kind == "bpe", character_coverage=0.995)
+        (tmp_path / f"{kind}.model").write_bytes(model.getvalue())
+        tok = SentencePieceTokenizer(tmp_path / f"{kind}.model")
+        net = MoETransformer(ModelConfig(vocab_size=320, num_layers=1, d_model=32, num_heads=4,
+                                         d_ff=64, max_len=64), "fp32", rngs=nnx.Rngs(0))
+        monkeypatch.setattr(artifacts, "_load", lambda workdir, step: (net, tok, None, 7, []))
+        return artifacts.export_hf(tmp_path / "run", out), tok
+
+    meta, tok = export(kind, tmp_path / "out")
+    assert meta == {"family": "llama", "step": 7, "tokenizer": "tokenizer.json"}
+    assert (tmp_path / "out" / "tokenizer.model").read_bytes() == tok.model_proto
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert auto.eos_token == "</s>" and auto.eos_token_id == tok.eos_id == 2
+    sp, ties = tok.sp, 0
+    for doc in docs[30:]:
+        a, b = sp.encode(doc), auto(doc, add_special_tokens=False)["input_ids"]
+        if a != b:
+            assert kind == "unigram" and _near_tie(sp, a, b), doc[:80]
+            ties += 1
+        if kind == "bpe":  # byte fallback: every text decodes back as SentencePiece has it
+            assert auto.decode(b) == sp.decode(a)
+    assert ties <= 5
+    with pytest.raises(ValueError, match=r"has trainer_spec.model_type=char, which no Hugging "
+                                         r"Face tokenizer reproduces exactly"):
+        export("char", tmp_path / "out_char")
+    assert not (tmp_path / "out_char").exists()

@@ -240,15 +240,17 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     of the family the architecture maps to; a Hugging Face tokenizer is written as
     ``tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-document token
     (``eos_token``), which ``transformers.AutoTokenizer`` reads; the byte tokenizer is
-    written as the same ids in that form (:meth:`ByteTokenizer.to_hf`). A SentencePiece
-    tokenizer has no such file: none is written (``tokenizer`` is None in the result).
+    written as the same ids in that form (:meth:`ByteTokenizer.to_hf`), and a SentencePiece
+    model as its ``tokenizers`` counterpart (:meth:`SentencePieceTokenizer.to_hf`, which
+    says where the two can differ), with the ``.model`` file beside it.
 
     Returns:
       ``{"family", "step", "tokenizer"}`` (``tokenizer``: the file written or None).
 
     Raises:
-      ValueError: an architecture that maps to no family (the field named), before
-        anything is written; and as :func:`load`.
+      ValueError: an architecture that maps to no family (the field named), or a
+        SentencePiece model with no exact ``tokenizers`` counterpart, before anything is
+        written; and as :func:`load`.
     """
     from jaxmp.models.hf import save_pretrained
 
@@ -256,10 +258,15 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     for note in notes:
         warnings.warn(note, RuntimeWarning, stacklevel=2)
     out = pathlib.Path(out).expanduser()
-    family = save_pretrained(model, str(out))
-    file = None
+    spm_model = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None
+    if spm_model is not None:  # a model with no exact counterpart is refused before writing
+        tokenizer = HFTokenizer(spm_model.to_hf(), spm_model.name, spm_model.eos_id)
     if isinstance(tokenizer, ByteTokenizer):
         tokenizer = HFTokenizer(tokenizer.to_hf(), "bytes", tokenizer.eos_id)
+    family = save_pretrained(model, str(out))
+    file = None
+    if spm_model is not None:
+        spm_model.save(out)
     if isinstance(tokenizer, HFTokenizer):
         file = tokenizer.save(out).name
         eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)

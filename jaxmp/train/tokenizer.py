@@ -327,6 +327,94 @@ class SentencePieceTokenizer:
 
     token_bytes = None  # the dummy-prefix space makes piece lengths inexact
 
+    def to_hf(self):
+        """The same tokenizer as a Hugging Face ``tokenizers.Tokenizer`` (for
+        ``tokenizer.json``, ``--format hf`` exports), built from the model's protobuf
+        (``sentencepiece_model.proto``) with no transformers import:
+
+        - the model: a ``Unigram`` of the pieces and their scores, or a ``BPE`` of the
+          pieces whose merges are every split of a normal piece into two pieces, ranked by
+          the merged piece's id, then the parts' ids (SentencePiece's BPE merges the
+          highest-scoring pair, and its BPE scores fall with the id); byte fallback and the
+          unknown piece as the model has them;
+        - the normalizer: the model's precompiled character map, then, where
+          ``remove_extra_whitespaces`` is on, spaces removed at both ends and runs of
+          spaces made one (SentencePiece's ``normalizer.cc``);
+        - the pre-tokenizer: ``Metaspace`` (spaces become ``▁``; a ``▁`` in front where
+          ``add_dummy_prefix``; split at each ``▁`` where ``split_by_whitespace``);
+        - the decoder: ``▁`` back to spaces, byte pieces back to bytes, the dummy prefix
+          dropped;
+        - control and unknown pieces (``<s>``, ``</s>``, ``<unk>``) as special tokens and
+          user-defined pieces as added tokens, as transformers' own conversion
+          (``convert_slow_tokenizer.SpmConverter``) has them.
+
+        What differs from SentencePiece: text that spells a control piece (``</s>``) is
+        that token here, where SentencePiece splits it; a Unigram model's segmentations
+        whose scores are within about 1e-3 of each other may be broken the other way (3
+        tokens in 60 standard-library files, one per file; a BPE model matched every
+        token, ``tests/test_tokenizers.py``); an unknown piece decodes to nothing here and
+        to `` ⁇ `` in SentencePiece.
+
+        Returns:
+          ``tokenizers.Tokenizer`` whose ``encode(text, add_special_tokens=False).ids`` are
+          :meth:`encode`'s without EOS, but as above.
+
+        Raises:
+          ValueError: a model that has no exact counterpart (a ``word`` or ``char`` model,
+            ``treat_whitespace_as_suffix``, ``escape_whitespaces`` off), naming the field.
+        """
+        import tokenizers
+        from sentencepiece import sentencepiece_model_pb2 as pb
+        from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers
+
+        proto = pb.ModelProto()
+        proto.ParseFromString(self.model_proto)
+        trainer, norm = proto.trainer_spec, proto.normalizer_spec
+        kind = pb.TrainerSpec.ModelType.Name(trainer.model_type).lower()
+        for bad, field in ((kind not in ("unigram", "bpe"), f"trainer_spec.model_type={kind}"),
+                           (trainer.treat_whitespace_as_suffix,
+                            "trainer_spec.treat_whitespace_as_suffix=true"),
+                           (not norm.escape_whitespaces, "normalizer_spec.escape_whitespaces=false")):
+            if bad:
+                raise ValueError(f"SentencePiece model {self.name!r} has {field}, which no Hugging "
+                                 f"Face tokenizer reproduces exactly (allowed: unigram or bpe "
+                                 f"models with whitespace as a prefix, escaped)")
+        piece_type = pb.ModelProto.SentencePiece
+        pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+        if kind == "unigram":
+            model = models.Unigram([(p, s) for p, s, _ in pieces], trainer.unk_id,
+                                   trainer.byte_fallback)
+        else:
+            ids = {p: i for i, (p, _, _) in enumerate(pieces)}
+            merges = []
+            for i, (p, _, t) in enumerate(pieces):
+                if t == piece_type.NORMAL:
+                    splits = sorted((ids[p[:k]], ids[p[k:]]) for k in range(1, len(p))
+                                    if p[:k] in ids and p[k:] in ids)
+                    merges += [(pieces[a][0], pieces[b][0]) for a, b in splits]
+            model = models.BPE(ids, merges, unk_token=pieces[trainer.unk_id][0], fuse_unk=True,
+                               byte_fallback=trainer.byte_fallback)
+        tok = tokenizers.Tokenizer(model)
+        steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap \
+            else []
+        if norm.remove_extra_whitespaces:
+            steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""),
+                      normalizers.Replace(Regex(" {2,}"), " ")]
+        if steps:
+            tok.normalizer = normalizers.Sequence(steps)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="always" if norm.add_dummy_prefix else "never",
+            split=trainer.split_by_whitespace)
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if norm.add_dummy_prefix else []))
+        tok.add_special_tokens([tokenizers.AddedToken(p, special=True, normalized=False)
+                                for p, _, t in pieces
+                                if t in (piece_type.CONTROL, piece_type.UNKNOWN)])
+        tok.add_tokens([tokenizers.AddedToken(p, special=False, normalized=False)
+                        for p, _, t in pieces if t == piece_type.USER_DEFINED])
+        return tok
+
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
         """Writes ``directory/tokenizer.model``; returns its path."""
         path = pathlib.Path(directory) / "tokenizer.model"
