@@ -71,3 +71,28 @@ def test_resume_truncates_the_jsonl_and_purges_tensorboard_after_the_checkpoint(
     assert start and start[0].step == 4 and start[0].session_log.status == 1  # SessionLog.START
     assert [e.step for e in second if e.summary.value] == [4, 5]
     assert not any(e.HasField("session_log") for e in first)
+
+
+def test_the_tensorboard_writer_loads_without_torch_and_leaves_it_importable(tmp_path):
+    """A fresh interpreter: MetricsWriter opens tensorboardX without importing torch (the
+    hf extra installs it; tensorboardX would import it for type hints only), writes its
+    scalar, and torch, where installed, still imports afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util, sys\n"
+        "from jaxmp.train.metrics import MetricsWriter\n"
+        f"w = MetricsWriter({str(tmp_path)!r})\n"
+        "w.write(3, 'train', {'loss': 2.5}); w.close()\n"
+        "print('torch' in sys.modules, 'torch' in sys.modules and sys.modules['torch'] is None)\n"
+        "if importlib.util.find_spec('torch') is not None:\n"
+        "    import torch; print(torch.tensor([1.0]).sum().item())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split()
+    assert lines[:2] == ["False", "False"] and lines[2:] in ([], ["1.0"])
+    scalars = [(e.step, v.tag, v.simple_value) for f in events(tmp_path / "tensorboard")
+               for e in f for v in e.summary.value]
+    assert (3, "train/loss", 2.5) in scalars
