@@ -295,6 +295,47 @@ def _check_digests(meta: dict) -> Optional[dict]:
     return items
 
 
+def _handler_registry():
+    """orbax's handlers for a checkpoint's four items: ``state`` (the arrays,
+    :class:`_StateHandler`) and three JSON items (``data``, ``config``, ``verify``)."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state = _StateHandler()
+    registry.add("state", ocp.args.StandardSave, state)
+    registry.add("state", ocp.args.StandardRestore, state)
+    for name in ("data", "config", "verify"):
+        handler = ocp.JsonCheckpointHandler()
+        registry.add(name, ocp.args.JsonSave, handler)
+        registry.add(name, ocp.args.JsonRestore, handler)
+    return registry
+
+
+class _StateHandler(ocp.StandardCheckpointHandler):
+    """orbax's ``StandardCheckpointHandler``; on the CPU backend its arrays are written
+    without replica parallelism.
+
+    orbax splits the write of a replicated array among its replicas
+    (``ArrayHandler(use_replica_parallel=...)``), by default everywhere but where
+    ``JAX_PLATFORMS`` names a GPU. On CPU devices, which share one host's memory and disk,
+    that only adds a slicing program per array and shard: a dp save of tiny_moe on 8 CPU
+    devices took 6.8 CPU-seconds the first time with it and 3.0 without (0.8 and 0.5 after).
+    The files are the same format; only who writes which bytes differs. Elsewhere this is
+    orbax's handler unchanged.
+    """
+
+    def __init__(self):
+        super().__init__()
+        if jax.default_backend() == "cpu" and hasattr(self, "_impl"):
+            th = ocp.type_handlers
+            scalar = th.ScalarHandler()
+            arrays = th.ArrayHandler(use_replica_parallel=False, array_metadata_store=getattr(
+                th.get_type_handler(jax.Array), "_array_metadata_store", None))
+            self._impl = ocp.PyTreeCheckpointHandler(
+                type_handler_registry=th.create_type_handler_registry(
+                    (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
+                    (np.ndarray, th.NumpyHandler()), (jax.Array, arrays),
+                    (str, th.StringHandler())))
+
+
 class Checkpointer:
     """Saves and restores ``(state, data_state, config)`` under ``workdir/checkpoints``.
 
@@ -336,9 +377,7 @@ class Checkpointer:
             # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
             # newest healthy checkpoint is kept outside the rotation.
             self.manager = ocp.CheckpointManager(
-                self.directory, options=options,
-                item_names=("state", "data", "config", "verify"),
-            )
+                self.directory, options=options, handler_registry=_handler_registry())
         except OSError as e:
             raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: "
                                   f"{e.strerror or e}; use a writable --workdir") from None
