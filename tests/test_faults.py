@@ -595,46 +595,6 @@ def test_every_start_up_exit_is_clean_however_often_it_is_repeated(tmp_path):
 # ----------------------------------------------------------------------------- a peer that dies
 
 
-@pytest.mark.xdist_group("two_processes")  # test_multiprocess.reference_losses, shared
-@pytest.mark.slow
-def test_a_killed_peer_makes_the_survivor_exit_with_one_line_and_both_resume_like_one_process(tmp_path):
-    """2 processes x 4 CPU devices over loopback. kill -9 of process 1, then (after a
-    resume) of process 0, the coordinator: each time the survivor exits 1, printing one
-    line naming the lost process and the last checkpoint, without a stack trace (process
-    0's death may instead end in JAX's own abort, ``client.h``: nothing of ours sits in
-    JAX's coordination path). Rerun together, the
-    losses equal one 8-device process's, step by step."""
-    from test_multiprocess import RTOL, finish as finish_all, launch_pair, reference_losses, rows
-    want = reference_losses(8)
-    assert len(want) == 8
-    two = tmp_path / "two"
-    for victim, until in ((1, 3), (0, 6)):
-        procs = launch_pair(two, "train.steps=100000", "train.checkpoint_every=2")
-        deadline = time.monotonic() + LIMIT_S
-        while len(rows(two)) < until and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.02)
-        assert len(rows(two)) >= until, finish_all(procs)[0][1][-3000:]
-        procs[victim].send_signal(signal.SIGKILL)
-        survivor = 1 - victim
-        out, err = finish_all(procs)[survivor]
-        if victim == 0 and "client.h" in err:  # JAX's own abort won the race (no relay)
-            assert procs[survivor].returncode != 0, err[-3000:]
-            continue
-        assert procs[survivor].returncode == 1, err[-3000:]
-        last = complete_steps(two)[-1]
-        lines = [line for line in err.splitlines() if line.startswith("train.py")]
-        assert lines == [f"train.py: error: process {victim} of 2 exited without a word (killed or "
-                         f"crashed); process {survivor} stops too. The last checkpoint to resume from is "
-                         f"step {last} in {two / 'checkpoints'}; rerun all 2 processes to resume"], err[-3000:]
-        for bad in ("Traceback", "Fatal Python error", "client.h", "Terminating process", "terminate called"):
-            assert bad not in err, err[-3000:]
-    results = finish_all(launch_pair(two, "train.steps=8", "train.checkpoint_every=100000"))
-    assert "resumed from" in results[0][0], results[0][1][-3000:]
-    got = rows(two)
-    assert [r["step"] for r in got] == list(range(1, 9))
-    np.testing.assert_allclose([r["loss"] for r in got], want, rtol=RTOL)
-
-
 def test_a_failed_metrics_write_is_the_error_reported_not_the_writers_close(tmp_path, monkeypatch):
     """The disk fills while step 1's metrics are written: that error is raised, not the
     OSError of the TensorBoard writer's close() on the way out (the same full disk)."""
