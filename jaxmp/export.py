@@ -6,8 +6,9 @@
 :func:`jaxmp.train.artifacts.export`; :func:`jaxmp.train.artifacts.load_export` reads it
 back into a fresh model. ``--format hf`` writes a directory that transformers'
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load (a SentencePiece model as its
-``tokenizers`` counterpart, :meth:`jaxmp.train.tokenizer.SentencePieceTokenizer.to_hf`), with :func:`jaxmp.train.artifacts.export_hf`; an architecture that maps to no family is
-a one-line error naming what does not map. The workdir is only read (a trainer may be
+``tokenizers`` counterpart, :meth:`jaxmp.train.tokenizer.SentencePieceTokenizer.to_hf`),
+with :func:`jaxmp.train.artifacts.export_hf`; an architecture that maps to no family is a
+one-line error naming what does not map. The workdir is only read (a trainer may be
 writing into it); a corrupt newest checkpoint is passed over with a warning. For
 ``--format jaxmp``, ``--out`` must be empty unless ``--force``.
 """

@@ -350,10 +350,10 @@ class SentencePieceTokenizer:
 
         What differs from SentencePiece: text that spells a control piece (``</s>``) is
         that token here, where SentencePiece splits it; a Unigram model's segmentations
-        whose scores are within about 1e-3 of each other may be broken the other way (3
-        tokens in 60 standard-library files, one per file; a BPE model matched every
-        token, ``tests/test_tokenizers.py``); an unknown piece decodes to nothing here and
-        to `` ⁇ `` in SentencePiece.
+        whose log-probabilities are within 1e-2 of each other may be broken the other way
+        (SentencePiece's encoder is not always the Viterbi best: one case seen was 0.0012
+        below it; a BPE model matched every token, ``tests/test_hf.py``); an unknown piece
+        decodes to nothing here and to `` ⁇ `` in SentencePiece.
 
         Returns:
           ``tokenizers.Tokenizer`` whose ``encode(text, add_special_tokens=False).ids`` are
@@ -387,7 +387,7 @@ class SentencePieceTokenizer:
         else:
             ids = {p: i for i, (p, _, _) in enumerate(pieces)}
             merges = []
-            for i, (p, _, t) in enumerate(pieces):
+            for p, _, t in pieces:
                 if t == piece_type.NORMAL:
                     splits = sorted((ids[p[:k]], ids[p[k:]]) for k in range(1, len(p))
                                     if p[:k] in ids and p[k:] in ids)
