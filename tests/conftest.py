@@ -1,29 +1,40 @@
-"""Test setup: 8 host CPU devices, so that meshes of 8 devices are real.
+"""Test setup: 8 host CPU devices, so that meshes of 8 devices are real, and XLA:CPU
+flags that compile fast (tests/_xla.py).
 
 XLA reads XLA_FLAGS once, when the backend starts, so this must run before any
 test module imports jax.
 """
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from _xla import CPU_COMPILE_FLAGS
+
+for _flag in ("--xla_force_host_platform_device_count=8", CPU_COMPILE_FLAGS):
+    if _flag not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit them
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache per test session (JAX's own, keyed on the program, the
-# compile options and the XLA flags), inherited by every train.py, benchmark and notebook
-# subprocess: the tests compile the same tiny steps many times over, in many processes.
-# Each pytest-xdist worker gets a folder of its own, so no process reads an entry that
-# another worker is still writing. Benchmarks that time compilation turn it off themselves.
+# compile options and the XLA flags), set by the pytest process that starts the session
+# and inherited by both pytest-xdist workers and every train.py, benchmark and notebook
+# subprocess: the tests compile the same tiny steps many times over, in many processes, a
+# tiny_moe run's 7 programs taking about 6 of its 17 seconds. A size limit turns on JAX's
+# file lock around every read and write of an entry (jax._src.lru_cache, which needs the
+# filelock package), so that no process reads an entry another is still writing; where
+# filelock is missing, each worker keeps a folder of its own instead. Benchmarks that time
+# compilation turn the cache off themselves.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
+    import importlib.util
     import shutil
     import tempfile
 
     _cache = tempfile.mkdtemp(prefix="jaxmp-tests-jit-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
-        _cache, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    if importlib.util.find_spec("filelock") is not None:
+        os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(64 << 30)  # 64 GiB: never evicts
+    else:
+        _cache = os.path.join(_cache, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 

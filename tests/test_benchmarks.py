@@ -25,12 +25,13 @@ import jmp  # noqa: E402
 from benchmarks import overhead, train_step  # noqa: E402
 from benchmarks._common import random_batches  # noqa: E402
 from jaxmp.precision import loss_scale as jaxmp_ls  # noqa: E402
+from _xla import cpu_flags
 
 # One MoE layer (no dense layer), 2 sequences of 16 tokens: compiles in seconds.
 TINY = ["--config.model.num_layers=1", "--config.model.first_dense_layers=0",
         "--config.train.batch_size=2", "--config.data.seq_len=16"]
 REPEATS = 10
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(),
        # Only the arithmetic of the reports is tested here: compile fast.
        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 

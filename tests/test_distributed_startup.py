@@ -18,8 +18,9 @@ import pytest
 
 from _configs import ROOT
 from test_multiprocess import LIMIT_S, OVERRIDES, free_port
+from _xla import cpu_flags
 
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+ENV = dict(os.environ, XLA_FLAGS=cpu_flags(4), JAX_PLATFORMS="cpu")
 
 
 def wait_files(paths, procs):

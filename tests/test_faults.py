@@ -24,6 +24,7 @@ from _train_py import run_train_py
 from jaxmp.train import CheckpointError, Checkpointer, Experiment, Interrupted, train_and_evaluate
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.metrics import read_metrics
+from _xla import cpu_flags
 
 # One MoE layer on a small corpus; the schedule's horizon is fixed (decay_steps), so a
 # run's first N losses do not depend on train.steps.
@@ -637,7 +638,7 @@ def _probe_pair(workdir, pauses=(0.0, 0.0)):
     """Two tests/_peer_probe.py processes (4 CPU devices each, over loopback); their
     stdout goes to ``workdir/out.I`` (gloo's lines), their stderr to ``workdir/err.I``."""
     from test_multiprocess import free_port
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=cpu_flags(4),
                JAX_PLATFORMS="cpu")
     address = f"127.0.0.1:{free_port()}"
     return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "_peer_probe.py"), address, "2",

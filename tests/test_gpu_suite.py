@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _xla import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_flags(), "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 
 
 SCRIPT = str(ROOT / "benchmarks" / "gpu_suite.py")

@@ -25,6 +25,7 @@ import pytest
 
 from _configs import ROOT, load_config
 from jaxmp.train import train_and_evaluate
+from _xla import cpu_flags
 
 OVERRIDES = ["precision.policy=float32", "model.num_layers=1", "model.first_dense_layers=0", "data.max_tokens=50000",
              "data.num_eval_batches=1", "train.log_every=1", "train.eval_every=0",
@@ -41,7 +42,7 @@ def free_port():
 
 def launch_pair(workdir, *extra):
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=cpu_flags(4),
                JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1")
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/tiny_moe.py"),
            "--workdir", str(workdir), f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",

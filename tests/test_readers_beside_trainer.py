@@ -20,13 +20,14 @@ import pytest
 
 from _configs import ROOT
 from jaxmp.train import load
+from _xla import cpu_flags
 
 LIMIT_S = 600
 OVERRIDES = ["precision.policy=float32", "model.num_layers=1", "model.first_dense_layers=0",
              "data.max_tokens=50000", "data.num_eval_batches=1", "train.log_every=1",
              "train.eval_every=0", "train.sample_tokens=0", "train.steps=100000",
              "train.checkpoint_every=2", "train.keep_checkpoints=3"]
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(2),
            PYTHONPATH=str(ROOT))
 
 
