@@ -52,7 +52,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmp.precision._fp8.kernel import (_STEPS, _TILE, _check_out, _k_pipeline, _pad_to,
-                                         _promote, _store, _tiled, _zeros)
+                                         _lowered_once, _promote, _store, _tiled,
+                                         _zeros)
 from jaxmp.precision._vma import match_varying
 
 _F32 = jnp.float32
@@ -97,6 +98,7 @@ def slots(group_sizes: jax.Array, m: int):
     return src, keep.reshape(-1), slot_group, first.astype(jnp.int32), count, row_pos
 
 
+@_lowered_once("out_dtype", "interpret")
 def grouped_scaled_mm(a: jax.Array, sa: jax.Array, bt: jax.Array, sb: jax.Array,
                       group_sizes: jax.Array, out_dtype: Any, *,
                       interpret: Optional[Any] = None) -> jax.Array:
@@ -163,6 +165,7 @@ def grouped_scaled_mm(a: jax.Array, sa: jax.Array, bt: jax.Array, sb: jax.Array,
     return match_varying(y, a, bt, sa, sb)
 
 
+@_lowered_once("interpret")
 def grouped_wgrad(qxt: jax.Array, sxt: jax.Array, qgt: jax.Array, sgt: jax.Array,
                   group_sizes: jax.Array, *, interpret: Optional[Any] = None) -> jax.Array:
     """``dw[e] = sum over the 128-token tiles t of group e of (x_t^T g_t) * sx[:, t] * sg[:, t]``.
