@@ -208,13 +208,14 @@ Sections 1 and 2 are formulas. `jaxmp.analysis.accounting` reads the same quanti
 * **activations**: the arrays the forward pass of the loss saves for the backward pass, at the per-device micro-batch, listed from the traced `jax.vjp`;
 * **grad reduction**: bytes of the gradient collectives per step (all-reduce; reduce-scatter under `zero1`/`fsdp`), read from the HLO after XLA's SPMD partitioner (traffic, not memory).
 
-This is the table `python -m jaxmp.report --config configs/tiny_moe.py --json OUT` prints. At the small size (`JAXMP_NOTEBOOK_SMALL=1`) the model is shrunk to one MoE block of width 32 and sequences of 32 tokens."""),
+This is the table `python -m jaxmp.report --config configs/tiny_moe.py --json OUT` prints. At the small size (`JAXMP_NOTEBOOK_SMALL=1`) the model is shrunk to one MoE block of width 32 and sequences of 32 tokens, and five of the modes are accounted (fp32, mixed_bf16, bf16_moments, bf16_allreduce, pure_bf16_kahan: each mode is one compile of the train step; `tests/test_accounting.py` checks all of them)."""),
     ("code", """\
 config = load_config(ROOT / "configs" / "tiny_moe.py")
 if SMALL:
     config.model.update(dict(num_layers=1, first_dense_layers=0, d_model=32, num_heads=2, d_expert=32, max_len=32))
     config.data.seq_len = 32
-acc = accounting.accounting_report(config, None, num_devices=8)
+SMALL_MODES = ["fp32", "mixed_bf16", "bf16_moments", "bf16_allreduce", "pure_bf16_kahan"]
+acc = accounting.accounting_report(config, SMALL_MODES if SMALL else None, num_devices=8)
 print(accounting.format_accounting(acc, "configs/tiny_moe.py" + (" (shrunk)" if SMALL else "")))
 
 # By hand: float32 master weights are 4 bytes per parameter, replicated on every device (the

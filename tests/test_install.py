@@ -114,12 +114,17 @@ def test_the_wheel_installs_only_the_core_and_its_precision_tools_work(tmp_path)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = wheels.glob("jaxmp-*.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    # A venv without pip of its own, filled by this interpreter's pip (``--python``), and no
+    # byte-compiling of what it installs (Python compiles what is imported): 10 instead of
+    # 28 seconds on 2 cores, and the same resolution of the wheel's dependencies.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
     python = venv / "bin" / "python"
     # No PYTHONPATH: a jaxmp on it (the tests') would count as installed for pip and Python.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     try:
-        install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)],
+        install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python),
+                                  "install", "-q", "--no-compile", str(wheel)],
                                  capture_output=True, text=True, timeout=900, cwd=tmp_path,
                                  env=env)
     except subprocess.TimeoutExpired:
