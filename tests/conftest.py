@@ -83,10 +83,12 @@ def pytest_itemcollected(item):
 @pytest.hookimpl(trylast=True)  # after xdist's own hook
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    # Stable: collection order within a group.
-    # The tests of XDIST_PER_TEST modules (no group) go last: they fill the gaps at the end.
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)) if _group(item) is not None
-               else len(rank) + 1)
+
+    def order(item):  # the tests of XDIST_PER_TEST modules (no group) last: they fill gaps
+        group = _group(item)
+        return len(rank) + 1 if group is None else rank.get(group, len(rank))
+
+    items.sort(key=order)  # stable: collection order within a group
     if not getattr(config.option, "loadgroup", False):  # set on xdist workers only
         return
     # xdist (3.8) groups tests by an "@GROUP" suffix of their node ids, which it sets on

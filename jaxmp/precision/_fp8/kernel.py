@@ -58,8 +58,10 @@ def _lowered_once(*static: str):
     """``jax.jit`` with ``static`` arguments: a kernel launched at several call sites of one
     step with the same shapes, dtypes and options is traced and lowered once (JAX reuses a
     nested jit's lowering for the same jaxpr) and called from each site. Lowering a Mosaic
-    GPU kernel takes about 0.4 CPU-seconds; bench_h200's fp8_blockwise step launches 85,
-    of 14 distinct kinds. XLA inlines the calls: the compiled program is the same."""
+    GPU kernel takes about 0.4 CPU-seconds; bench_h200's fp8_blockwise step launched 85,
+    of 14 distinct kinds. XLA inlines the calls, and its CSE then keeps one call of a
+    kernel on the same operands (a saved activation that several matmuls share is
+    re-tiled once: benchmarks/README.md, the rows marked f6d3277)."""
     return functools.partial(jax.jit, static_argnames=static)
 
 
