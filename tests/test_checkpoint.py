@@ -124,3 +124,38 @@ def test_a_step_set_aside_twice_keeps_both_copies(tmp_path):
             str(corrupt / "7"), str(corrupt / "7.1")]
     finally:
         ckpt.close()
+
+
+def test_a_reader_lists_the_steps_again_when_a_live_trainer_changes_them(tmp_path, monkeypatch):
+    """orbax lists the steps, then reads each one's metadata: a step a trainer prunes in
+    between is a FileNotFoundError (seen beside a live trainer: tests/test_readers_beside_trainer.py).
+    A reader lists them again; a writer, or a reader whose directory is gone, fails at once
+    with one line."""
+    from jaxmp.train import checkpoint as ckpt_module
+
+    (tmp_path / "checkpoints").mkdir()
+    real, calls = ckpt_module.ocp.CheckpointManager, []
+
+    def racing(*args, **kwargs):  # the first listing loses a race with the trainer
+        calls.append(1)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module.ocp, "CheckpointManager", racing)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.all_steps() == [] and len(calls) == 2
+
+    def always(*args, **kwargs):
+        calls.append(1)
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(ckpt_module.ocp, "CheckpointManager", always)
+    calls.clear()
+    with pytest.raises(ckpt_module.CheckpointError, match="cannot read the checkpoints in"):
+        Checkpointer(tmp_path, read_only=True)
+    assert len(calls) == ckpt_module._READER_ATTEMPTS == 5
+    calls.clear()
+    with pytest.raises(ckpt_module.CheckpointError, match="cannot create the checkpoint directory"):
+        Checkpointer(tmp_path)
+    assert len(calls) == 1

@@ -336,6 +336,11 @@ class _StateHandler(ocp.StandardCheckpointHandler):
                     (str, th.StringHandler())))
 
 
+# Attempts of a read-only Checkpointer to list the steps while a live trainer changes them
+# (each attempt lists them once; a trainer removes or completes one step per save).
+_READER_ATTEMPTS = 5
+
+
 class Checkpointer:
     """Saves and restores ``(state, data_state, config)`` under ``workdir/checkpoints``.
 
@@ -351,7 +356,8 @@ class Checkpointer:
     Raises:
       ValueError: ``keep`` < 1.
       CheckpointError: the directory cannot be created (e.g. a read-only workdir); with
-        ``read_only``, it does not exist.
+        ``read_only``, it does not exist, or its steps cannot be listed (a live trainer's
+        changes to them are listed again, up to ``_READER_ATTEMPTS`` times).
     """
 
     def __init__(self, workdir: str | pathlib.Path, keep: int = 2, read_only: bool = False):
@@ -373,14 +379,29 @@ class Checkpointer:
                    if self.read_only else
                    ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                 cleanup_tmp_directories=True))
-        try:
-            # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
-            # newest healthy checkpoint is kept outside the rotation.
-            self.manager = ocp.CheckpointManager(
-                self.directory, options=options, handler_registry=_handler_registry())
-        except OSError as e:
-            raise CheckpointError(f"cannot create the checkpoint directory {self.directory}: "
-                                  f"{e.strerror or e}; use a writable --workdir") from None
+        for attempt in range(_READER_ATTEMPTS):
+            try:
+                # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
+                # newest healthy checkpoint is kept outside the rotation.
+                self.manager = ocp.CheckpointManager(
+                    self.directory, options=options, handler_registry=_handler_registry())
+                break
+            except FileNotFoundError as e:
+                # A reader beside a live trainer: orbax lists the steps, then reads each
+                # one's metadata, and the trainer may prune or finish a step in between.
+                # The listing is read again; the directory itself must still be there.
+                if (self.read_only and self.directory.is_dir()
+                        and attempt + 1 < _READER_ATTEMPTS):
+                    continue
+                raise CheckpointError(self._unreadable(e)) from None
+            except OSError as e:
+                raise CheckpointError(self._unreadable(e)) from None
+
+    def _unreadable(self, e: OSError) -> str:
+        if self.read_only:
+            return f"cannot read the checkpoints in {self.directory}: {e.strerror or e}"
+        return (f"cannot create the checkpoint directory {self.directory}: "
+                f"{e.strerror or e}; use a writable --workdir")
 
     def __enter__(self) -> "Checkpointer":
         return self
