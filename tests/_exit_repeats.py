@@ -6,7 +6,10 @@ step still compiles in its background thread; prints one JSON line per child:
 
 KIND is ``missing`` (a data.path that does not exist), ``empty`` (an empty directory),
 ``binary`` (a directory of binaries), ``jsonl`` (a .jsonl without its text field) or
-``sigint`` (SIGINT as soon as the compile thread runs). jax and the trainer are
+``sigint`` (SIGINT as soon as the compile thread runs; the compilation waits until the
+trainer's handler has taken the signal, so that the signal lands during the compilation
+however fast a cache hit makes it and however late the busy machine runs the sending
+thread). jax and the trainer are
 imported once, before forking, so that a repeat costs a backend start and a compile
 (a hit in the tests' persistent compilation cache), not an interpreter start; nothing
 touches a device before the fork.
@@ -22,9 +25,11 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import jax  # noqa: E402
 from absl import app  # noqa: E402
 
 import train  # noqa: E402  (train.py: its flags, _parse_flags and main)
+from jaxmp.train import loop  # noqa: E402
 
 OVERRIDES = ["model.num_layers=1", "model.first_dense_layers=0", "model.d_model=32", "model.d_ff=64",
              "model.d_expert=32", "model.num_heads=2", "data.seq_len=16", "data.max_tokens=20000",
@@ -53,6 +58,21 @@ def _child(kind: str, workdir: pathlib.Path) -> None:
     argv = ["train.py", "--config", str(ROOT / "configs/tiny_moe.py"), "--workdir", str(workdir),
             *(f"--config.{o}" for o in OVERRIDES), f"--config.data.path={_data_path(kind, workdir / 'data')}"]
     if kind == "sigint":
+        handled = threading.Event()
+        handle, compile_ = loop._SignalCatcher._handle, jax.stages.Lowered.compile
+
+        def handle_and_tell(self, signum, frame):
+            handle(self, signum, frame)
+            handled.set()
+
+        def compile_once_signalled(self, *args, **kwargs):
+            if threading.current_thread().name == loop._COMPILE_THREAD:
+                handled.wait(300)  # the trainer's handler has run: the signal came mid-compile
+            return compile_(self, *args, **kwargs)
+
+        loop._SignalCatcher._handle = handle_and_tell
+        jax.stages.Lowered.compile = compile_once_signalled
+
         def interrupt():
             while not any(t.name == "jaxmp-compile" for t in threading.enumerate()):
                 time.sleep(0.001)

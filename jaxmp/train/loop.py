@@ -181,10 +181,10 @@ class _Compilation:
     def join(self, catcher: "_SignalCatcher"):
         """The compiled step, or None when a signal came first (the compilation is then
         abandoned with the process)."""
-        while self.worker.is_alive():
+        while self.worker.is_alive() and catcher.signum is None:
             self.worker.join(0.1)
-            if catcher.signum is not None:
-                return None
+        if catcher.signum is not None:  # also one that came as the compilation finished
+            return None
         if "error" in self.result:
             raise self.result["error"]
         return self.result["step"]
