@@ -8,9 +8,10 @@ beforehand, and write JSON.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import jax
 import numpy as np
@@ -18,15 +19,36 @@ import numpy as np
 from jaxmp.analysis.report import output_problem
 from jaxmp.train import Experiment
 
-# The compile seconds these scripts report must be compilations: a persistent compilation
-# cache (JAX_COMPILATION_CACHE_DIR, which the test suite sets) would make them cache reads.
-jax.config.update("jax_enable_compilation_cache", False)
-
 __all__ = ["ROOT", "DEFAULT_CONFIG", "experiment", "random_batches", "device_info", "write_json",
-           "check_json_flag"]
+           "check_json_flag", "uncached_compiles"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_moe.py")
+
+
+@contextlib.contextmanager
+def uncached_compiles() -> Iterator[None]:
+    """JAX's persistent compilation cache off inside, on again (as it was) on leaving.
+
+    The compile seconds the benchmarks report must be compilations: with a cache
+    (``JAX_COMPILATION_CACHE_DIR``, which the test suite sets for every process) a program
+    compiled before would be a cache read. JAX decides once per process, at its first
+    compile, whether it uses the cache, so the cache is reset
+    (``jax.experimental.compilation_cache.compilation_cache.reset_cache``) on entering and
+    on leaving; the compiles after the block use the process's cache again. Setting the
+    flag for the whole process on import instead turned the cache off in every process
+    that imported this module, the test suite's workers included.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        cc.reset_cache()
 
 
 def experiment(config) -> Experiment:

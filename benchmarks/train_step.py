@@ -49,7 +49,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from benchmarks import matmul
-from benchmarks._common import DEFAULT_CONFIG, check_json_flag, device_info, experiment, random_batches, write_json
+from benchmarks._common import (DEFAULT_CONFIG, check_json_flag, device_info, experiment, random_batches,
+                                uncached_compiles, write_json)
 from benchmarks._timing import MIN_REPEATS, check_repeats
 from jaxmp.analysis import cost
 from jaxmp.precision.loss_scale import get_loss_scale
@@ -249,9 +250,10 @@ def run(config, steps: int, repeats: int, precisions: Sequence[str] = PRECISIONS
             batches = random_batches(model_config.vocab_size, batch, seq_len, ring, seed=config.seed,
                                      device=exp.batch_sharding)
         state = exp.init_state()
-        start = time.perf_counter()
-        compiled = exp.train_step.lower(state, batches[0]).compile()
-        compile_s = time.perf_counter() - start
+        with uncached_compiles():
+            start = time.perf_counter()
+            compiled = exp.train_step.lower(state, batches[0]).compile()
+            compile_s = time.perf_counter() - start
         samples, state, metrics = time_steps(compiled, state, batches, steps, repeats, warmup)
         memory = device_memory(device, compiled)
         del state, compiled  # free the device memory before the next precision

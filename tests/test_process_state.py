@@ -5,7 +5,9 @@ logger and no ``sys.unraisablehook``; the entry points' :func:`quiet_orbax_trace
 changes both and its returned function puts them back; leaving
 :func:`jaxmp.precision.grouped_gemm.interpret_mode` restores the ``jax._src`` callback, the
 CPU lowering table and the interpret flag it changed; leaving
-``benchmarks.fidelity.compilation_cache`` leaves JAX's compilation cache where it was.
+``benchmarks.fidelity.compilation_cache`` leaves JAX's compilation cache where it was;
+importing ``benchmarks._common`` leaves the cache on, and its ``uncached_compiles`` compiles
+inside and turns the cache back on after.
 """
 import logging
 import sys
@@ -106,8 +108,7 @@ def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_director
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from benchmarks import fidelity
 
-    # jax_enable_compilation_cache: benchmarks/_common.py turns the cache off on import (its
-    # timings are of compiles), and another test of this worker may have imported it.
+    # jax_enable_compilation_cache: saved and set too, whatever another test left.
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
     old = {k: getattr(jax.config, k) for k in keys}
@@ -124,6 +125,60 @@ def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_director
             jax.jit(lambda x: jnp.cos(x) * 5.0 - 0.75)(jnp.ones(11)).block_until_ready()
         assert any(outer.iterdir())  # written where the process had asked
     finally:
+        for k, v in old.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
+
+
+def test_the_benchmarks_time_compiles_and_leave_the_cache_on(tmp_path):
+    """Importing ``benchmarks._common`` (as tests/test_train.py does) keeps JAX's persistent
+    compilation cache on; a program compiled under ``uncached_compiles`` is compiled even
+    when the cache holds it, and the same program compiled after the block is read from the
+    cache again. Before, the import turned the cache off for the whole process: in the test
+    suite, for both pytest-xdist workers."""
+    import importlib
+    from collections import Counter
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
+    old = {k: getattr(jax.config, k) for k in keys}
+    seen = Counter()
+
+    def on_event(event, **_):
+        seen[event] += 1
+
+    def f(x):
+        return jnp.tanh(x) * 1.625 - 0.375
+
+    def compile_once():  # a new jit object: JAX's in-memory caches do not hold it
+        before = Counter(seen)
+        jax.jit(lambda x: f(x)).lower(jax.ShapeDtypeStruct((13,), jnp.float32)).compile()
+        return tuple(seen[f"/jax/compilation_cache/{k}"] - before[f"/jax/compilation_cache/{k}"]
+                     for k in ("compile_requests_use_cache", "cache_hits", "cache_misses"))
+
+    jax.monitoring.register_event_listener(on_event)
+    try:
+        for k, v in zip(keys, (str(tmp_path / "cache"), 0, 0, True)):
+            jax.config.update(k, v)
+        cc.reset_cache()
+        common = importlib.reload(importlib.import_module("benchmarks._common"))
+        assert jax.config.jax_enable_compilation_cache is True
+        # JAX's events per compile: (asked the cache, a hit, a miss)
+        miss, hit, uncached = (1, 0, 1), (1, 1, 0), (0, 0, 0)
+        assert compile_once() == miss  # and written to the cache
+        assert compile_once() == hit
+        with common.uncached_compiles():
+            assert jax.config.jax_enable_compilation_cache is False
+            assert compile_once() == uncached
+        assert jax.config.jax_enable_compilation_cache is True
+        assert compile_once() == hit
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
         for k, v in old.items():
             jax.config.update(k, v)
         cc.reset_cache()
