@@ -35,7 +35,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     else:
         _cache = os.path.join(_cache, os.environ.get("PYTEST_XDIST_WORKER", "main"))
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    # Only programs that took a quarter second to compile are written: JAX's size-limited
+    # cache lists and stats every entry at each write (jax._src.lru_cache, to evict), so
+    # writing each tiny eager op's program too made a full run quadratic in its entries
+    # (66db6ff: test_ops.py 22 -> 345 test-seconds once the workers used the cache).
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.25"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 # Tests check numerics, not speed: compile fast, here and in every subprocess (train.py,
