@@ -208,16 +208,16 @@ def compile_side(step: Callable, state: Any, batch: Any, jitted: bool = False):
       -> (state, metrics)``; the costs from XLA's cost analysis of the compiled step
       (None where the backend gives none).
     """
-    treedef = jax.tree.structure(state)
-
-    def flat_step(leaves, batch):
-        return step(jax.tree.unflatten(treedef, leaves), batch)
-
     with uncached_compiles():  # a compile, not a cache read, however often it runs
         start = time.perf_counter()
         if jitted:
             compiled = step.lower(state, batch).compile()
         else:
+            treedef = jax.tree.structure(state)
+
+            def flat_step(leaves, batch):
+                return step(jax.tree.unflatten(treedef, leaves), batch)
+
             compiled = jax.jit(flat_step, donate_argnums=0).lower(jax.tree.leaves(state), batch).compile()
         seconds = time.perf_counter() - start
     analysis = compiled.cost_analysis()

@@ -95,7 +95,32 @@ def test_leaving_interpret_mode_puts_back_a_lowering_that_was_there():
         cpu.pop(gpu_core.layout_cast_p, None)
 
 
-def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_directory(tmp_path):
+_CACHE_KEYS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+               "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    """JAX's persistent compilation cache on, in ``tmp_path / "cache"``, every program
+    written, whatever another test of this worker left; the worker's settings are put back
+    (and the cache reset) after the test. Yields the directory."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    old = {k: getattr(jax.config, k) for k in _CACHE_KEYS}
+    try:
+        for k, v in zip(_CACHE_KEYS, (str(tmp_path / "cache"), 0, 0, True)):
+            jax.config.update(k, v)
+        cc.reset_cache()
+        yield tmp_path / "cache"
+    finally:
+        for k, v in old.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
+
+
+def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_directory(cache_dir):
     """Programs compiled after ``benchmarks.fidelity.compilation_cache(None)`` go to the
     cache directory set before it, not to its deleted temporary one (JAX opens its cache
     once, so leaving must reset it)."""
@@ -103,34 +128,19 @@ def test_fidelitys_compilation_cache_leaves_jax_writing_to_the_previous_director
 
     import jax
     import jax.numpy as jnp
-    from jax.experimental.compilation_cache import compilation_cache as cc
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     from benchmarks import fidelity
 
-    # jax_enable_compilation_cache: saved and set too, whatever another test left.
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
-    old = {k: getattr(jax.config, k) for k in keys}
-    outer = tmp_path / "outer"
-    try:
-        for k, v in zip(keys, (str(outer), 0, 0, True)):
-            jax.config.update(k, v)
-        cc.reset_cache()
-        with fidelity.compilation_cache(None):
-            jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(jnp.ones(7)).block_until_ready()
-        assert getattr(jax.config, keys[0]) == str(outer)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # "Error writing persistent compilation cache entry"
-            jax.jit(lambda x: jnp.cos(x) * 5.0 - 0.75)(jnp.ones(11)).block_until_ready()
-        assert any(outer.iterdir())  # written where the process had asked
-    finally:
-        for k, v in old.items():
-            jax.config.update(k, v)
-        cc.reset_cache()
+    with fidelity.compilation_cache(None):
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.25)(jnp.ones(7)).block_until_ready()
+    assert jax.config.jax_compilation_cache_dir == str(cache_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Error writing persistent compilation cache entry"
+        jax.jit(lambda x: jnp.cos(x) * 5.0 - 0.75)(jnp.ones(11)).block_until_ready()
+    assert any(cache_dir.iterdir())  # written where the process had asked
 
 
-def test_the_benchmarks_time_compiles_and_leave_the_cache_on(tmp_path):
+def test_the_benchmarks_time_compiles_and_leave_the_cache_on(cache_dir):
     """Importing ``benchmarks._common`` (as tests/test_train.py does) keeps JAX's persistent
     compilation cache on; a program compiled under ``uncached_compiles`` is compiled even
     when the cache holds it, and the same program compiled after the block is read from the
@@ -141,12 +151,7 @@ def test_the_benchmarks_time_compiles_and_leave_the_cache_on(tmp_path):
 
     import jax
     import jax.numpy as jnp
-    from jax.experimental.compilation_cache import compilation_cache as cc
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes", "jax_enable_compilation_cache")
-    old = {k: getattr(jax.config, k) for k in keys}
     seen = Counter()
 
     def on_event(event, **_):
@@ -163,9 +168,6 @@ def test_the_benchmarks_time_compiles_and_leave_the_cache_on(tmp_path):
 
     jax.monitoring.register_event_listener(on_event)
     try:
-        for k, v in zip(keys, (str(tmp_path / "cache"), 0, 0, True)):
-            jax.config.update(k, v)
-        cc.reset_cache()
         common = importlib.reload(importlib.import_module("benchmarks._common"))
         assert jax.config.jax_enable_compilation_cache is True
         # JAX's events per compile: (asked the cache, a hit, a miss)
@@ -179,6 +181,3 @@ def test_the_benchmarks_time_compiles_and_leave_the_cache_on(tmp_path):
         assert compile_once() == hit
     finally:
         jax.monitoring.unregister_event_listener(on_event)
-        for k, v in old.items():
-            jax.config.update(k, v)
-        cc.reset_cache()
