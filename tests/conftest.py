@@ -47,8 +47,19 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # compiles turn full optimizations back on themselves (jaxmp.analysis.gpu.full_optimizations).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Python's cyclic garbage collector, tuned for a process that traces and compiles JAX
+# programs by the thousand: a young-generation collection every 100,000 net allocations
+# instead of 700, and the imported modules frozen out of every collection once the tests
+# are collected (pytest_collection_finish). Cycles are still freed, less often. Measured on
+# tests/test_fp8_train.py alone (-n 0): 115 -> 105 CPU-seconds (turning the collector off
+# gained nothing more). This is the test processes' own setting; their subprocesses
+# (train.py, benchmarks, notebooks) keep Python's defaults.
+gc.set_threshold(100_000, 50, 100)
 
 jax.config.update("jax_disable_most_optimizations", True)
 
@@ -103,3 +114,7 @@ def pytest_collection_modifyitems(config, items):
         if group is not None and not item.nodeid.endswith("@" + group):
             from _pytest.nodeid import coerce_node_id
             item._id = coerce_node_id(f"{item.nodeid}@{group}")
+
+
+def pytest_collection_finish(session):
+    gc.freeze()  # every module is imported now: keep their objects out of each collection
