@@ -28,9 +28,14 @@ _spec = importlib.util.spec_from_file_location("jaxmp_train_distributed", _path)
 distributed = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(distributed)
 
+# JAX's heartbeat timeout; the watchdog's silence limit is half of it (5 s), which is how
+# long a test of a stopped peer waits. Long enough for a busy machine: the watchdog pings
+# five times per silence limit.
+HEARTBEAT_TIMEOUT_S = 10
+
 address, n, pid, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
-distributed.initialize(address, n, pid, heartbeat_timeout=20, workdir=workdir)
+distributed.initialize(address, n, pid, heartbeat_timeout=HEARTBEAT_TIMEOUT_S, workdir=workdir)
 if pause:
     (pathlib.Path(workdir) / f"paused.{pid}").touch()
     time.sleep(pause)

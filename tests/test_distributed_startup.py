@@ -84,7 +84,7 @@ def test_start_up_faults_are_one_line_each_within_a_bounded_time(tmp_path):
     naming the key, before any collective)."""
     busy = socket.create_server(("127.0.0.1", 0))  # another program holds the port
     port, alone, pair = busy.getsockname()[1], free_port(), free_port()
-    timeout = "--startup_timeout=8"
+    timeout = "--startup_timeout=4"  # the two that wait give up after it
     runs = {"busy0": _train(tmp_path / "busy", port, 0, timeout),
             "busy1": _train(tmp_path / "busy", port, 1, timeout),
             "alone": _train(tmp_path / "alone", alone, 0, timeout),
@@ -107,16 +107,16 @@ def test_start_up_faults_are_one_line_each_within_a_bounded_time(tmp_path):
         f"train.py: error: --coordinator_address=127.0.0.1:{port}: port {port} is already in use "
         "on this host (another run, or another program); choose a free port for every process"]
     assert _lines(out["busy1"]) == [
-        f"train.py: process 1 of 2: waiting up to 8 s for process 0's coordinator at "
+        f"train.py: process 1 of 2: waiting up to 4 s for process 0's coordinator at "
         f"127.0.0.1:{port} and the other processes (--startup_timeout)",
         f"train.py: error: process 1 of 2: process 0's coordinator or another process did not "
-        f"answer to 127.0.0.1:{port} within 8 s (--startup_timeout); start all 2 processes with "
+        f"answer to 127.0.0.1:{port} within 4 s (--startup_timeout); start all 2 processes with "
         "the same --coordinator_address and --num_processes"], out["busy1"][-3000:]
     assert _lines(out["alone"]) == [
-        f"train.py: process 0 of 2: waiting up to 8 s for process 1 to connect to "
+        f"train.py: process 0 of 2: waiting up to 4 s for process 1 to connect to "
         f"127.0.0.1:{alone} (--startup_timeout)",
         f"train.py: error: process 0 of 2: not every process connected to 127.0.0.1:{alone} "
-        "within 8 s (--startup_timeout); start all 2 processes with the same "
+        "within 4 s (--startup_timeout); start all 2 processes with the same "
         "--coordinator_address and --num_processes"], out["alone"][-3000:]
     for me, other, mine, theirs in ((0, 1, 8, 16), (1, 0, 16, 8)):
         assert _lines(out[f"diff{me}"]) == [

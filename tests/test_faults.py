@@ -659,7 +659,7 @@ def test_a_lost_peer_is_the_survivors_one_line_however_the_race_goes(tmp_path, v
     its path: tests/test_distributed_startup.py bounds that exit.) The survivor exits 1
     with the one line naming the victim and the last checkpoint (a step directory made
     here), never with JAX's abort (``client.h``, ``Fatal Python error``) or a traceback.
-    The probes' heartbeat timeout is 20 s, so the watchdog's silence limit is 10 s."""
+    The probes' heartbeat timeout is 10 s, so the watchdog's silence limit is 5 s."""
     (tmp_path / "checkpoints" / "12").mkdir(parents=True)
     (tmp_path / "checkpoints" / "12.orbax-checkpoint-tmp-3").mkdir()  # unfinished: not named
     procs = _probe_pair(tmp_path, (0.0, 60.0) if when == "starting" else (0.0, 0.0))
@@ -680,7 +680,7 @@ def test_a_lost_peer_is_the_survivors_one_line_however_the_race_goes(tmp_path, v
     how = {"running": "exited without a word (killed or crashed)",
            "starting": "exited without a word (killed or crashed)" if victim == 0 else
                        "died during start-up (it never reached process 0's watchdog)",
-           "stopped": "sent nothing for 10 s (stopped, hung, or its machine vanished)"}[when]
+           "stopped": "sent nothing for 5 s (stopped, hung, or its machine vanished)"}[when]
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"train.py: error: process {victim} of 2 {how}; process {survivor} stops "
                      f"too. The last checkpoint to resume from is step 12 in "

@@ -36,6 +36,10 @@ def test_bad_flags_are_one_line_errors_naming_the_value(tmp_path, capsys):
     assert (code, line) == (2, f"python -m jaxmp.report: error: --json: cannot write {file / 'x'}: "
                                f"{file} is a file, not a folder")
     assert file.read_text() == "a report\n"
+    # (in a subprocess of tests/test_gpu_target.py::test_report_cli_target_json before 2026-12-04)
+    code, line = error_of(["--config", str(ROOT / "configs" / "tiny_moe.py"), "--target", "H100",
+                           "--modes", "fp32"], capsys)
+    assert code == 2 and "--modes is a CPU accounting option" in line, line
 
 
 @pytest.mark.parametrize("content", [bytes(range(128, 256)), b"hello world\n", (
