@@ -20,35 +20,47 @@ from jaxmp.analysis.report import output_problem
 from jaxmp.train import Experiment
 
 __all__ = ["ROOT", "DEFAULT_CONFIG", "experiment", "random_batches", "device_info", "write_json",
-           "check_json_flag", "uncached_compiles"]
+           "check_json_flag", "compilation_cache_settings", "uncached_compiles"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = str(ROOT / "configs" / "tiny_moe.py")
 
 
 @contextlib.contextmanager
-def uncached_compiles() -> Iterator[None]:
-    """JAX's persistent compilation cache off inside, on again (as it was) on leaving.
+def compilation_cache_settings(**settings: Any) -> Iterator[None]:
+    """JAX's persistent compilation cache with ``settings`` (``jax.config`` names and
+    values) inside, as it was on leaving.
 
-    The compile seconds the benchmarks report must be compilations: with a cache
-    (``JAX_COMPILATION_CACHE_DIR``, which the test suite sets for every process) a program
-    compiled before would be a cache read. JAX decides once per process, at its first
-    compile, whether it uses the cache, so the cache is reset
-    (``jax.experimental.compilation_cache.compilation_cache.reset_cache``) on entering and
-    on leaving; the compiles after the block use the process's cache again. Setting the
-    flag for the whole process on import instead turned the cache off in every process
-    that imported this module, the test suite's workers included.
+    JAX opens its cache once per process, at its first compile, and keeps it open: the
+    cache is reset (``jax.experimental.compilation_cache.compilation_cache.reset_cache``) on
+    entering and on leaving, so that the compiles inside see the new settings and those
+    after the block the previous ones (not, say, a deleted temporary directory).
     """
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    cc.reset_cache()
+    before = {k: getattr(jax.config, k) for k in settings}
     try:
+        for k, v in settings.items():
+            jax.config.update(k, v)
+        cc.reset_cache()
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", before)
+        for k, v in before.items():
+            jax.config.update(k, v)
         cc.reset_cache()
+
+
+def uncached_compiles():
+    """JAX's persistent compilation cache off inside, on again (as it was) on leaving
+    (:func:`compilation_cache_settings`).
+
+    The compile seconds the benchmarks report must be compilations: with a cache
+    (``JAX_COMPILATION_CACHE_DIR``, which the test suite sets for every process) a program
+    compiled before would be a cache read. Setting the flag for the whole process on
+    import instead turned the cache off in every process that imported this module, the
+    test suite's workers included.
+    """
+    return compilation_cache_settings(jax_enable_compilation_cache=False)
 
 
 def experiment(config) -> Experiment:

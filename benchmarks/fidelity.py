@@ -77,6 +77,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from benchmarks._common import compilation_cache_settings
 from jaxmp import ops
 from jaxmp.precision.diagnostics import LeafReport, summarize, underflow_report
 from jaxmp.precision.loss_scale import get_loss_scale
@@ -634,23 +635,14 @@ def compilation_cache(directory: Optional[str]):
     it open: the cache is reset (``compilation_cache.reset_cache``, public in
     ``jax.experimental``) on entering and on leaving, so that the programs compiled inside
     go to ``directory`` and those compiled after it to the previous directory again, not
-    to a deleted temporary one."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    old = {k: getattr(jax.config, k) for k in keys}
+    to a deleted temporary one (:func:`benchmarks._common.compilation_cache_settings`)."""
     temp = tempfile.mkdtemp(prefix="jaxmp_fidelity_xla_") if directory is None else None
     try:
-        jax.config.update(keys[0], directory or temp)
-        jax.config.update(keys[1], 0)
-        jax.config.update(keys[2], 0)
-        cc.reset_cache()
-        yield
+        with compilation_cache_settings(jax_compilation_cache_dir=directory or temp,
+                                        jax_persistent_cache_min_compile_time_secs=0,
+                                        jax_persistent_cache_min_entry_size_bytes=0):
+            yield
     finally:
-        for k, v in old.items():
-            jax.config.update(k, v)
-        cc.reset_cache()
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
 
