@@ -354,8 +354,11 @@ def _fp8_scales(x: jax.Array, recipe: "_fp8.Recipe", role: str, amax: Optional[A
     return x2, full, dtype
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _fp8_counts(x2, scales, dtype):
+@functools.partial(jax.jit, static_argnames=("recipe", "role"))
+def _fp8_counts(x, recipe, role, amax):
+    """The raw counts of :func:`fp8_quantization`, as one compiled program per operand
+    shape, recipe and role (op-by-op dispatch of the scales cost more than the counts)."""
+    x2, scales, dtype = _fp8_scales(x, recipe, role, amax)
     fi = jnp.finfo(dtype)
     q = _fp8.quantize(x2, scales, dtype)
     nonzero = x2 != 0
@@ -404,9 +407,9 @@ def fp8_quantization(x: Any, recipe: "_fp8.Recipe", role: str = "x",
     if not _is_float_leaf(x) or jnp.ndim(x) < 1:
         raise ValueError("x must be a floating-point array of rank >= 1, got "
                          f"{getattr(x, 'dtype', type(x))} {jnp.shape(x)}")
-    x2, scales, dtype = _fp8_scales(jnp.asarray(x), recipe, role, amax)
-    nz, under, sub, sat, err2, sq = (np.asarray(v)
-                                     for v in jax.device_get(_fp8_counts(x2, scales, dtype)))
+    amax = None if amax is None else jnp.asarray(amax, jnp.float32)
+    nz, under, sub, sat, err2, sq = (np.asarray(v) for v in jax.device_get(
+        _fp8_counts(jnp.asarray(x), recipe, role, amax)))
     n = max(int(nz), 1)
     return FP8Report(int(nz), int(under) / n, int(sub) / n, int(sat) / n,
                      float(np.sqrt(err2 / sq)) if sq > 0 else 0.0)
