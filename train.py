@@ -23,8 +23,13 @@ def _interrupted_outside_training(signum, frame):
     os._exit(128 + signum)
 
 
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_outside_training)  # before the slow imports
+# Before the slow imports. Also where SIGINT came ignored (a job started in the background
+# by a shell script inherits SIG_IGN): the trainer honours SIGINT while it trains, so it
+# honours it before and after too (before, a SIGINT during the imports or the closing
+# sample of such a job did nothing and the run went on to exit 0).
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) in (
+        signal.default_int_handler, signal.SIG_IGN, signal.SIG_DFL):
+    signal.signal(signal.SIGINT, _interrupted_outside_training)
 
 import pathlib  # noqa: E402
 
@@ -124,7 +129,8 @@ def main(argv):
                                _HEARTBEAT.value, _WORKDIR.value, _STARTUP.value)
         watchdog = distributed.start_watchdog(_WORKDIR.value)  # a peer that dies stops this one
         # Before any collective: processes with different configs would meet in mismatched ones.
-        distributed.check_same_config(config_to_dict(_LOADED["config"]), _STARTUP.value)
+        distributed.check_same_config(config_to_dict(_LOADED["config"]), _STARTUP.value,
+                                      workdir=_WORKDIR.value)
         train_and_evaluate(_LOADED["config"], _WORKDIR.value)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the

@@ -9,8 +9,20 @@ back into a fresh model. ``--format hf`` writes a directory that transformers'
 ``tokenizers`` counterpart, :meth:`jaxmp.train.tokenizer.SentencePieceTokenizer.to_hf`),
 with :func:`jaxmp.train.artifacts.export_hf`; an architecture that maps to no family is a
 one-line error naming what does not map. The workdir is only read (a trainer may be
-writing into it); a corrupt newest checkpoint is passed over with a warning. For
-``--format jaxmp``, ``--out`` must be empty unless ``--force``.
+writing into it); a corrupt newest checkpoint is passed over with a warning.
+
+Either format writes into a new temporary directory beside ``--out`` and moves the files
+into place only once all are written: a failed export (a full disk, a file-size limit, a
+read-only folder) is a one-line error naming the file and the OS error, and leaves an
+existing ``--out`` as it was; with ``--force``, the old export's weight files the new one
+does not have (old shards) are removed after the new ones are in place.
+
+Refused with a one-line error (exit status 2), for both formats: an ``--out`` that is not
+empty, unless ``--force``; and, even with ``--force``, an ``--out`` that is the run's
+``--workdir`` or inside it (checked before the checkpoint is read), or that is the run's
+base checkpoint (its ``model.init_from`` directory), inside it or contains it (checked
+before anything is written): an export never writes over its own inputs. Paths are
+compared resolved (``os.path.realpath``: symbolic links and ``..`` do not get around it).
 """
 from __future__ import annotations
 
@@ -20,17 +32,23 @@ from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the command; returns the exit status (argparse exits 2 on bad input)."""
+    """Runs the command; returns the exit status.
+
+    Raises:
+      SystemExit: status 2 with a one-line error: bad arguments (argparse), a workdir with
+        no readable checkpoint, an ``--out`` refused (see the module docstring), a failed
+        write (the file and the OS error named; ``--out`` left as it was).
+    """
     p = argparse.ArgumentParser(prog="python -m jaxmp.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", required=True, help="the --workdir of a training run")
     p.add_argument("--out", required=True, help="the export directory (created; must be empty "
-                   "unless --force)")
+                   "unless --force; never the run's workdir or its model.init_from directory)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--format", choices=("jaxmp", "hf"), default="jaxmp",
                    help="jaxmp (default) or hf (a Hugging Face model directory)")
-    p.add_argument("--force", action="store_true", help="overwrite the export's files in a "
-                   "directory that is not empty (--format jaxmp)")
+    p.add_argument("--force", action="store_true", help="replace the export's files in a "
+                   "directory that is not empty (its other files are kept)")
     args = p.parse_args(argv)
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import export, export_hf
@@ -38,8 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     notes = []
     try:
-        meta = (export_hf(args.workdir, args.out, args.step) if args.format == "hf" else
-                export(args.workdir, args.out, args.step, force=args.force, notes=notes))
+        write = export_hf if args.format == "hf" else export
+        meta = write(args.workdir, args.out, args.step, force=args.force, notes=notes)
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     finally:

@@ -7,12 +7,61 @@ the tokens from :func:`jaxmp.models.generate` (one compiled step for every token
 progress bar on stderr; only ids the tokenizer has, when the model's vocabulary is
 padded). The prompt followed by the sample is printed to stdout. An empty prompt starts
 a new document (the end-of-document token).
+
+Refused with a one-line error (exit status 2) before the checkpoint is read: ``--tokens``
+below 0, ``--temperature`` below 0 or NaN, a ``--seed`` outside ``[0, 2**64)`` (each of
+those seeds is its own sampling key: :func:`seed_key`), and a ``--prompt`` that is not
+valid UTF-8 text (an argument byte that does not decode, such as ``$'\\xff'``, which Python
+keeps as a lone surrogate).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Optional, Sequence
+
+SEED_BOUND = 2 ** 64  # --seed is an integer in [0, SEED_BOUND)
+
+
+def _seed(text: str) -> int:
+    """``--seed``'s type: an integer in ``[0, 2**64)``.
+
+    Raises:
+      argparse.ArgumentTypeError: anything else (argparse names the flag).
+    """
+    import re
+
+    shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
+    try:
+        seed = int(text)
+    except ValueError:  # not a number, or one of more digits than int() reads
+        if not re.fullmatch(r"\s*[+-]?\d[\d_]*\s*", text):
+            raise argparse.ArgumentTypeError(f"invalid int value: {shown!r}") from None
+        seed = SEED_BOUND
+    if not 0 <= seed < SEED_BOUND:
+        raise argparse.ArgumentTypeError(f"{shown} is not in [0, 2**64); give a non-negative "
+                                         f"seed of at most 64 bits")
+    return seed
+
+
+def seed_key(seed: int):
+    """The sampling key of ``--seed``: all 64 bits count.
+
+    ``jax.random.key(seed)`` of seeds below ``2**32`` (the key the command always gave
+    them); a larger seed's high 32 bits are folded into the key of its low 32 bits, since
+    ``jax.random.key`` keeps only the low 32 bits of a seed (without 64-bit mode), which
+    would give ``2**32`` the samples of ``0``.
+
+    Raises:
+      ValueError: ``seed`` is not an int in ``[0, 2**64)``.
+    """
+    import jax
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND:
+        raise ValueError(f"seed={seed!r} is not an int in [0, 2**64)")
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    key = jax.random.key(low)
+    return key if high == 0 else jax.random.fold_in(key, high)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,19 +72,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="", help="text to continue ('' = a new document)")
     p.add_argument("--tokens", type=int, default=100, help="tokens to sample (default 100)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=_seed, default=0, help="sampling seed, an integer in "
+                   "[0, 2**64) (default 0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     return p
 
 
+def _prompt_error(prompt: str) -> Optional[str]:
+    """Why ``prompt`` is not UTF-8 text (None when it is): the first character that does
+    not encode, with the argument byte it stands for when it is a surrogate escape."""
+    try:
+        prompt.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        bad = e.object[e.start]
+        what = (f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF
+                else f"character U+{ord(bad):04X}")
+        return (f"--prompt is not valid UTF-8 text: {what} at character {e.start}; give the "
+                f"prompt as UTF-8")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the command; returns the exit status (argparse exits 2 on bad input)."""
+    """Runs the command; returns the exit status.
+
+    Raises:
+      SystemExit: status 2 (argparse's one-line error naming the flag) for bad input,
+        before the checkpoint is read: ``--tokens`` < 0, ``--temperature`` < 0 or NaN,
+        ``--seed`` not an integer in ``[0, 2**64)``, a ``--prompt`` that is not UTF-8
+        text; after it, a workdir with no readable checkpoint.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.tokens < 0:
         parser.error(f"--tokens must be >= 0, got {args.tokens}")
     if not args.temperature >= 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    bad_prompt = _prompt_error(args.prompt)
+    if bad_prompt:
+        parser.error(bad_prompt)
     import numpy as np
     from jaxmp.models import generate
     from jaxmp.train import CheckpointError
@@ -52,8 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"warning: {note}", file=sys.stderr)
     prompt = (tokenizer.encode(args.prompt, add_eos=False) if args.prompt
               else np.asarray([tokenizer.eos_id], np.int32))
-    ids = generate(model, prompt, args.tokens, temperature=args.temperature, rng=args.seed,
-                   progress=True, vocab_limit=tokenizer.vocab_size)
+    ids = generate(model, prompt, args.tokens, temperature=args.temperature,
+                   rng=seed_key(args.seed), progress=True, vocab_limit=tokenizer.vocab_size)
     print(tokenizer.decode(ids))
     return 0
 

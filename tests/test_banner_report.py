@@ -31,3 +31,27 @@ def test_report_skips_the_modes_a_layout_cannot_run():
     run, skipped = runnable_modes(zero1, MODES)
     assert skipped == ["topk_allreduce"] and run == [m for m in MODES if m != "topk_allreduce"]
     assert runnable_modes(load_config("configs/tiny_moe.py"), MODES) == (list(MODES), [])
+
+
+def test_a_dense_model_has_a_dense_banner_and_no_warning_about_the_default_router_rule():
+    """Issue 45: a dense model (the default config) was announced as '0 routed + 0 shared
+    experts, top-2' and warned that the default policy's 'router' rule matches no module,
+    a rule the user never wrote. A rule the user writes is still checked."""
+    from jaxmp.train.loop import _precision_warnings
+
+    dense = Experiment.create(load_config("configs/tiny_moe.py", ["model.num_experts=0",
+                                                                  "model.num_shared_experts=0"]),
+                              num_devices=1)
+    data = types.SimpleNamespace(num_documents=1, train_tokens=10, eval_tokens=5,
+                                 tokenizer=types.SimpleNamespace(name="bytes"))
+    line = next(l for l in banner(dense, data).splitlines() if "model       :" in l)
+    assert line.endswith(f"4 heads, dense (feed-forward width {dense.settings.model.d_ff})")
+    assert "routed" not in line
+    assert _precision_warnings(dense) == []
+    typo = Experiment.create(load_config("configs/tiny_moe.py", [
+        "model.num_experts=0", "model.num_shared_experts=0",
+        "precision.policy=mixed_bf16; rooter: fp32; norm: fp32"]), num_devices=1)
+    assert [w.split(";")[0] for w in _precision_warnings(typo)] == [
+        "precision.policy rule 'rooter' matches no module of this model"]
+    moe = Experiment.create(load_config("configs/tiny_moe.py"), num_devices=1)
+    assert "4 routed + 1 shared experts, top-2" in banner(moe, data)

@@ -258,7 +258,7 @@ def _char_tokenizer(path):
     return vocab["</s>"]
 
 
-def test_init_from_trains_and_exports(tmp_path):
+def test_init_from_trains_and_exports(tmp_path, monkeypatch):
     """configs/finetune.py with model.init_from=DIR (a Qwen3: GQA, q/k norms, tied head):
     the architecture and the tokenizer come from DIR, the weights load onto a 2-device
     mesh, two steps at a learning rate too small to move float32 weights, then
@@ -293,6 +293,18 @@ def test_init_from_trains_and_exports(tmp_path):
     assert cfg.data.tokenizer == str(src / "tokenizer.json") and cfg.data.eod_id == eos
     summary = train_and_evaluate(cfg, str(tmp_path / "run"), num_devices=2)
     assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    # The run needs nothing of its base once trained: moved away, and read from another
+    # directory, the run still loads (architecture from its config, weights from its
+    # checkpoint, the tokenizer from its own copy), naming the base by absolute path.
+    from jaxmp.train import load
+
+    src.rename(tmp_path / "moved")
+    with monkeypatch.context() as m:
+        m.chdir(tmp_path / "corpus")
+        model, tok, run_cfg = load(os.path.join("..", "run"))
+    assert run_cfg.model.init_from == str(src) and (tmp_path / "run" / "tokenizer.json").is_file()
+    assert list(tok.encode("ab")) == [ord("a") - 32, ord("b") - 32, eos]
+    np.testing.assert_allclose(np.asarray(_logits(model, tokens)), ref, rtol=0, atol=2e-4 * np.abs(ref).max())
     out = tmp_path / "out"
     assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
                         "--format", "hf"]) == 0
@@ -301,6 +313,7 @@ def test_init_from_trains_and_exports(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.eos_token == "</s>" and tok.convert_tokens_to_ids("</s>") == eos
     assert tok("ab")["input_ids"] == [ord("a") - 32, ord("b") - 32]
+    (tmp_path / "moved").rename(src)
     with pytest.raises(ValueError, match=r"model.num_heads=8 contradicts .*\(4\)"):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
 

@@ -5,6 +5,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -236,8 +237,16 @@ def test_corrupt_or_incompatible_checkpoint_is_an_error_not_a_fresh_start(tmp_pa
     # Another model shape in the same workdir.
     other = small_config(steps=4)
     other.model.d_model = 64
-    with pytest.raises(CheckpointError, match=r"model\.d_model: saved 32, now 64"):
-        train_and_evaluate(other, str(tmp_path))
+    # Refused before the corpus is read and the step compiled (issue 45: it came after both).
+    from jaxmp.train import experiment, loop
+
+    def never(self):
+        raise AssertionError("the corpus was read before the settings were compared")
+
+    with mock.patch.object(experiment.Experiment, "data", property(never)), \
+            mock.patch.object(loop, "_Compilation", side_effect=AssertionError("compiled")):
+        with pytest.raises(CheckpointError, match=r"model\.d_model: saved 32, now 64"):
+            train_and_evaluate(other, str(tmp_path))
     # Damage every file of the saved state.
     for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
         if f.is_file():
@@ -304,6 +313,21 @@ def test_a_run_whose_every_step_is_skipped_stops_with_a_clear_error(tmp_path):
     assert "NaN" not in text and "Infinity" not in text
     for line in text.splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_a_run_that_ends_in_skipped_steps_fails_below_the_stall_limit(tmp_path):
+    """Learning rate 1e30 over 6 steps with the stall guard's limit at 100: step 1 applies,
+    steps 2-6 are skipped. Before, the run exited 0 with its checkpoint (as a run at
+    optim.learning_rate=1e10 did with 39 of 40 steps skipped); a run whose last steps, at
+    least half of them, were all skipped now fails and says so."""
+    config = small_config(steps=6, max_consecutive_skips=100, checkpoint_every=1)
+    config.optim.update(dict(learning_rate=1e30, warmup_steps=0, grad_clip=0.0))
+    with pytest.raises(TrainingStalled, match=r"^the run ended in skipped steps: the last 5 "
+                                              r"steps \(to step 6\) were all skipped.*not "
+                                              r"changed since step 1"):
+        train_and_evaluate(config, str(tmp_path))
+    records = read_metrics(tmp_path)
+    assert [r["applied"] for r in records] == [True] + [False] * 5
 
 
 def test_the_stall_guard_is_exact_at_a_longer_log_interval(tmp_path):

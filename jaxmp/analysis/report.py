@@ -243,6 +243,19 @@ def format_cost(report: dict) -> str:
     return "\n".join(lines)
 
 
+# The most devices a report lowers over. The --config report simulates each one on this
+# CPU (XLA:CPU host devices, whose buffers and threads take host memory: 100,000 of them
+# aborted at 19 GB, 2026-12-04); 16,384 is eight times the 2,048 H800s DeepSeek-V3 was
+# trained on (its technical report, section 3.1).
+MAX_DEVICES = 16384
+
+
+def _check_devices(parser: argparse.ArgumentParser, n: int) -> None:
+    if not 1 <= n <= MAX_DEVICES:
+        parser.error(f"--devices must be in [1, {MAX_DEVICES}], got {n} (each device is "
+                     f"simulated on this machine)")
+
+
 def _force_host_devices(n: int) -> None:
     """Asks XLA:CPU for ``n`` devices; effective only before JAX starts its backends."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -370,8 +383,7 @@ def runnable_modes(config, modes) -> tuple:
 
 
 def _main_config(parser: argparse.ArgumentParser, args) -> int:
-    if args.devices < 1:
-        parser.error(f"--devices must be >= 1, got {args.devices}")
+    _check_devices(parser, args.devices)
     if args.breakdown < 0:
         parser.error(f"--breakdown must be >= 0, got {args.breakdown}")
     _force_host_devices(args.devices)
@@ -423,8 +435,7 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
 
 
 def _main_target(parser: argparse.ArgumentParser, args) -> int:
-    if args.devices < 1:
-        parser.error(f"--devices must be >= 1, got {args.devices}")
+    _check_devices(parser, args.devices)
     if args.top is None:
         args.top = 10
     for flag in ("modes", "settings", "flops", "breakdown"):

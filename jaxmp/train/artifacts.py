@@ -29,23 +29,12 @@ from jaxmp.train.checkpoint import CheckpointError, Checkpointer, residual_adapt
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
 from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
-                                   load_tokenizer)
+                                   kept_tokenizer, load_tokenizer)
 
 __all__ = ["load", "export", "load_export", "EXPORT_WEIGHTS", "EXPORT_CONFIG"]
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
-
-
-def _saved_config(ckpt: Checkpointer, step: int) -> dict:
-    import orbax.checkpoint as ocp
-    try:
-        return ckpt.manager.restore(step, args=ocp.args.Composite(
-            config=ocp.args.JsonRestore()))["config"]
-    except Exception as e:  # orbax raises many types for a damaged directory
-        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory}: its config does not "
-                              f"read ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:200]})") from None
 
 
 def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
@@ -58,9 +47,12 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
     parallelism); with ``num_devices=N`` it stays on a mesh of N devices under the run's
     own ``parallel`` settings. The checkpoint is verified (checksums, finite values) as on
     resume; with ``step=None``, a corrupt newest checkpoint is passed over for the next
-    older good one, as a resuming trainer does, with a ``RuntimeWarning`` naming it.
-    Nothing in ``workdir`` is changed (orbax is opened read-only, so a trainer writing
-    into the same workdir is never disturbed).
+    older good one, as a resuming trainer does, with a ``RuntimeWarning`` naming it (so is
+    one that is another step's checkpoint, copied or renamed, and a step directory that is
+    a symbolic link or holds a named pipe). Nothing in ``workdir`` is changed (orbax is
+    opened read-only, so a trainer writing into the same workdir is never disturbed); a
+    checkpoint the trainer's rotation deletes while it is read is read again at the newest
+    step (:meth:`~jaxmp.train.Checkpointer.restore`).
 
     Args:
       workdir: the ``--workdir`` of a training run.
@@ -74,7 +66,10 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
     Raises:
       ValueError: ``workdir`` holds no checkpoint, or ``step`` is not an int or not one
         of its steps (the steps are listed); the tokenizer cannot be found.
-      CheckpointError: no checkpoint reads and verifies (``step`` given: that one).
+      CheckpointError: no checkpoint reads and verifies (``step`` given: that one); the
+        checkpoint ``step`` was deleted while it was read; with ``step=None``, a trainer's
+        rotation deleted each newest checkpoint while it was read, every time it was read
+        again (``jaxmp.train.checkpoint._ROTATION_ATTEMPTS`` times).
     """
     model, tokenizer, config, _, notes = _load(workdir, step, num_devices)
     for note in notes:
@@ -93,24 +88,18 @@ def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None
         raise ValueError(f"{str(workdir)!r} holds no checkpoints directory; give the --workdir "
                          f"of a training run")
     with Checkpointer(workdir, read_only=True) as ckpt:
-        steps = ckpt.all_steps()
+        # A step refused as damaged (a link, a named pipe inside) counts: restore() says why.
+        steps = sorted(set(ckpt.all_steps()) | set(ckpt.refused))
         if not steps:
             raise ValueError(f"{ckpt.directory} holds no checkpoint")
         if step is not None and int(step) not in steps:
             raise ValueError(f"step {step} has no checkpoint in {ckpt.directory}; steps: "
                              f"{', '.join(map(str, steps))}")
-        # The model is built from the newest config that reads; restore() then verifies
-        # each checkpoint, newest first, and passes over the corrupt ones.
-        faults = []
-        for s in ([int(step)] if step is not None else reversed(steps)):
-            try:
-                saved_config = _saved_config(ckpt, s)
-                break
-            except CheckpointError as e:
-                faults.append(str(e))
-        else:
-            raise CheckpointError(f"no checkpoint in {ckpt.directory} can be read: "
-                                  f"{'; '.join(faults)}")
+        # The model is built from the newest config that reads (the steps listed again as a
+        # live trainer's rotation deletes them); restore() then verifies each checkpoint,
+        # newest first, passes over the corrupt ones and reads the newest again when the one
+        # it reads is deleted.
+        _, saved_config = ckpt.read_config(None if step is None else int(step))
         config = complete_config(ml_collections.ConfigDict(saved_config))
         # one device, every array whole; checkpoints restore onto any layout
         if num_devices is None:
@@ -118,11 +107,16 @@ def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None
             config.parallel.dispatch_dtype = "compute"
             (config.train.num_devices, config.train.batch_size,
              config.train.grad_accum_steps) = 1, 1, 1
+        # The architecture is the saved config's and every weight the checkpoint's: the
+        # base checkpoint of a fine-tuned run (model.init_from) is not read, so the run
+        # loads from any directory and after its base has moved.
+        base, config.model.init_from = config.model.init_from, ""
         exp = Experiment.create(config, num_devices=num_devices or 1)
+        exp.config.model.init_from = base
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
             saved[key] = saved_config[key]
-        read, state, _ = ckpt.restore(exp.checkpoint_template, saved,
+        read, state, data_state = ckpt.restore(exp.checkpoint_template, saved,
                                       step=None if step is None else int(step),
                                       adapt=residual_adapter(exp.num_devices, exp.mesh))
         notes = list(ckpt.warnings)
@@ -133,7 +127,14 @@ def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None
     d = exp.config.data
     if d.tokenizer.startswith("bpe:") and not (workdir / "tokenizer.json").is_file():
         raise ValueError(f"data.tokenizer={d.tokenizer!r} but {workdir} holds no tokenizer.json")
-    tokenizer = load_tokenizer(d.tokenizer, workdir=workdir, eod_id=d.eod_id, save=False)
+    kept = kept_tokenizer(workdir, d.tokenizer)  # the run's own copy of a tokenizer file
+    tokenizer = load_tokenizer(str(kept) if kept else d.tokenizer, workdir=workdir,
+                               eod_id=d.eod_id, save=False)
+    recorded = (data_state.get("fingerprint") or {}).get("tokenizer") \
+        if isinstance(data_state, dict) else None
+    if recorded is not None and recorded != tokenizer.digest():
+        raise ValueError(f"the tokenizer {tokenizer.name} is not the one checkpoint step "
+                         f"{read} of {workdir} was trained with (another SHA-256)")
     return model, tokenizer, exp.config, int(read), notes
 
 
@@ -179,13 +180,16 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
     """Writes a checkpoint as safetensors weights, a ``config.json`` and the tokenizer.
 
     The step written into ``config.json`` is the one whose weights were read (one
-    checkpoint, read once).
+    checkpoint, read once). The files are written into a new temporary directory beside
+    ``out`` and only moved into ``out`` once all of them are written
+    (:func:`_write_export`): a failed export (an exception, a full disk, a file-size limit)
+    leaves an existing ``out`` as it was, and creates nothing.
 
     Args:
       workdir: the training run.
       out: the export directory (created; it must be empty unless ``force``).
       step: the checkpoint step; the newest good one when None.
-      force: overwrite the export's files in a directory that is not empty.
+      force: replace the export's files in a directory that is not empty.
       notes: a list that gets a sentence for each corrupt checkpoint passed over (else
         each is a ``RuntimeWarning``).
 
@@ -195,45 +199,253 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
       ``vocab_size``, ``eos_id``), ``step``, ``format``.
 
     Raises:
-      ValueError: as :func:`load`; ``out`` not empty (without ``force``), or not
-        writable (before the checkpoint is read), or a write into it failed.
+      ValueError: as :func:`load`; before the checkpoint is read, ``out`` not empty
+        (without ``force``), a file, or not writable, or ``out`` the run's ``workdir`` or
+        inside it (even with ``force``); before anything is written, ``out`` the run's
+        ``model.init_from`` directory, inside it or containing it (even with ``force``);
+        a write that failed (one line naming the file and the OS error; ``out`` is left
+        as it was). Paths are compared resolved (symbolic links, ``..``).
       CheckpointError: as :func:`load`.
     """
     import safetensors.numpy
-    out = pathlib.Path(out).expanduser()
-    created = not out.exists()
-    _writable_out(out, force)  # cheap checks first
-    try:
-        model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
-    except BaseException:
-        if created:  # a failed export leaves no empty directory behind
-            out.rmdir()
-        raise
+    real = _check_out(out, workdir, force)  # cheap checks first, nothing written
+    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
+    _check_out_is_no_input(out, real, config)
     if notes is not None:
         notes.extend(passed_over)
     else:
         for note in passed_over:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
     tensors = _flat_arrays(model)
-    try:
-        safetensors.numpy.save_file(tensors, str(out / EXPORT_WEIGHTS),
-                                    metadata={"format": "jaxmp"})
-    except Exception as e:  # safetensors raises its own SafetensorError for an OS failure
-        raise ValueError(f"writing {out / EXPORT_WEIGHTS} failed: {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]}") from None
     kind = ("bytes" if isinstance(tokenizer, ByteTokenizer) else
             "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
-    file = tokenizer.save(out)
-    meta = {"format": "jaxmp-export-1", "step": int(saved_step),
-            "model": config.model.to_dict(), "policy": config.precision.policy,
-            "tokenizer": {"kind": kind, "file": None if file is None else file.name,
-                          "vocab_size": int(tokenizer.vocab_size), "eos_id": int(tokenizer.eos_id)}}
-    (out / EXPORT_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    return meta
+
+    def write(directory: pathlib.Path) -> dict:
+        safetensors.numpy.save_file(tensors, str(directory / EXPORT_WEIGHTS),
+                                    metadata={"format": "jaxmp"})
+        file = tokenizer.save(directory)
+        meta = {"format": "jaxmp-export-1", "step": int(saved_step),
+                "model": config.model.to_dict(), "policy": config.precision.policy,
+                "tokenizer": {"kind": kind, "file": None if file is None else file.name,
+                              "vocab_size": int(tokenizer.vocab_size),
+                              "eos_id": int(tokenizer.eos_id)}}
+        (directory / EXPORT_CONFIG).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return meta
+
+    return _write_export(out, real, write, stale=lambda name: False,
+                         weights=lambda directory: EXPORT_WEIGHTS)
+
+
+_HF_WEIGHT_FILE = r"model(-\d+-of-\d+|-part-\d+)?\.safetensors(\.index\.json)?"
+
+
+def _real(path: str | os.PathLike) -> pathlib.Path:
+    """``path`` with ``~`` expanded and symbolic links and ``..`` resolved
+    (``os.path.realpath``; relative to the working directory)."""
+    return pathlib.Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
+def _same_or_inside(path: pathlib.Path, root: pathlib.Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _check_out(out: str | os.PathLike, workdir: str | os.PathLike, force: bool) -> pathlib.Path:
+    """The checks of an export directory before the checkpoint is read; nothing is written.
+
+    Returns:
+      ``out`` resolved (:func:`_real`).
+
+    Raises:
+      ValueError: ``out`` is the run's ``workdir`` or inside it (even with ``force``: an
+        export never writes into the run it reads), is not a directory, holds files
+        (without ``force``), or it (or the folder it is to be made in) is not writable;
+        one line naming it.
+    """
+    import errno
+    real, run = _real(out), _real(workdir)
+    if _same_or_inside(real, run):
+        where = "the run's workdir" if real == run else f"inside the run's workdir {run}"
+        raise ValueError(f"--out {out} is {where}; an export never writes into the run it "
+                         f"reads, even with --force; choose a directory outside {run}")
+    if real.exists() and not real.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if real.is_dir() and not force:
+        held = sorted(os.listdir(real))
+        if held:
+            raise ValueError(f"--out {out} is not empty ({', '.join(held[:4])}"
+                             f"{', ...' if len(held) > 4 else ''}); choose a new directory, or "
+                             f"pass --force (force=True) to replace the files an export writes")
+    existing = real  # out, or the nearest folder above it that exists (where it is made)
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is not a directory")
+    effective = os.access in os.supports_effective_ids
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=effective):
+        read_only = bool(os.statvfs(existing).f_flag & getattr(os, "ST_RDONLY", 1))
+        code = errno.EROFS if read_only else errno.EACCES
+        raise _not_writable(out, OSError(code, os.strerror(code), str(existing)))
+    return real
+
+
+def _not_writable(out, e: OSError) -> ValueError:
+    """The one-line error of an export directory that cannot be written: the OS error and
+    the folder."""
+    where = f" ({os.fspath(e.filename)})" if e.filename else ""
+    return ValueError(f"--out {out} is not writable: {e.strerror or e} [Errno {e.errno}]{where}; "
+                      f"choose a writable directory")
+
+
+def _check_out_is_no_input(out: str | os.PathLike, real: pathlib.Path, config) -> None:
+    """Refuses an export directory that is the run's ``model.init_from`` directory (the
+    base checkpoint the run started from), is inside it or contains it: an export must not
+    write over its own inputs, even with ``force``.
+
+    Raises:
+      ValueError: one line naming both directories.
+    """
+    try:
+        base = config.model.get("init_from") if config is not None else None
+    except AttributeError:
+        base = None
+    if not base:
+        return
+    root = _real(base)
+    if _same_or_inside(real, root) or _same_or_inside(root, real):
+        how = "is" if real == root else "is inside" if root in real.parents else "contains"
+        shown = base if str(root) == str(base) else f"{base}, {root}"
+        raise ValueError(f"--out {out} {how} the run's base checkpoint (model.init_from={shown}); "
+                         f"an export never writes over its own inputs, even with --force; "
+                         f"choose another directory")
+
+
+def _write_error(out, e: BaseException, name: str, moved: bool,
+                 tmp: Optional[pathlib.Path] = None) -> ValueError:
+    """The one-line error of a failed write: the file (by its name in the export when it
+    was one in the temporary directory ``tmp``) and the OS error."""
+    import re
+    if isinstance(e, OSError):
+        name = os.fspath(e.filename) if e.filename else name
+        if tmp is not None and name.startswith(f"{tmp}{os.sep}"):
+            name = name[len(f"{tmp}{os.sep}"):]
+        reason = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
+    else:  # safetensors' SafetensorError: "I/O error: File too large (os error 27)"
+        text = " ".join(str(e).split())
+        code = re.search(r"os error (\d+)", text)
+        reason = (f"[Errno {code[1]}] {os.strerror(int(code[1]))}" if code else
+                  f"{type(e).__name__}: {text[:200]}")
+    state = (f"{out} holds part of the new export; export again" if moved else
+             f"{out} is left as it was")
+    return ValueError(f"--out {out}: writing {name} failed: {reason}; {state}")
+
+
+def _write_export(out, real: pathlib.Path, write, stale, weights):
+    """Runs ``write(directory)`` into a new temporary directory beside ``real`` (same
+    parent, so one filesystem) and, once it has returned, moves each of its files into
+    ``real`` (``os.replace``; the whole directory is renamed when ``real`` does not exist),
+    then removes the files of ``real`` that ``stale(name)`` says belong to an old export
+    and the new one does not have (old weight shards). When the parent is not writable,
+    the temporary directory is made inside an existing ``real`` instead.
+
+    On any failure the temporary directory (and any folder made above ``real``) is
+    removed, and ``real`` is left as it was.
+
+    Args:
+      out: ``--out`` as given (for messages).
+      real: ``out`` resolved.
+      write: writes the export into the directory it is given; returns the result.
+      stale: ``stale(name)``: a file name of ``real`` is an old export's weight file.
+      weights: ``weights(directory)``: the weight file being written, for the message
+        of a safetensors failure.
+
+    Returns:
+      What ``write`` returned.
+
+    Raises:
+      ValueError: ``real`` or the folder it is made in cannot be written, a write or a
+        rename failed (one line naming the file or folder and the OS error); and what
+        ``write`` raises as ValueError.
+    """
+    import secrets
+    import shutil
+    if real.is_dir():  # the files are moved into it: a file written there and removed
+        probe = real / f".jaxmp-write-test-{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise _not_writable(out, e) from None
+    made = []  # folders made above real, the top one first
+    try:
+        for folder in reversed(real.parents):
+            if not folder.exists():
+                folder.mkdir()
+                made.append(folder)
+    except OSError as e:
+        _remove_made(made)
+        raise _not_writable(out, e) from None
+    name = f".{real.name or 'export'}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        tmp = real.parent / name
+        tmp.mkdir()
+    except OSError as e:
+        if not real.is_dir():
+            _remove_made(made)
+            raise _not_writable(out, e) from None
+        try:  # the parent is not writable: beside the files, in out itself
+            tmp = real / name
+            tmp.mkdir()
+        except OSError as e2:
+            raise _not_writable(out, e2) from None
+    moved = False  # whether a file of real was replaced
+    try:
+        result = write(tmp)
+        if not real.exists():
+            os.rename(tmp, real)
+            return result
+        new = sorted(os.listdir(tmp))
+        for file in new:
+            os.replace(tmp / file, real / file)
+            moved = True
+        for file in os.listdir(real):
+            if file not in new and stale(file) and (real / file).is_file():
+                os.remove(real / file)
+        os.rmdir(tmp)
+        return result
+    except BaseException as e:
+        try:
+            file = weights(tmp)  # for the message: before tmp is removed
+        except Exception:  # noqa: BLE001 (the message only)
+            file = "the weights"
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not moved:
+            _remove_made(made)
+        if isinstance(e, ValueError) or not isinstance(e, Exception):
+            raise
+        raise _write_error(out, e, file, moved, tmp) from None
+
+
+def _remove_made(made) -> None:
+    """Removes the folders ``_write_export`` made above the export directory, if empty."""
+    for folder in reversed(made):
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
+def _hf_weights_written(directory: pathlib.Path) -> str:
+    """The weight file :func:`jaxmp.models.hf.save_pretrained` was writing: its shards are
+    written in turn as ``model-part-NNNNN.safetensors``, one shard being ``model.safetensors``."""
+    import re
+    parts = [f for f in os.listdir(directory) if re.fullmatch(r"model-part-\d+\.safetensors", f)]
+    return ("model.safetensors" if not parts else
+            f"shard {len(parts) + 1} of model*.safetensors")
 
 
 def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
-              step: Optional[int] = None) -> dict:
+              step: Optional[int] = None, force: bool = False,
+              notes: Optional[list] = None) -> dict:
     """Writes a checkpoint as a Hugging Face model directory (``--format hf``).
 
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
@@ -242,37 +454,65 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     (``eos_token``), which ``transformers.AutoTokenizer`` reads; the byte tokenizer is
     written as the same ids in that form (:meth:`ByteTokenizer.to_hf`), and a SentencePiece
     model as its ``tokenizers`` counterpart (:meth:`SentencePieceTokenizer.to_hf`, which
-    says where the two can differ), with the ``.model`` file beside it.
+    says where the two can differ), with the ``.model`` file beside it. As with
+    :func:`export`, the files are written into a new temporary directory beside ``out``
+    and moved into place once all are written; with ``force``, the old export's weight
+    files that the new one does not have (old shards, their index) are then removed, and
+    a failed export leaves the old one as it was.
+
+    Args:
+      workdir: the training run.
+      out: the export directory (created; it must be empty unless ``force``).
+      step: the checkpoint step; the newest good one when None.
+      force: replace the export's files in a directory that is not empty.
+      notes: as :func:`export`.
 
     Returns:
       ``{"family", "step", "tokenizer"}`` (``tokenizer``: the file written or None).
 
     Raises:
-      ValueError: an architecture that maps to no family (the field named), or a
-        SentencePiece model with no exact ``tokenizers`` counterpart, before anything is
-        written; and as :func:`load`.
+      ValueError: the refusals of :func:`export` (``out`` not empty without ``force``;
+        ``out`` the run's ``workdir``, inside it, or the run's ``model.init_from``
+        directory, inside it or containing it, even with ``force``; not writable; a
+        failed write, named, with ``out`` left as it was); an architecture that maps to
+        no family (the field named), or a SentencePiece model with no exact
+        ``tokenizers`` counterpart, before anything is written; and as :func:`load`.
+      CheckpointError: as :func:`load`.
     """
+    import re
+
     from jaxmp.models.hf import save_pretrained
 
-    model, tokenizer, _, saved_step, notes = _load(workdir, step)  # read-only, one checkpoint
-    for note in notes:
-        warnings.warn(note, RuntimeWarning, stacklevel=2)
-    out = pathlib.Path(out).expanduser()
+    real = _check_out(out, workdir, force)  # cheap checks first, nothing written
+    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)  # read-only
+    _check_out_is_no_input(out, real, config)
+    if notes is not None:
+        notes.extend(passed_over)
+    else:
+        for note in passed_over:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     spm_model = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None
     if spm_model is not None:  # a model with no exact counterpart is refused before writing
         tokenizer = HFTokenizer(spm_model.to_hf(), spm_model.name, spm_model.eos_id)
     if isinstance(tokenizer, ByteTokenizer):
         tokenizer = HFTokenizer(tokenizer.to_hf(), "bytes", tokenizer.eos_id)
-    family = save_pretrained(model, str(out))
-    file = None
-    if spm_model is not None:
-        spm_model.save(out)
-    if isinstance(tokenizer, HFTokenizer):
-        file = tokenizer.save(out).name
-        eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, indent=2) + "\n")
-    return {"family": family, "step": int(saved_step), "tokenizer": file}
+
+    def write(directory: pathlib.Path) -> dict:
+        family = save_pretrained(model, str(directory))
+        file = None
+        if spm_model is not None:
+            spm_model.save(directory)
+        if isinstance(tokenizer, HFTokenizer):
+            file = tokenizer.save(directory).name
+            eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
+            (directory / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos},
+                indent=2) + "\n")
+        return {"family": family, "step": int(saved_step), "tokenizer": file}
+
+    return _write_export(out, real, write,
+                         stale=lambda name: re.fullmatch(_HF_WEIGHT_FILE, name) is not None,
+                         weights=_hf_weights_written)
 
 
 def load_export(directory: str | os.PathLike) -> Tuple[MoETransformer, Any, dict]:

@@ -20,7 +20,17 @@ A checkpoint step directory holds four items, written by one
   ``config``) and of ``verify`` itself (:func:`json_digest`), whether the state was
   healthy (its latest step applied and not divergent), and what the state was saved for
   (the trainer's ``meta``: the number of devices, ``parallel.strategy`` and
-  ``parallel.expert``). Every item of a checkpoint is thus checked on restore.
+  ``parallel.expert``), and the step it was saved at. Every item of a checkpoint is thus
+  checked on restore.
+
+A checkpoint knows its own step: a step directory whose ``verify`` names another step (a
+copy of step 6 as ``checkpoints/8``, step 6 renamed to 12) is corrupt, as is, for one
+written before ``verify`` named its step, one whose state's ``step`` counter differs from
+its directory's name. A step directory must be a directory of its own holding only regular
+files and directories: a symbolic link, or a named pipe (which would hang the reader that
+opens it) or other non-regular file inside, makes it corrupt, found without opening any of
+its files; such a directory is kept out of orbax's listing from the start
+(:attr:`Checkpointer.refused`).
 
 Rotation keeps the ``keep`` newest checkpoints and, outside that count, the newest healthy
 one: checkpoints saved while a run stalls or diverges (a SIGTERM then) never push out the
@@ -34,7 +44,11 @@ complete.
 A reader (``Checkpointer(workdir, read_only=True)``: :func:`jaxmp.train.load`,
 ``python -m jaxmp.sample``, ``python -m jaxmp.export``) changes nothing in the workdir: orbax
 is opened read-only (no directory created, no temporary directory of an in-flight save
-removed), and a corrupt checkpoint is skipped, not moved.
+removed), and a corrupt checkpoint is skipped, not moved. Beside a live trainer, whose
+rotation may delete the checkpoint a reader is reading (``train.keep_checkpoints=1`` deletes
+each one a save after it is complete), a checkpoint that fails to read because it was
+deleted meanwhile is not corrupt: the steps are listed again and the newest is read, a
+bounded number of times (:meth:`Checkpointer.restore`, :meth:`Checkpointer.read_config`).
 
 Saves are asynchronous (orbax's default): :meth:`Checkpointer.save` returns once the
 arrays are copied off the devices, and the files are written in a background thread
@@ -63,6 +77,7 @@ import logging
 import os
 import pathlib
 import re
+import stat
 import sys
 from typing import Any, Callable, Optional, Tuple
 
@@ -79,10 +94,13 @@ from jaxmp.precision.loss_scale import all_finite
 from jaxmp.train.keys import DEFAULTS
 
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
-           "state_checksums", "json_digest", "config_differences", "residual_adapter",
+           "state_checksums", "json_digest", "config_differences", "check_same_settings",
+           "residual_adapter",
            "reshard_residual", "quiet_orbax_tracebacks"]
 
-# 1: array checksums only; 2: also the digests of the JSON items and the health flag.
+# 1: array checksums only; 2: also the digests of the JSON items and the health flag (and,
+# in newer ones, the step the checkpoint was saved at: a format-2 checkpoint without it is
+# an older one, checked by its state's step counter where it has one).
 _FORMAT = 2
 
 # Config sections that must match between a checkpoint and the run resuming it; the
@@ -91,8 +109,10 @@ INCOMPATIBLE_KEYS = ("model", "precision", "optim", "data.seq_len", "data.path",
                      "data.token_dtype", "data.eod_id",
                      "data.max_tokens", "train.batch_size", "train.grad_accum_steps", "seed")
 # Keys inside those sections that may still change on resume: the decay horizon, so a
-# run can be extended on a schedule the user chooses.
-MAY_CHANGE_KEYS = ("optim.decay_steps",)
+# run can be extended on a schedule the user chooses; the base checkpoint's directory
+# (model.init_from, read at step 0 only: a resumed run's weights are its checkpoint's, and
+# its architecture is compared key by key), which a run stores absolute since 2026-12-04.
+MAY_CHANGE_KEYS = ("optim.decay_steps", "model.init_from")
 
 
 class CheckpointError(RuntimeError):
@@ -123,6 +143,23 @@ def config_differences(saved: dict, current: dict) -> list:
                 and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):
                 diffs.append((key, a.get(key), b.get(key)))
     return diffs
+
+
+def check_same_settings(saved: dict, current: dict, step: int, directory) -> None:
+    """Refuses to resume checkpoint ``step`` of ``directory`` (saved with config ``saved``)
+    under ``current``.
+
+    Raises:
+      CheckpointError: a key of :data:`INCOMPATIBLE_KEYS` differs
+        (:func:`config_differences`); the line names up to 8 with both values.
+    """
+    diffs = config_differences(saved, current)
+    if diffs:
+        listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory} was written with different settings "
+            f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
+            f"use a new --workdir")
 
 
 def _os_cause(error: BaseException) -> str:
@@ -262,7 +299,130 @@ def json_digest(item: Any) -> str:
 
 
 class _Corrupt(Exception):
-    """A checkpoint that cannot be read or does not verify (internal)."""
+    """A checkpoint that cannot be read or does not verify (internal).
+
+    Args:
+      why: what is wrong with it, in words.
+      unread: True when orbax (or listing its directory) failed to read it: it may have
+        been deleted while it was read, by a trainer's rotation (:meth:`Checkpointer.restore`).
+    """
+
+    def __init__(self, why: str, unread: bool = False):
+        super().__init__(why)
+        self.unread = unread
+
+
+def _kind(mode: int) -> str:
+    """What a file that is neither a regular file nor a directory is, in words."""
+    for test, name in ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISLNK, "symbolic link"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _damage(step_dir: pathlib.Path) -> Optional[str]:
+    """Why a step directory cannot be read safely, found without opening any of its files;
+    None when it is a real directory holding only regular files and directories.
+
+    A step directory that is a symbolic link (to another step's files, say) is refused, as
+    is one holding anything but regular files and directories: a named pipe hangs the
+    reader that opens it (orbax reads ``_CHECKPOINT_METADATA`` as it lists the steps), and
+    orbax writes neither links nor pipes.
+
+    Raises:
+      FileNotFoundError: the directory (or one inside it) vanished while it was looked at
+        (a trainer's rotation deleting it).
+      OSError: it cannot be listed.
+    """
+    mode = os.lstat(step_dir).st_mode
+    if stat.S_ISLNK(mode):
+        return (f"its directory is a symbolic link (to {os.readlink(step_dir)}), not a "
+                f"directory of its own")
+    if not stat.S_ISDIR(mode):
+        return f"it is a {_kind(mode)}, not a directory"
+    pending = [str(step_dir)]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                elif not entry.is_file(follow_symlinks=False):
+                    name = os.path.relpath(entry.path, step_dir)
+                    kind = _kind(entry.stat(follow_symlinks=False).st_mode)
+                    return f"its file {name} is a {kind}, not a regular file"
+    return None
+
+
+def _step_counter(state: Any) -> Optional[int]:
+    """The step counter of a restored state (``TrainState.step``), or None where it has
+    no integer scalar ``step``."""
+    counter = getattr(state, "step", None)
+    if counter is None or np.ndim(counter) != 0 or not np.issubdtype(
+            np.asarray(jax.device_get(counter)).dtype, np.integer):
+        return None
+    return int(jax.device_get(counter))
+
+
+def _not_its_step(step: int, own: int, source: str) -> str:
+    return (f"it is the checkpoint of step {own} ({source}), not of step {step}: a copy, a "
+            f"link or a renamed directory of another step")
+
+
+class _StepNames:
+    """orbax's standard step names (``checkpoints/STEP``), listing only the step
+    directories that are safe to read.
+
+    orbax reads each listed step's ``_CHECKPOINT_METADATA`` as it lists them, so a named
+    pipe there would hang every Checkpointer: :meth:`find_all` leaves out of orbax's sight
+    each step directory that :func:`_damage` finds fault with, and keeps it in
+    :attr:`refused` (``{step: why}``) for :meth:`Checkpointer.restore` to report and set
+    aside. A step deleted while it is listed (a trainer's rotation) is left out, and the
+    steps are listed again: the newer step that replaced it, still a temporary directory
+    when the steps were first listed, is complete by then.
+    """
+
+    def __init__(self):
+        self._standard = ocp.step.standard_name_format()
+        self.refused: dict = {}
+
+    def build_name(self, step: int) -> str:
+        return self._standard.build_name(step)
+
+    def find_all(self, base_path):
+        for _ in range(_READER_ATTEMPTS):
+            found, refused, vanished = [], {}, False
+            for metadata in self._standard.find_all(base_path):
+                try:
+                    why = _damage(pathlib.Path(str(metadata.path)))
+                except FileNotFoundError:  # being deleted
+                    vanished = True
+                    continue
+                except OSError as e:
+                    why = f"its directory cannot be listed ({e.strerror or e})"
+                if why is None:
+                    found.append(metadata)
+                else:
+                    refused[metadata.step] = why
+            if not vanished:
+                break
+        self.refused = refused
+        return iter(found)
+
+    def find_step(self, base_path, step: int):
+        """The step's directory; :class:`_StepGone` when there is none. (orbax, without a
+        name format of the caller's, only builds the path: a step deleted after it was
+        listed then fails as a missing file, which the callers retry on.)"""
+        path = ocp.step.build_step_path(base_path, self, step)
+        if not path.exists():
+            raise _StepGone(f"checkpoint step {step} is not in {base_path}")
+        return ocp.step.Metadata(step=step, path=path)
+
+
+class _StepGone(FileNotFoundError, ValueError):
+    """No directory for a step: a missing file to the readers that list the steps again
+    on one, a ValueError to orbax's deleter, as orbax's ``find_step`` raises."""
 
 
 def _one_line(error: BaseException) -> str:
@@ -339,6 +499,10 @@ class _StateHandler(ocp.StandardCheckpointHandler):
 # Attempts of a read-only Checkpointer to list the steps while a live trainer changes them
 # (each attempt lists them once; a trainer removes or completes one step per save).
 _READER_ATTEMPTS = 5
+# Attempts to read the newest checkpoint while a trainer's rotation deletes the ones being
+# read (train.checkpoint_every=1 with train.keep_checkpoints=1 deletes each step one save
+# after it is complete): each attempt lists the steps again and reads the newest.
+_ROTATION_ATTEMPTS = 10
 
 
 class Checkpointer:
@@ -358,6 +522,11 @@ class Checkpointer:
       CheckpointError: the directory cannot be created (e.g. a read-only workdir); with
         ``read_only``, it does not exist, or its steps cannot be listed (a live trainer's
         changes to them are listed again, up to ``_READER_ATTEMPTS`` times).
+
+    A step directory that is a symbolic link or holds anything but regular files and
+    directories (a named pipe would hang the reader) is left out of orbax's listing from
+    the start (:attr:`refused`); :meth:`restore` reports it, and sets it aside, as any
+    other corrupt checkpoint.
     """
 
     def __init__(self, workdir: str | pathlib.Path, keep: int = 2, read_only: bool = False):
@@ -372,13 +541,19 @@ class Checkpointer:
         self._meta: dict = {}  # step -> {"healthy": bool or None, "eval_loss": float or None}
         if self.read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is not a directory of checkpoints")
+        self._names = _StepNames()  # orbax lists the steps through it, leaving out damaged ones
         # A trainer removes the temporary directories of saves a killed run left; a reader
         # must not: one of them may be the save a live trainer is writing.
+        # save_interval_steps=0: what orbax sets for a reader anyway, given so that it
+        # does not log a warning about it at every sample and export.
         options = (ocp.CheckpointManagerOptions(max_to_keep=None, create=False,
-                                                cleanup_tmp_directories=False, read_only=True)
+                                                cleanup_tmp_directories=False, read_only=True,
+                                                save_interval_steps=0,
+                                                step_name_format=self._names)
                    if self.read_only else
                    ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
-                                                cleanup_tmp_directories=True))
+                                                cleanup_tmp_directories=True,
+                                                step_name_format=self._names))
         for attempt in range(_READER_ATTEMPTS):
             try:
                 # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
@@ -410,23 +585,141 @@ class Checkpointer:
         self.close(raise_errors=exc[0] is None)
 
     def latest_step(self) -> Optional[int]:
-        """The newest saved step, or None when there is none."""
-        return self.manager.latest_step()
+        """The newest step directory, or None when there is none. One refused as damaged
+        (:attr:`refused`) counts, so that :meth:`restore` says what is wrong with it
+        instead of a run starting afresh beside it."""
+        listing = self._listing()
+        return listing[0] if listing else None
 
     def all_steps(self) -> list:
-        """Every complete saved step, oldest first."""
+        """Every complete saved step that is safe to read (not :attr:`refused`), oldest
+        first."""
         return sorted(self.manager.all_steps())
+
+    @property
+    def refused(self) -> dict:
+        """``{step: why}``: the step directories the last listing left out of orbax's sight
+        (a symbolic link, a named pipe or other non-regular file inside)."""
+        return dict(self._names.refused)
+
+    def _listing(self) -> list:
+        """Every step directory, refused ones included, newest first."""
+        return sorted(set(self.manager.all_steps()) | set(self._names.refused), reverse=True)
+
+    def _relist(self) -> None:
+        """Lists the steps again (a live trainer completes and deletes them meanwhile).
+
+        Raises:
+          CheckpointError: they cannot be listed (``_READER_ATTEMPTS`` tries).
+        """
+        for attempt in range(_READER_ATTEMPTS):
+            try:
+                self.manager.reload()
+                return
+            except FileNotFoundError as e:  # a step deleted between orbax's listing and reading
+                if self.directory.is_dir() and attempt + 1 < _READER_ATTEMPTS:
+                    continue
+                raise CheckpointError(f"cannot list the checkpoints in {self.directory}: "
+                                      f"{e.strerror or e}") from None
+
+    def _read_json(self, step: int, what: str, *names: str) -> dict:
+        """The JSON items ``names`` of checkpoint ``step``, read once :func:`_damage` finds
+        its directory safe to read (nothing in it is opened before).
+
+        Args:
+          step: the checkpoint.
+          what: the items in words, for the error (``"its config or checksums"``).
+          *names: the items (``"config"``, ``"verify"``, ``"data"``).
+
+        Raises:
+          _Corrupt: the directory is damaged, gone or unreadable (``unread`` but for damage).
+        """
+        try:
+            why = _damage(self.directory / str(step))
+        except FileNotFoundError:
+            raise _Corrupt("its directory is gone", unread=True) from None
+        except OSError as e:
+            raise _Corrupt(f"its directory cannot be listed ({e.strerror or e})",
+                           unread=True) from None
+        if why is not None:
+            raise _Corrupt(why)
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                **{name: ocp.args.JsonRestore() for name in names}))
+        except Exception as e:  # orbax raises many types for a damaged directory
+            raise _Corrupt(f"{what} are unreadable ({type(e).__name__}: {_one_line(e)})",
+                           unread=True) from None
+
+    def _moved_on(self, step: int, listing: list) -> bool:
+        """Whether checkpoint ``step``, of the steps ``listing`` (newest first), failed to
+        read because it was deleted meanwhile: its directory is gone, or (a reader beside a
+        trainer) the steps, listed again, lack it or hold a newer one (a trainer deletes a
+        step, file by file, only once a newer one is complete). Lists the steps again when
+        so."""
+        if step not in listing:
+            return False  # it was never there
+        if not os.path.lexists(self.directory / str(step)):
+            self._relist()
+            return True
+        if not self.read_only:  # the trainer itself: nothing else deletes its checkpoints
+            return False
+        self._relist()
+        now = self._listing()
+        return step not in now or (bool(now) and now[0] > listing[0])
+
+    def read_config(self, step: Optional[int] = None) -> Tuple[int, dict]:
+        """``(step, config)``: the config saved with checkpoint ``step``, or with the newest
+        checkpoint whose config reads when ``step`` is None. Steps a trainer deletes while
+        they are read (its rotation) are listed again and the newest is read, up to
+        ``_ROTATION_ATTEMPTS`` times. The checkpoint is not verified: :meth:`restore` does.
+
+        Raises:
+          CheckpointError: no checkpoint's config reads (each is named with its fault);
+            ``step`` was deleted while it was read; the checkpoints were deleted while read
+            ``_ROTATION_ATTEMPTS`` times over.
+        """
+        for _ in range(_ROTATION_ATTEMPTS):
+            listing = self._listing()
+            faults = []
+            for s in ([step] if step is not None else listing):
+                try:
+                    return s, self._read_json(s, "its config", "config")["config"]
+                except _Corrupt as e:
+                    if e.unread and self._moved_on(s, listing):
+                        break
+                    faults.append(f"step {s}: {e}")
+            else:
+                raise CheckpointError(f"no checkpoint in {self.directory} can be read "
+                                      f"({'; '.join(faults) or 'there is none'})")
+            if step is not None:
+                raise self._deleted_while_read(step)
+        raise self._rotated_out()
+
+    def _deleted_while_read(self, step: int) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint step {step} in {self.directory} was deleted while it was read (a "
+            f"trainer's rotation, train.keep_checkpoints); read the newest (no step), or "
+            f"keep more checkpoints")
+
+    def _rotated_out(self) -> CheckpointError:
+        return CheckpointError(
+            f"the checkpoints in {self.directory} were deleted while they were read "
+            f"{_ROTATION_ATTEMPTS} times over (a trainer saving and rotating them faster "
+            f"than they read: train.checkpoint_every, train.keep_checkpoints); read again, or "
+            f"keep more checkpoints")
 
     def _facts(self, step: int) -> dict:
         """``{"healthy": bool or None, "eval_loss": float or None}`` of checkpoint ``step``
-        (from its ``verify`` item, read once; None where unknown or unreadable)."""
+        (from its ``verify`` item, read once; None where unknown, unreadable, or the item
+        names another step)."""
         if step not in self._meta:
             try:
-                meta = self.manager.restore(step, args=ocp.args.Composite(
-                    verify=ocp.args.JsonRestore()))["verify"]
-            except Exception:  # a damaged checkpoint: restore() says what is wrong with it
+                meta = self._read_json(step, "its checksums", "verify")["verify"]
+            except _Corrupt:  # a damaged checkpoint: restore() says what is wrong with it
                 meta = None
             meta = meta if isinstance(meta, dict) else {}
+            if meta.get("step", step) != step:  # a copy of another step: nothing is known
+                meta = {}
             flag, loss = meta.get("healthy"), meta.get("eval_loss")
             self._meta[step] = {
                 "healthy": flag if isinstance(flag, bool) else None,
@@ -509,7 +802,8 @@ class Checkpointer:
         self.wait()
         loss = (float(eval_loss) if eval_loss is not None and np.isfinite(float(eval_loss))
                 else None)
-        verify = {**(meta or {}), "format": _FORMAT, "checksums": state_checksums(state),
+        verify = {**(meta or {}), "format": _FORMAT, "step": int(step),
+                  "checksums": state_checksums(state),
                   "healthy": bool(healthy), "eval_loss": loss,
                   "items": {"data": json_digest(data_state), "config": json_digest(config)}}
         verify["digest"] = json_digest(verify)
@@ -545,10 +839,15 @@ class Checkpointer:
         """Restores and verifies a checkpoint onto ``template``'s shardings.
 
         With ``step=None`` the newest checkpoint is tried first; one that is corrupt
-        (unreadable, checksum mismatch, non-finite values) is moved to
+        (unreadable, checksum mismatch, non-finite values; a step directory that is a
+        symbolic link or holds a named pipe or other non-regular file; one that is the
+        checkpoint of another step, copied or renamed: its ``verify`` item names its step,
+        or, written before it did, its state's ``step`` counter) is moved to
         ``checkpoints/corrupt/STEP`` (left in place when read-only), a warning is added to
         :attr:`warnings`, and the next older one is tried. Nothing is moved unless a good
-        checkpoint is found.
+        checkpoint is found. A checkpoint that fails to read because it was deleted
+        meanwhile (a trainer's rotation, beside which a reader reads) is not corrupt: the
+        steps are listed again and the newest is read, up to ``_ROTATION_ATTEMPTS`` times.
 
         Args:
           template: a state pytree of arrays (or ``jax.ShapeDtypeStruct`` with
@@ -569,46 +868,51 @@ class Checkpointer:
         Raises:
           CheckpointError: no checkpoint; one whose saved config differs from ``config``
             in any of :data:`INCOMPATIBLE_KEYS`; no checkpoint that reads and verifies
-            (each is named with its fault).
+            (each is named with its fault); ``step`` was deleted while it was read; the
+            checkpoints were deleted while read ``_ROTATION_ATTEMPTS`` times over.
         """
-        steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
-        if not steps:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        faults = []
-        for s in steps:
-            try:
-                out = self._restore_one(s, template, config, adapt, check_data)
-            except _Corrupt as e:
-                faults.append((s, str(e)))
-                continue
-            for bad, why in faults:  # set the corrupt ones aside, now that a good one exists
-                self._set_aside(bad, why, s)
-            return out
-        listed = "; ".join(f"step {s}: {why}" for s, why in faults)
-        raise CheckpointError(f"no checkpoint in {self.directory} can be restored ({listed}); "
-                              f"use a new --workdir to start afresh")
+        for _ in range(_ROTATION_ATTEMPTS):
+            listing = self._listing()
+            steps = [step] if step is not None else listing
+            if not steps:
+                raise CheckpointError(f"no checkpoint in {self.directory}")
+            faults = []
+            for s in steps:
+                try:
+                    out = self._restore_one(s, template, config, adapt, check_data)
+                except _Corrupt as e:
+                    if e.unread and self._moved_on(s, listing):
+                        break  # deleted while read: list again, read the newest
+                    faults.append((s, str(e)))
+                    continue
+                for bad, why in faults:  # set the corrupt ones aside, now that a good one exists
+                    self._set_aside(bad, why, s)
+                return out
+            else:
+                listed = "; ".join(f"step {s}: {why}" for s, why in faults)
+                raise CheckpointError(f"no checkpoint in {self.directory} can be restored "
+                                      f"({listed}); use a new --workdir to start afresh")
+            if step is not None:
+                raise self._deleted_while_read(step)
+        raise self._rotated_out()
 
     def _restore_one(self, step: int, template: Any, config: dict, adapt,
                      check_data) -> Tuple[int, Any, dict]:
-        try:
-            saved = self.manager.restore(step, args=ocp.args.Composite(
-                config=ocp.args.JsonRestore(), verify=ocp.args.JsonRestore()))
-            saved_config, meta = saved["config"], saved["verify"]
-        except Exception as e:  # orbax raises many types for a damaged directory
-            raise _Corrupt(f"its config or checksums are unreadable ({type(e).__name__}: "
-                           f"{_one_line(e)})") from None
+        saved = self._read_json(step, "its config or checksums", "config", "verify")
+        saved_config, meta = saved["config"], saved["verify"]
         if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict):
             raise _Corrupt("it holds no checksums")
         digests = _check_digests(meta)
+        if "step" in meta:  # the step it was saved at, covered by the digest of verify
+            own = meta["step"]
+            if not isinstance(own, int) or isinstance(own, bool):
+                raise _Corrupt(f"the step in its checksums item (verify) is not an integer "
+                               f"({own!r})")
+            if own != step:
+                raise _Corrupt(_not_its_step(step, own, "its checksums item (verify) says so"))
         if digests and json_digest(saved_config) != digests["config"]:
             raise _Corrupt("its config item does not match its checksum")
-        diffs = config_differences(saved_config, config)
-        if diffs:
-            listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} was written with different settings "
-                f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
-                f"use a new --workdir")
+        check_same_settings(saved_config, config, step, self.directory)
         if adapt is not None:
             template = adapt(meta, template)
         abstract = jax.tree.map(
@@ -619,7 +923,7 @@ class Checkpointer:
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         except Exception as e:
             raise _Corrupt(f"it does not read as this model's state ({type(e).__name__}: "
-                           f"{_one_line(e)})") from None
+                           f"{_one_line(e)})", unread=True) from None
         state, data_state = restored["state"], restored["data"]
         if digests and json_digest(data_state) != digests["data"]:
             raise _Corrupt("its data-iterator state does not match its checksum")
@@ -634,6 +938,9 @@ class Checkpointer:
         if bad or set(sums) != set(meta["checksums"]):
             raise _Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was "
                            f"saved ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+        counter = _step_counter(state) if "step" not in meta else None
+        if counter is not None and counter != step:  # saved before verify named its step
+            raise _Corrupt(_not_its_step(step, counter, "its state's step counter says so"))
         # One jitted program: eager per-leaf reductions over a sharded state are dozens of
         # small collective programs in flight at once, which XLA:CPU can deadlock on.
         if not bool(jax.device_get(jax.jit(all_finite)(state))):
@@ -659,7 +966,7 @@ class Checkpointer:
                 f"aside: {corrupt} is a file, not a directory; move it away and rerun")
         target = self.directory / "corrupt" / str(step)
         n = 1
-        while target.exists():  # a step set aside before keeps its copy: STEP.1, STEP.2, ...
+        while os.path.lexists(target):  # a step set aside before keeps its copy: STEP.1, ...
             target, n = self.directory / "corrupt" / f"{step}.{n}", n + 1
         if jax.process_index() == 0:
             target.parent.mkdir(exist_ok=True)

@@ -26,8 +26,10 @@ import difflib
 import importlib.util
 import json
 import math
+import os
 import pathlib
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +166,14 @@ def _non_finite(value: Any) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
+def _split_override(item: str) -> Tuple[str, str, str]:
+    """``(key, "=", value)`` of an override item, ``--config.`` stripped from its key
+    (``"--config.train.steps=3"`` and ``"train.steps=3"`` both give ``train.steps``)."""
+    text = item[len("--config."):] if item.startswith("--config.") else item
+    key, eq, value = text.partition("=")
+    return key.strip(), eq, value
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str],
                     where: str = "in the overrides") -> ml_collections.ConfigDict:
     """Applies ``KEY=VALUE`` strings (``train.steps=100``, optionally ``--config.`` first).
@@ -178,9 +188,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str],
     """
     valid = flat_keys(config)
     for item in overrides:
-        text = item[len("--config."):] if item.startswith("--config.") else item
-        key, eq, value = text.partition("=")
-        key = key.strip()
+        key, eq, value = _split_override(item)
         if not eq or not key:
             raise ValueError(f"config override {item!r} must be KEY=VALUE, e.g. train.steps=100")
         if key not in valid:
@@ -258,8 +266,9 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     if not isinstance(config, (ml_collections.ConfigDict, dict)):
         raise ValueError(f"config file {name}: get_config() returned {config!r} (a "
                          f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
-    given = set(_given(config)) | {text.partition("=")[0].strip() for text in overrides}
+    given = set(_given(config)) | {_split_override(text)[0] for text in overrides}
     config = apply_overrides(complete_config(config), overrides, where)
+    _remember_given(config, given)
     if config.model.init_from is None:  # a placeholder: configs/finetune.py, DIR not given
         raise ValueError(f"config file {name} sets no model architecture (it comes from "
                          f"model.init_from): give --config.model.init_from=DIR, a Hugging "
@@ -421,14 +430,30 @@ def validate_config(config: ml_collections.ConfigDict,
                     reduce_dtype=reduce_dtype)
 
 
+# The keys that the file and the command line gave each config :func:`load_config`
+# returned, by the config's id (with a weak reference, so that a reused id is told apart).
+# A complete config cannot tell a value given from an equal default; a value the user gave
+# is the user's all the same (``data.tokenizer=bytes`` beside ``model.init_from``).
+_GIVEN_KEYS: Dict[int, Tuple[Any, frozenset]] = {}
+
+
+def _remember_given(config: ml_collections.ConfigDict, keys: Iterable[str]) -> None:
+    ident = id(config)
+    ref = weakref.ref(config, lambda _, ident=ident: _GIVEN_KEYS.pop(ident, None))
+    _GIVEN_KEYS[ident] = (ref, frozenset(keys))
+
+
 def _given(config) -> Dict[str, Any]:
     """The dotted keys the config file or command line sets, with their values: those it
     has, or for a complete config (one built from :func:`default_config`) those that
-    differ from their defaults."""
+    differ from their defaults, and those :func:`load_config` was given (even where
+    equal to the default)."""
     data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     given = flatten_dict(data, sep=".")
     if is_complete(config):
-        given = {k: v for k, v in given.items() if v != DEFAULTS[k]}
+        entry = _GIVEN_KEYS.get(id(config))
+        named = entry[1] if entry is not None and entry[0]() is config else frozenset()
+        given = {k: v for k, v in given.items() if v != DEFAULTS[k] or k in named}
     return given
 
 
@@ -444,6 +469,9 @@ def _apply_init_from(config: ml_collections.ConfigDict, given: Dict[str, Any]) -
     path = config.model.init_from
     if not path:
         return
+    # Absolute, as provenance: the run's readers need nothing from DIR (the architecture is
+    # the run's config, the weights its checkpoints, the tokenizer its own copy).
+    path = config.model.init_from = os.path.abspath(os.path.expanduser(path))
     from jaxmp.models import hf
 
     arch = hf.config_from_hf(hf.read_config(path))

@@ -131,7 +131,16 @@ class DataPipeline:
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION \
                 or not isinstance(state.get("iterator"), dict):
             raise ValueError(f"not a DataPipeline state (version {_STATE_VERSION}): {state!r}")
-        if state.get("fingerprint") != self._fingerprint:
+        saved = state.get("fingerprint")
+        if isinstance(saved, dict) and "tokenizer" in saved and \
+                saved["tokenizer"] != self._fingerprint.get("tokenizer"):
+            raise ValueError(f"the tokenizer ({self.tokenizer.name}) is not the one the "
+                             f"checkpoint was trained with (another SHA-256); restore that "
+                             f"tokenizer or start a new --workdir")
+        mine = dict(self._fingerprint)
+        if isinstance(saved, dict) and "tokenizer" not in saved:
+            mine.pop("tokenizer", None)  # saved before runs recorded their tokenizer
+        if saved != mine:
             raise ValueError(
                 f"data state was saved for {state.get('fingerprint')}, but this "
                 f"pipeline is {self._fingerprint}")
@@ -396,7 +405,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         num_documents=num_documents, notes=tuple(notes), warnings=tuple(warnings),
         eval_bytes=eval_bytes, sample_prompt=sample_prompt,
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
-                      "global_batch_size": batch, "seed": seed})
+                      "global_batch_size": batch, "seed": seed,
+                      "tokenizer": tokenizer.digest()})
 
 
 def _no_text(path):

@@ -263,8 +263,9 @@ def _startup_timed_out(process_id: int, num_processes: int, address: str, second
     os._exit(PEER_LOST_EXIT)
 
 
-def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
-    """Refuses to go on unless every process was given the same config.
+def check_same_config(config_dict: dict, timeout_s: int = 300,
+                      workdir: Optional[str] = None) -> None:
+    """Refuses to go on unless every process was given the same config and workdir.
 
     Each process publishes its config (JSON) in JAX's distributed key-value store and
     compares the SHA-256 digest of every other process's with its own, before any
@@ -274,6 +275,9 @@ def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
     Args:
       config_dict: the run's config as plain values (``config_to_dict``).
       timeout_s: seconds to wait for another process's config.
+      workdir: the run's ``--workdir``, compared as an absolute path (key ``--workdir``):
+        processes writing checkpoints into different directories would each wait for
+        the other's part of a save.
 
     A process lost during the exchange (JAX's client raises: process 0, which hosts the
     key-value store, died; or a process wrote nothing within ``timeout_s``) ends this
@@ -286,6 +290,8 @@ def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
     state = _state.global_state
     if state.client is None or state.num_processes <= 1:
         return
+    if workdir is not None:
+        config_dict = {**config_dict, "--workdir": os.path.abspath(os.path.expanduser(workdir))}
     text = json.dumps(config_dict, sort_keys=True, default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()
     me = state.process_id
@@ -311,8 +317,8 @@ def check_same_config(config_dict: dict, timeout_s: int = 300) -> None:
                           f"there" for k in keys[:3])
         more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
         raise ValueError(f"process {me} and process {other} were given different configs "
-                         f"({shown}{more}); give every process the same --config and "
-                         f"--config.KEY=VALUE flags")
+                         f"({shown}{more}); give every process the same --workdir, --config "
+                         f"and --config.KEY=VALUE flags")
 
 
 def _flatten(tree, prefix: str = "") -> dict:

@@ -52,15 +52,16 @@ def module_paths(model: nnx.Module) -> List[str]:
             if path and hasattr(m, "policy")]
 
 
-def unmatched_rules(rules: PolicyRules, paths) -> List[str]:
+def unmatched_rules(rules: PolicyRules, paths, quiet=()) -> List[str]:
     """Warnings, one per rule pattern that matches no module path: a typo such as
     ``rooter: fp32`` would otherwise be ignored in silence. (Not an error: a shared rule
-    string may name modules that one model lacks, e.g. ``router`` in a dense model.)"""
+    string may name modules that one model lacks, e.g. ``router`` in a dense model.)
+    Patterns in ``quiet`` (the default policy's own islands) are not warned about."""
     kinds = {re.sub(r"\d+", "{i}", p): None for p in paths}  # one example per kind
     examples = ", ".join(list(kinds)[:10])
     return [f"precision.policy rule {pattern!r} matches no module of this model; module paths "
             f"look like: {examples}, ..." for pattern, _ in rules.rules
-            if not any(re.search(pattern, p) for p in paths)]
+            if pattern not in quiet and not any(re.search(pattern, p) for p in paths)]
 
 
 def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) -> TrainState:

@@ -15,12 +15,15 @@ import dataclasses
 import math
 from typing import Any, NamedTuple, Tuple
 
+import numpy as np
+
 from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.data import SEED, TOKEN_DTYPES
 from jaxmp.train.optimizer import SCHEDULES
+from jaxmp.train.tokenizer import BPE_MIN_VOCAB
 
 __all__ = ["Key", "KEYS", "DEFAULTS", "help_text", "markdown"]
 
@@ -42,6 +45,11 @@ _COUNT = Int(1)
 _SPIKE = Kind(lambda v: is_real(v) and (v == 0 or 1 < v < math.inf),
               "0 (off) or a finite number > 1")
 _UNIT_OPEN = Real(0, 1, hi_open=True, text="in [0, 1)")
+# Adam's betas are applied in float32: a value in [0, 1) that float32 rounds to 1.0 (above
+# 1 - 2**-25) stops the moments from learning and makes every step's update 0 / 0.
+_BETA = Kind(lambda v: _UNIT_OPEN.ok(v) and float(np.float32(v)) < 1.0,
+             "in [0, 1) as float32 holds it (at most 1 - 2**-24 = 0.99999994; float32 "
+             "rounds anything above 1 - 2**-25 to 1.0)")
 _MOMENT_DTYPE = Kind(lambda v: not v or canonical_dtype(v) is not None,
                      "'' (the master dtype) or a dtype name such as bfloat16")
 
@@ -87,8 +95,8 @@ KEYS: Tuple[Key, ...] = (
         Real(0, 1, text="in [0, 1]")),
     Key("optim.decay_steps", 0, "steps of the schedule (0 = train.steps; fix it to extend a run)",
         Int(0, _I32_MAX, "an integer in [0, 2**31 - 1] (0 = train.steps)")),
-    Key("optim.b1", 0.9, "Adam beta1, in [0, 1)", _UNIT_OPEN),
-    Key("optim.b2", 0.95, "Adam beta2, in [0, 1)", _UNIT_OPEN),
+    Key("optim.b1", 0.9, "Adam beta1, in [0, 1) in float32", _BETA),
+    Key("optim.b2", 0.95, "Adam beta2, in [0, 1) in float32", _BETA),
     Key("optim.eps", 1e-8, "Adam epsilon", Real(0, lo_open=True)),
     Key("optim.weight_decay", 0.01, "decoupled weight decay (AdamW)", Real(0)),
     Key("optim.grad_clip", 1.0, "global-norm clip of the unscaled gradients (0 = off)",
@@ -108,8 +116,10 @@ KEYS: Tuple[Key, ...] = (
         Kind(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty field name")),
     Key("data.tokenizer", "bytes", "bytes | PATH/tokenizer.json | PATH.model (SentencePiece) | "
                                    "bpe:VOCAB (trained on the train split, kept in the workdir)",
-        Kind(lambda v: isinstance(v, str),
-             "'bytes', a tokenizer.json or SentencePiece .model path, or 'bpe:VOCAB'")),
+        Kind(lambda v: isinstance(v, str) and (not v.startswith("bpe:") or (
+            v[4:].isdigit() and int(v[4:]) >= BPE_MIN_VOCAB)),
+             f"'bytes', a tokenizer.json or SentencePiece .model path, or 'bpe:VOCAB' with "
+             f"VOCAB an integer >= {BPE_MIN_VOCAB} (the 256 bytes and <|endoftext|>)")),
     Key("data.token_dtype", "uint16", "dtype of .bin token shards: uint16 or uint32",
         Choice(TOKEN_DTYPES, "uint16 or uint32")),
     Key("data.eod_id", -1, "end-of-document token id (-1 = the tokenizer's own)",

@@ -42,7 +42,9 @@ from tqdm import tqdm
 from jaxmp._checks import F32_MAX
 from jaxmp.models import generate
 from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxmp.train.checkpoint import Checkpointer, reshard_residual, residual_adapter
+from jaxmp.precision.policy import get_policy_rules
+from jaxmp.train.checkpoint import (CheckpointError, Checkpointer, check_same_settings,
+                                    reshard_residual, residual_adapter)
 from jaxmp.train.config import config_to_dict
 from jaxmp.train.data import check_data_path
 from jaxmp.train.distributed import preemption_sync
@@ -50,7 +52,9 @@ from jaxmp.train.experiment import Experiment, unmatched_rules
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
                                steps_text)
+from jaxmp.train.keys import DEFAULTS
 from jaxmp.train.metrics import MetricsWriter
+from jaxmp.train.tokenizer import keep_tokenizer
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
 __all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "TrainingDiverged",
@@ -330,8 +334,9 @@ def banner(exp: Experiment, data) -> str:
         f"  devices     : {n} x {exp.mesh.devices.flat[0].platform} ({jax.process_count()} "
         f"process{'es' if jax.process_count() > 1 else ''}); mesh {dict(exp.mesh.shape)}",
         f"  parallel    : {layout}",
-        f"  model       : {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
-        f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}",
+        f"  model       : {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, " + (
+            f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}"
+            if m.num_experts else f"dense (feed-forward width {m.d_ff})"),
         f"  parameters  : {total:,} total, {active:,} active per token",
         f"  policy      : {exp.rules}",
         f"  loss scale  : {describe_loss_scale(exp.settings.loss_scale)}",
@@ -358,7 +363,10 @@ def _precision_warnings(exp: Experiment) -> list:
         lines.append("float16 compute without a loss scale: gradients below 2**-24 flush to zero "
                      "and large ones overflow (Micikevicius et al. 2018, section 3.2); set "
                      "precision.loss_scale=dynamic")
-    return lines + unmatched_rules(exp.settings.rules, exp.module_paths)
+    # The default policy's own float32 islands (router, norm) are not the user's words: a
+    # dense model has no router, and no warning is due for it.
+    default = {pattern for pattern, _ in get_policy_rules(DEFAULTS["precision.policy"]).rules}
+    return lines + unmatched_rules(exp.settings.rules, exp.module_paths, quiet=default)
 
 
 def _resume_warnings(saved: Optional[dict], config, start: int) -> list:
@@ -523,10 +531,13 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
     with contextlib.ExitStack() as stack:
         catcher = stack.enter_context(_SignalCatcher(sync=preemption_sync()))
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
+        _check_resume_settings(workdir, config_dict)  # before the corpus is read
         compilation = _Compilation(exp)  # in the background, while the data is read
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
         data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
         stack.callback(data.train_iter.close)  # grain's prefetch threads
+        if main_process:  # the run's own copy of a tokenizer file: its readers need no other
+            keep_tokenizer(data.tokenizer, exp.config.data.tokenizer, workdir)
         step_fn = compilation.join(catcher)
         if step_fn is None:  # a signal during start-up: nothing to save
             raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(),
@@ -565,7 +576,46 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
             raise Interrupted(catcher.signum, step, step > start, ckpt.directory)
         bar.close()
         saved = _saved_text(ckpt, saver.last_saved if saver.last_saved != start else None)
-    return _finish(exp, data, state, start, report.losses, evaluate.last_metrics, workdir, saved)
+        ended = _ended_in_skips(state, start, hooks[1])  # while ckpt can name checkpoints
+    return _finish(exp, data, state, start, report.losses, evaluate.last_metrics, workdir, saved,
+                   ended_in_skips=ended)
+
+
+def _ended_in_skips(state, start: int, stall: StallGuard) -> Optional[str]:
+    """Why a run that ends in skipped steps failed, or None. At least 2 and at least half
+    of the steps this call ran, all skipped at the end, mean it ended without recovering:
+    a dynamic loss scale backs off (halves) at each skip and is found again within a few
+    steps, while such a run (a learning rate that ruined the weights, e.g.
+    ``optim.learning_rate=1e10``: 39 of 40 steps skipped) would otherwise exit 0 with its
+    checkpoint as if it had trained. The text is ``stall``'s (the loss scale, advice and
+    the last healthy checkpoint)."""
+    step = int(jax.device_get(state.step))
+    trailing, ran = int(jax.device_get(state.consecutive_skips)), step - start
+    if ran > 0 and trailing >= max(2, (ran + 1) // 2):
+        return f"the run ended in skipped steps: {stall.message(state, trailing, step)}"
+    return None
+
+
+def _check_resume_settings(workdir: pathlib.Path, config_dict: dict) -> None:
+    """A resume under other settings fails here, in a second, not after the corpus is read
+    and the step compiled: the newest checkpoint whose config reads against this run's
+    (restore checks each checkpoint again). A workdir without checkpoints, or whose
+    configs do not read, is left to restore, which sets damaged ones aside.
+
+    Raises:
+      CheckpointError: :func:`~jaxmp.train.checkpoint.check_same_settings`.
+    """
+    if not (workdir / "checkpoints").is_dir():
+        return
+    with Checkpointer(workdir, read_only=True) as peek:
+        if not peek.all_steps():
+            return
+        try:
+            step, saved = peek.read_config()
+        except CheckpointError:
+            return
+        directory = peek.directory
+    check_same_settings(saved, config_dict, step, directory)
 
 
 def _saved_text(ckpt: Checkpointer, step: Optional[int]) -> str:
@@ -625,18 +675,21 @@ def _hooks(exp: Experiment, ckpt: Checkpointer, writer, bar, start: int, state, 
 
 
 def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics, workdir,
-            saved: str = ""):
+            saved: str = "", ended_in_skips: Optional[str] = None):
     """The summary of :func:`train_and_evaluate`, after the closing evaluation (when the
     loop trained nothing) and the generated sample (``workdir/sample.txt``); ``saved``
     says what was saved.
 
     Raises:
-      TrainingStalled: no step of the run ever applied (every one skipped).
+      TrainingStalled: no step of the run ever applied (every one skipped), or the run
+        ended in skipped steps (``ended_in_skips``, from :func:`_ended_in_skips`).
     """
     t, main_process = exp.config.train, jax.process_index() == 0
     final_step, skipped = int(jax.device_get(state.step)), int(jax.device_get(state.skipped_steps))
     if final_step and skipped == final_step:
         raise TrainingStalled(f"{_no_step_applied(state, final_step)}; {saved}")
+    if ended_in_skips:
+        raise TrainingStalled(ended_in_skips)
     if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train
         eval_metrics = exp.evaluate_metrics(state)  # the restored state
     eval_loss = None if eval_metrics is None else eval_metrics["loss"]

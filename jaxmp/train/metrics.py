@@ -9,6 +9,9 @@ JSON lines past it are removed, and TensorBoard is opened with ``purge_step`` so
 rewritten steps are not shown twice. ``metrics.jsonl`` is never rewritten in place: when
 lines must go, the kept ones are written to a new file that then replaces it
 (``os.replace``, atomic), so a process killed during a resume leaves the whole history.
+A ``metrics.jsonl`` that is not a regular file (a named pipe, which would hang the
+process that opens it; a directory; a device) is refused, in one line, before it is
+opened.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import stat
 from typing import Any, List, Mapping, Optional
 
 import numpy as np
@@ -53,6 +57,24 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _is_file(path: pathlib.Path) -> bool:
+    """Whether ``path`` exists, found by ``os.stat`` without opening it.
+
+    Raises:
+      ValueError: it exists but is not a regular file (a named pipe, which would block
+        the ``open`` until a writer comes; a directory; a socket or a device).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISREG(mode):
+        return True
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "a device or other special file")
+    raise ValueError(f"{path} is {kind}, not a regular file of metrics; move it away")
+
+
 def read_metrics(path: str | os.PathLike, split: Optional[str] = None) -> List[dict]:
     """The records of a ``metrics.jsonl`` (of one ``split`` when given), in file order.
 
@@ -61,10 +83,11 @@ def read_metrics(path: str | os.PathLike, split: Optional[str] = None) -> List[d
 
     Raises:
       ValueError: a line that is not UTF-8 text, not a JSON object, or whose ``step`` is
-        not an integer, naming the file and line number.
+        not an integer, naming the file and line number; ``path`` is not a regular file
+        (a named pipe, say: it is not opened).
     """
     path = pathlib.Path(path)
-    if not path.exists():
+    if not _is_file(path):
         return []
     lines = path.read_bytes().split(b"\n")
     if lines and lines[-1] == b"":
@@ -129,6 +152,8 @@ class MetricsWriter:
 
     Raises:
       OSError: the directory cannot be written.
+      ValueError: ``metrics.jsonl`` is not a regular file (a named pipe, say), or holds a
+        line that is not a metrics record (:func:`read_metrics`).
     """
 
     def __init__(self, workdir: str | pathlib.Path, start_step: int = 0, enabled: bool = True):
@@ -153,11 +178,14 @@ class MetricsWriter:
         Raises:
           OSError: the files cannot be written (full disk, read-only); the message names
             the directory.
+          ValueError: ``metrics.jsonl`` is no longer a regular file (a named pipe put in
+            its place, say: it is not opened).
         """
         if not self.enabled:
             return
         record = {"step": int(step), "split": split}
         record.update({k: _plain(v) for k, v in metrics.items()})
+        _is_file(self.path)  # before open(): appending to a named pipe blocks
         try:
             with self.path.open("a") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
@@ -175,7 +203,7 @@ class MetricsWriter:
         checkpoint; a fresh run, step 0, starts an empty file). The file is left as it is
         when nothing is dropped; else the kept records go to ``metrics.jsonl.tmp``, which
         then replaces it atomically."""
-        if not self.path.exists():
+        if not _is_file(self.path):
             return
         text = self.path.read_bytes().decode("utf-8", errors="replace")  # read_metrics checks
         torn = bool(text) and not text.endswith("\n")

@@ -25,6 +25,7 @@ Text tokenizers (all but bytes) see each document decoded as UTF-8 with
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -38,8 +39,31 @@ __all__ = ["ByteTokenizer", "HFTokenizer", "SentencePieceTokenizer", "load_token
            "bpe_sample", "BPE_TRAIN_BYTES", "PIECE_BYTES"]
 
 TOKENIZER_FILE = "tokenizer.json"
+# The smallest byte-level BPE: the 256 byte values and <|endoftext|>.
+BPE_MIN_VOCAB = 257
 # End-of-document tokens looked for in a tokenizer.json, in this order.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>")
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file in the same directory, flushed
+    and renamed over ``path`` (``os.replace`` is atomic on POSIX): a reader, or a rerun
+    after a kill, finds the old file or the whole new one."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _digest(content: bytes, eos_id: int) -> str:
+    return hashlib.sha256(content + f"\neos={int(eos_id)}".encode()).hexdigest()
 
 
 def round_vocab(n: int, multiple: int = 128) -> int:
@@ -81,6 +105,10 @@ class ByteTokenizer:
     vocab_size: int = 257
     eos_id: int = 256
     name: str = "bytes"
+
+    def digest(self) -> str:
+        """SHA-256 naming the byte tokenizer (it has no file)."""
+        return _digest(b"bytes", self.eos_id)
 
     def encode(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
         """Returns the token ids of ``text`` as one document.
@@ -265,10 +293,16 @@ class HFTokenizer:
         return out
 
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
-        """Writes ``directory/tokenizer.json``; returns its path."""
+        """Writes ``directory/tokenizer.json`` atomically (a temporary file renamed over
+        it: a kill while writing leaves the old file or none, never a torn one); returns
+        its path."""
         path = pathlib.Path(directory) / TOKENIZER_FILE
-        self.tokenizer.save(str(path))
+        write_atomic(path, self.tokenizer.to_str(pretty=True).encode("utf-8"))
         return path
+
+    def digest(self) -> str:
+        """SHA-256 of the tokenizer (its JSON) and its end-of-document id."""
+        return _digest(self.tokenizer.to_str().encode("utf-8"), self.eos_id)
 
 
 class SentencePieceTokenizer:
@@ -418,8 +452,12 @@ class SentencePieceTokenizer:
     def save(self, directory: str | os.PathLike) -> pathlib.Path:
         """Writes ``directory/tokenizer.model``; returns its path."""
         path = pathlib.Path(directory) / "tokenizer.model"
-        path.write_bytes(self.model_proto)
+        write_atomic(path, self.model_proto)
         return path
+
+    def digest(self) -> str:
+        """SHA-256 of the model's protobuf and its end-of-document id."""
+        return _digest(self.model_proto, self.eos_id)
 
 
 # A byte-level BPE is trained on at most this many bytes of the training documents, an
@@ -597,3 +635,40 @@ def load_tokenizer(spec: str, *, workdir: Optional[str | os.PathLike] = None,
         return SentencePieceTokenizer(path, eos)
     raise ValueError(f"data.tokenizer={spec!r} is not allowed; it must be 'bytes', a path to a "
                      f"Hugging Face tokenizer.json, a SentencePiece .model, or 'bpe:VOCAB'")
+
+
+# Where a run keeps its own copy of a tokenizer given by path (``data.tokenizer=PATH``),
+# by the file's suffix; a trained ``bpe:VOCAB`` is kept as ``tokenizer.json`` too.
+KEPT_FILES = {".json": TOKENIZER_FILE, ".model": "tokenizer.model"}
+
+
+def kept_tokenizer(workdir: str | os.PathLike, spec: str) -> Optional[pathlib.Path]:
+    """The run's own copy of the tokenizer file ``spec`` names (see :func:`keep_tokenizer`),
+    or None: ``spec`` is ``bytes`` or ``bpe:VOCAB``, or the run kept no copy (one trained
+    before copies were kept)."""
+    suffix = os.path.splitext(spec.lower())[1]
+    if spec.startswith("bpe:") or suffix not in KEPT_FILES:
+        return None
+    path = pathlib.Path(workdir) / KEPT_FILES[suffix]
+    return path if path.is_file() else None
+
+
+def keep_tokenizer(tokenizer, spec: str, workdir: str | os.PathLike) -> Optional[pathlib.Path]:
+    """Copies a tokenizer given by path into the run directory (atomically), so that the
+    run's readers (``jaxmp.sample``, ``jaxmp.export``, :func:`jaxmp.train.load`) need
+    nothing outside it, e.g. after a ``model.init_from`` base has moved. A copy with the
+    same digest is left as it is. Returns the copy's path, or None for ``bytes`` and
+    ``bpe:VOCAB`` (kept by :func:`load_tokenizer` itself)."""
+    suffix = os.path.splitext(spec.lower())[1]
+    if spec.startswith("bpe:") or suffix not in KEPT_FILES or not hasattr(tokenizer, "save"):
+        return None
+    path = pathlib.Path(workdir) / KEPT_FILES[suffix]
+    if path.is_file():
+        try:
+            same = load_tokenizer(str(path), eod_id=tokenizer.eos_id).digest() == \
+                tokenizer.digest()
+        except ValueError:  # a torn or foreign file: replaced below
+            same = False
+        if same:
+            return path
+    return tokenizer.save(path.parent)

@@ -35,10 +35,14 @@ def prepare_workdir(path) -> pathlib.Path:
     the first save.
 
     Raises:
-      ValueError: the path, ``checkpoints`` or ``checkpoints/corrupt`` is a file, or a
+      ValueError: the path is empty (``--workdir=``: not the current directory), the
+        path, ``checkpoints`` or ``checkpoints/corrupt`` is a file, or a
         directory cannot be created or written (read-only filesystem, permissions); the
         message names it.
     """
+    if not str(path).strip():  # pathlib.Path("") is the current directory
+        raise ValueError("--workdir is empty; give the directory of the run (e.g. "
+                         "--workdir runs/mine)")
     workdir = pathlib.Path(path)
     if workdir.exists() and not workdir.is_dir():
         raise ValueError(f"--workdir {workdir} exists and is not a directory")
