@@ -12,7 +12,7 @@ import os
 import pkgutil
 from typing import Optional
 
-__all__ = ["cpu_without_a_gpu"]
+__all__ = ["cpu_without_a_gpu", "quiet_xla_logs"]
 
 
 def _only_cuda_plugins() -> bool:
@@ -53,3 +53,11 @@ def cpu_without_a_gpu() -> Optional[str]:
         return None
     jax.config.update("jax_platforms", "cpu")
     return "cpu"
+
+
+def quiet_xla_logs() -> None:
+    """Hides XLA's own C++ log lines (``W1204 ... hlo_rematerialization.cc``, ``E1204 ...
+    gpu_hlo_schedule.cc``) unless ``TF_CPP_MIN_LOG_LEVEL`` is set: the report states what
+    they are about (the memory per device and whether it fits) in its own lines. XLA reads
+    the variable at its first log line, so calling this after JAX is imported works."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

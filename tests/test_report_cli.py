@@ -71,7 +71,9 @@ def test_a_target_plan_that_does_not_fit_exits_1(tmp_path, capsys):
     assert status == 1
     assert captured.err.strip().splitlines()[-1].startswith(
         "python -m jaxmp.report: the step needs ")
-    assert captured.err.strip().endswith("of small.pbtxt's 1.0 MiB: it does not fit")
+    # one unit in the table and the verdict (issue 45: the table said GB, the verdict MiB)
+    assert captured.err.strip().endswith("of small.pbtxt's 1.05 MB: it does not fit")
+    assert "of 1.05 MB: DOES NOT FIT" in captured.out
 
 
 @pytest.mark.slow

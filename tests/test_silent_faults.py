@@ -324,3 +324,47 @@ def test_a_reader_opens_the_checkpoints_without_an_absl_warning(tmp_path, caplog
         with Checkpointer(tmp_path, read_only=True) as ckpt:
             assert ckpt.all_steps() == []
     assert not [r for r in caplog.records if "save_interval_steps" in r.getMessage()]
+
+
+@pytest.mark.parametrize("body,what", [
+    ("def get_config():\n    raise KeyboardInterrupt\n", r"get_config\(\) raised KeyboardInterrupt"),
+    ("raise KeyboardInterrupt\n", r"fails to run: KeyboardInterrupt"),
+])
+def test_a_config_file_that_raises_keyboardinterrupt_is_one_line(tmp_path, body, what):
+    """Its own code raising KeyboardInterrupt was a traceback (it is no Exception)."""
+    path = tmp_path / "cfg.py"
+    path.write_text(body)
+    with pytest.raises(ValueError, match=rf"^config file .*cfg.py.*{what}"):
+        load_config(str(path))
+
+
+def test_a_jsonl_record_nested_thousands_deep_is_one_line(tmp_path):
+    """json.loads raised RecursionError (a traceback) on a record nested 100,000 deep."""
+    from jaxmp.train.corpus import load_documents
+
+    good = json.dumps({"text": "def f(): pass"})
+    (tmp_path / "a.jsonl").write_text(good + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"a.jsonl, line 2: JSON nested too deeply to read"):
+        load_documents(str(tmp_path / "a.jsonl"), "text", [])
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer.model"])
+def test_a_named_pipe_as_a_tokenizer_is_refused_unopened(tmp_path, name):
+    path = tmp_path / name
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match=r"is not a regular file"):
+        tokenizer_module.load_tokenizer(str(path))
+
+
+def test_the_report_entry_point_hides_xlas_cpp_log_lines_unless_asked(monkeypatch):
+    """python -m jaxmp.report --target printed XLA's own W1204/E1204 lines (remat,
+    gpu_hlo_schedule) beside its verdict; the entry point sets TF_CPP_MIN_LOG_LEVEL=3
+    unless the user set it."""
+    from jaxmp._entry import quiet_xla_logs
+
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    quiet_xla_logs()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "3"
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    quiet_xla_logs()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"

@@ -49,7 +49,8 @@ from jaxmp.models.attention import resolve_attention
 from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
 
-__all__ = ["GpuTarget", "TARGETS", "CAVEATS", "FIT_MARGIN", "get_target", "plugin_problem",
+__all__ = ["GpuTarget", "TARGETS", "CAVEATS", "FIT_MARGIN", "format_bytes", "get_target",
+           "plugin_problem",
            "target_mesh", "full_optimizations", "compile_step", "CompiledStep", "roofline",
            "step_memory", "gpu_report",
            "format_gpu_report"]
@@ -453,8 +454,12 @@ def _attention_path(exp: Experiment) -> str:
                              m.head_dim, compile_target.of_device(exp.mesh.devices.flat[0]))
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.2f} GB"
+def format_bytes(x: float) -> str:
+    """Bytes in decimal units, as GPU memory is sold (GB = 1e9 bytes; MB = 1e6 below 0.01 GB,
+    so that a small figure does not read 0.00 GB)."""
+    return f"{x / 1e9:.2f} GB" if abs(x) >= 1e7 else f"{x / 1e6:.2f} MB"
+
+
 
 
 def format_gpu_report(report: dict, title: str = "") -> str:
@@ -465,14 +470,15 @@ def format_gpu_report(report: dict, title: str = "") -> str:
              f"  layout {s['strategy']}, expert {s['expert']}, policy {s['policy']}, remat "
              f"{s['remat']}, attention {s['attention']} -> {s['attention_path']}",
              "memory per device:",
-             f"  arguments {_gb(mem['argument_bytes'])}, outputs {_gb(mem['output_bytes'])}, "
-             f"aliased {_gb(mem['alias_bytes'])}, temporaries {_gb(mem['temp_bytes'])}",
-             f"  total {_gb(mem['total_bytes'])} of {_gb(mem['device_bytes'])}: "
+             f"  arguments {format_bytes(mem['argument_bytes'])}, outputs "
+             f"{format_bytes(mem['output_bytes'])}, aliased {format_bytes(mem['alias_bytes'])}, "
+             f"temporaries {format_bytes(mem['temp_bytes'])}",
+             f"  total {format_bytes(mem['total_bytes'])} of {format_bytes(mem['device_bytes'])}: "
              + ("fits" if mem["fits"] else "DOES NOT FIT")
              + f" (margin: {FIT_MARGIN:.0%} of the device)",
              "largest buffers:"]
     for b in report["largest_buffers"]:
-        lines.append(f"  {_gb(b['bytes']):>10}  {b['shape']:<28} "
+        lines.append(f"  {format_bytes(b['bytes']):>10}  {b['shape']:<28} "
                      f"{b['op_name'] or b['instruction']}")
     lines.append("kernels (sites in the program / launches per step):")
     for kind in hlo.KERNEL_KINDS:
@@ -483,7 +489,8 @@ def format_gpu_report(report: dict, title: str = "") -> str:
                  f"active params x tokens ({fl['model_6nd']:.3e}); attention {fl['attention']:.3e}")
     lines.append("collectives per device and step:")
     for op, by in sorted(report["collectives"].items()):
-        lines.append("  " + op + ": " + ", ".join(f"{d} {_gb(b)}" for d, b in sorted(by.items())))
+        lines.append("  " + op + ": " + ", ".join(f"{d} {format_bytes(b)}"
+                                                  for d, b in sorted(by.items())))
     mfu = r["mfu_bound"]
     lines.append(f"roofline bound: {r['bound_s'] * 1e3:.2f} ms per step (GEMMs "
                  f"{r['gemm_s'] * 1e3:.2f}, attention {r['attention_s'] * 1e3:.2f}, other kernels "

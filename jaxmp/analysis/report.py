@@ -408,6 +408,11 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
                              f"{config.parallel.strategy!r}, {config.parallel.expert})")
         notes.append(f"note: {args.devices} devices (--devices, default 8; train.py uses every "
                      "local device unless train.num_devices is set)")
+        notes.append("note: these are XLA:CPU's figures for the step compiled for this CPU, not "
+                     "a GPU's: the GPU compiler fuses and schedules otherwise and may need much "
+                     "more (Qwen3-30B-A3B fsdp: 58.6 GB here, 82.9 GB for an H100). For a GPU's "
+                     "figure and whether it fits, install the gpu extra (pip install "
+                     "'jaxmp[gpu]') and add --target H100 (or H200, H800, A100)")
         if "mixed_fp16" in modes:
             notes.append("note: mode mixed_fp16 starts its dynamic loss scale at 2**15; the "
                          "trainer's precision.loss_scale=dynamic starts at 256 (the seed "
@@ -467,9 +472,10 @@ def _main_target(parser: argparse.ArgumentParser, args) -> int:
             json.dump(out, f, indent=2)
     mem = out["memory"]
     if not mem["fits"]:  # a plan that cannot run is a failure, for scripts too
-        print(f"{parser.prog}: the step needs {mem['total_bytes'] / 2**20:,.1f} MiB per device, "
-              f"more than {gpu.FIT_MARGIN:.0%} of {out['target']['name']}'s "
-              f"{mem['device_bytes'] / 2**20:,.1f} MiB: it does not fit", file=sys.stderr)
+        print(f"{parser.prog}: the step needs {gpu.format_bytes(mem['total_bytes'])} per device"
+              f" (as in the table above), more than {gpu.FIT_MARGIN:.0%} of "
+              f"{out['target']['name']}'s {gpu.format_bytes(mem['device_bytes'])}: it does not "
+              f"fit", file=sys.stderr)
         return 1
     return 0
 

@@ -149,32 +149,6 @@ def _flat_arrays(model: nnx.Module) -> dict:
     return out
 
 
-def _writable_out(out: pathlib.Path, force: bool) -> None:
-    """Checks the export directory before any work: it is created when missing; an
-    existing one must be empty (unless ``force``) and writable.
-
-    Raises:
-      ValueError: ``out`` is a file, holds files (without ``force``), or cannot be
-        created or written; the message names it.
-    """
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and not force:
-        held = sorted(p.name for p in out.iterdir())
-        if held:
-            raise ValueError(f"--out {out} is not empty ({', '.join(held[:4])}"
-                             f"{', ...' if len(held) > 4 else ''}); choose a new directory, or "
-                             f"pass --force (force=True) to overwrite the files an export writes")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".jaxmp-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--out {out} is not writable: {e.strerror or e}; choose a writable "
-                         f"directory") from None
-
-
 def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[int] = None,
            force: bool = False, notes: Optional[list] = None) -> dict:
     """Writes a checkpoint as safetensors weights, a ``config.json`` and the tokenizer.

@@ -236,7 +236,8 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
         defines no ``get_config``, leaves ``model.init_from`` a placeholder (``None``, as
-        configs/finetune.py does) that no override fills, or its ``get_config()`` raises or returns something
+        configs/finetune.py does) that no override fills, or its ``get_config()`` raises (an
+        exception or a ``KeyboardInterrupt`` the file's code raises) or returns something
         other than a ConfigDict or dict (each one line naming the file and the cause); an
         unknown key in it or in ``overrides``; a value of the wrong type.
     """
@@ -253,14 +254,16 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     except SyntaxError as e:
         raise ValueError(f"config file {name} has a syntax error at line {e.lineno}: "
                          f"{e.msg}") from None
-    except Exception as e:  # the file is the user's code: any error is reported as its own
+    except (Exception, KeyboardInterrupt) as e:  # the file is the user's code: any error is
+        # reported as its own (a real Ctrl-C reaches train.py's SIGINT handler, which exits)
         raise ValueError(f"config file {name} fails to run: {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {name} defines no get_config()")
     try:
         config = module.get_config()
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:  # raised by the file's code (a real Ctrl-C
+        # reaches train.py's own SIGINT handler, which exits at once)
         raise ValueError(f"config file {name}: get_config() raised {type(e).__name__}: "
                          f"{' '.join(str(e).split())}") from None
     if not isinstance(config, (ml_collections.ConfigDict, dict)):

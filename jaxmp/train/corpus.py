@@ -58,6 +58,10 @@ def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
                 record = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{file}, line {lineno}: invalid JSON ({e})") from None
+            except RecursionError:  # nested deeper than Python's recursion limit
+                raise ValueError(f"{file}, line {lineno}: JSON nested too deeply to read (more "
+                                 f"than about {sys.getrecursionlimit()} levels); a record is "
+                                 f"an object with a string field {text_field!r}") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(
                     f"{file}, line {lineno}: expected a JSON object with a string "

@@ -62,6 +62,16 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
             tmp.unlink()
 
 
+def _check_file(path: str | os.PathLike) -> None:
+    """Raises ValueError unless ``path`` is a regular file (not opened: a named pipe there
+    would block the reader)."""
+    if not os.path.exists(path):
+        raise ValueError(f"data.tokenizer file {str(path)!r} does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(f"data.tokenizer {str(path)!r} is not a regular file (a directory, a "
+                         f"named pipe or a device)")
+
+
 def _digest(content: bytes, eos_id: int) -> str:
     return hashlib.sha256(content + f"\neos={int(eos_id)}".encode()).hexdigest()
 
@@ -243,8 +253,7 @@ class HFTokenizer:
           ValueError: the file does not exist or is not a tokenizer file.
         """
         import tokenizers
-        if not os.path.isfile(path):
-            raise ValueError(f"data.tokenizer file {str(path)!r} does not exist")
+        _check_file(path)
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type
@@ -319,8 +328,7 @@ class SentencePieceTokenizer:
 
     def __init__(self, path: str | os.PathLike, eos_id: Optional[int] = None):
         import sentencepiece as spm
-        if not os.path.isfile(path):
-            raise ValueError(f"data.tokenizer file {str(path)!r} does not exist")
+        _check_file(path)
         self.path = pathlib.Path(path)
         self.name = str(path)
         self.model_proto = self.path.read_bytes()
