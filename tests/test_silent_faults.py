@@ -368,3 +368,55 @@ def test_the_report_entry_point_hides_xlas_cpp_log_lines_unless_asked(monkeypatc
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     quiet_xla_logs()
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["model.num_layers=5", "model.mlp_only_layers=(3,)"],
+    ["model.num_experts=0", "model.num_shared_experts=0"], ["precision.policy=pure_bf16"],
+    ["model.num_layers=3", "model.scan_layers=True"],
+])
+def test_parameter_bytes_equal_the_built_models(overrides):
+    """parameter_bytes (two one-layer models) against the whole model built abstractly."""
+    import jax
+    from flax import nnx
+
+    from jaxmp.models import MoETransformer
+    from jaxmp.train.experiment import parameter_bytes
+
+    s = validate_config(load_config("configs/tiny_moe.py", overrides), 1)
+    model = nnx.eval_shape(lambda: MoETransformer(s.model, s.rules, rngs=nnx.Rngs(0)))
+    built = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert parameter_bytes(s.model, s.rules) == built
+
+
+def test_a_model_whose_parameters_cannot_fit_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """model.num_layers=100000 gave no answer in 10 minutes: refused in a second, naming
+    the size, and nothing is built or written."""
+    from jaxmp.train import loop
+
+    monkeypatch.setattr(loop, "_device_memory", lambda device: (20 * 2**30, "a 20 GiB device"))
+    config = load_config("configs/tiny_moe.py", ["model.num_layers=100000"])
+    with pytest.raises(ValueError, match=r"^the model \(model.num_layers=100000.*has 29.1 GiB of "
+                                         r"parameters.*a device has 20.00 GiB \(a 20 GiB device\)"):
+        loop.train_and_evaluate(config, str(tmp_path / "w"), num_devices=1)
+    assert not (tmp_path / "w").exists()
+
+
+def test_param_keys_draw_nnxs_own_keys_and_leave_the_stream_where_nnx_would():
+    """ParamKeys (the model's key source: one count update instead of one per parameter,
+    which made building n layers take time ~n**2) draws rngs.params()'s keys exactly."""
+    import jax
+    from flax import nnx
+
+    from jaxmp.models.layers import ParamKeys
+
+    mine, theirs = nnx.Rngs(3), nnx.Rngs(3)
+    keys = ParamKeys(mine)
+    drawn = [keys.params() for _ in range(5)]
+    want = [theirs.params() for _ in range(5)]
+    assert all(np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+               for a, b in zip(drawn, want))
+    keys.commit()
+    assert np.array_equal(jax.random.key_data(mine.params()),
+                          jax.random.key_data(theirs.params()))

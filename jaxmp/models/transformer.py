@@ -114,7 +114,8 @@ from jaxmp import target as compile_target
 from jaxmp._checks import BOOL, Choice, Int, Kind, Real, check, check_choice, is_int, option
 
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAttention
-from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, RMSNorm, Rope, SwiGLU
+from jaxmp.models.layers import (ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, ParamKeys, RMSNorm,
+                                 Rope, SwiGLU)
 from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import DISPATCH_DTYPES, constrain, fsdp_checkpoint_policy
@@ -642,6 +643,7 @@ class MoETransformer(nnx.Module):
                             FP8_EXCLUDED)
         self.rules = rules
         self.config = config
+        rngs = ParamKeys(rngs)  # the same keys as rngs.params(), drawn in time linear in layers
         self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs,
                            head_path="head" if config.tie_embeddings else None)
         target = target or compile_target.current()
@@ -657,6 +659,7 @@ class MoETransformer(nnx.Module):
         if not config.tie_embeddings:
             self.head = Head(config.d_model, config.vocab_size, path="head", rules=rules,
                              rngs=rngs)
+        rngs.commit()  # the stream's count, as if each key had been drawn from it
 
     def layer_blocks(self):
         """The model's :class:`Block` s in layer order: one per layer, or one per stack."""

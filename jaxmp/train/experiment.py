@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmp import sharding, target
-from jaxmp.models import MoETransformer, count_params
+from jaxmp.models import ModelConfig, MoETransformer, count_params
 from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
@@ -39,7 +39,7 @@ from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
 from jaxmp.train.step import DivergenceCheck, GradExchange, make_eval_step, make_train_step
 
-__all__ = ["Experiment", "module_paths", "unmatched_rules"]
+__all__ = ["Experiment", "module_paths", "parameter_bytes", "unmatched_rules"]
 
 
 def module_paths(model: nnx.Module) -> List[str]:
@@ -62,6 +62,36 @@ def unmatched_rules(rules: PolicyRules, paths, quiet=()) -> List[str]:
     return [f"precision.policy rule {pattern!r} matches no module of this model; module paths "
             f"look like: {examples}, ..." for pattern, _ in rules.rules
             if pattern not in quiet and not any(re.search(pattern, p) for p in paths)]
+
+
+def parameter_bytes(config: ModelConfig, rules: Any) -> int:
+    """Bytes of the model's parameters in their ``param_dtype`` s, without building it:
+    two abstract one-layer models (its first layer dense, then MoE) give the embedding,
+    head and final norm and one block of each kind, and each layer counts as its kind's
+    block. Its time does not grow with ``num_layers`` (building 100,000 layers, even
+    abstractly, takes many minutes).
+
+    Args:
+      config: the :class:`~jaxmp.models.ModelConfig`.
+      rules: the run's precision rules (the parameters' dtypes).
+
+    Returns:
+      The bytes, a Python int (equal to the built model's: tests/test_silent_faults.py).
+    """
+    def nbytes(tree) -> int:
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    kinds = [config.is_moe_layer(i) for i in range(config.num_layers)]
+    total = glob = 0
+    for moe in sorted(set(kinds)):
+        one = dataclasses.replace(config, num_layers=1, scan_layers=False, mlp_only_layers=(),
+                                  first_dense_layers=0 if moe else 1,
+                                  num_experts=config.num_experts if moe else 0)
+        model = nnx.eval_shape(lambda: MoETransformer(one, rules, rngs=nnx.Rngs(0)))
+        block = nbytes(nnx.state(model.blocks[0], nnx.Param))
+        glob = nbytes(nnx.state(model, nnx.Param)) - block
+        total += block * kinds.count(moe)
+    return total + glob
 
 
 def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) -> TrainState:

@@ -45,10 +45,10 @@ from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLo
 from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train.checkpoint import (CheckpointError, Checkpointer, check_same_settings,
                                     reshard_residual, residual_adapter)
-from jaxmp.train.config import config_to_dict
+from jaxmp.train.config import Settings, config_to_dict, validate_config
 from jaxmp.train.data import check_data_path
 from jaxmp.train.distributed import preemption_sync
-from jaxmp.train.experiment import Experiment, unmatched_rules
+from jaxmp.train.experiment import Experiment, parameter_bytes, unmatched_rules
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
                                steps_text)
@@ -214,6 +214,33 @@ def _device_memory(device) -> Tuple[Optional[int], str]:
         n = max(1, len([d for d in jax.local_devices() if d.platform == "cpu"]))
         return available // n, f"the host's available memory shared by {n} CPU device(s)"
     return None, "unknown"
+
+
+def check_parameter_memory(settings: Settings) -> None:
+    """Refuses a model whose parameters alone cannot fit on the devices, before it is built
+    (building 100,000 layers, even abstractly, takes many minutes, and compiling them
+    longer): their bytes (:func:`~jaxmp.train.experiment.parameter_bytes`) split over every
+    device of the mesh, the most any ``parallel.strategy`` splits them, against a device's
+    memory (:func:`_device_memory`). The optimizer state, gradients and activations come on
+    top: :func:`check_memory` checks the compiled step.
+
+    Raises:
+      ValueError: the parameters need more than a device holds; the line gives both.
+    """
+    device = jax.local_devices()[0]
+    have, source = _device_memory(device)
+    if have is None:
+        return
+    need = parameter_bytes(settings.model, settings.rules)
+    n = settings.num_devices
+    if need / n > have:
+        m = settings.model
+        raise ValueError(
+            f"the model (model.num_layers={m.num_layers}, d_model {m.d_model}, "
+            f"{m.num_experts} routed experts) has {need / 2**30:,.1f} GiB of parameters: at "
+            f"least {need / n / 2**30:,.2f} GiB per device over the {n} devices however they are "
+            f"split, before optimizer state and activations, but a device has "
+            f"{have / 2**30:,.2f} GiB ({source}); use a smaller model or more devices")
 
 
 def check_memory(compiled, exp: Experiment) -> None:
@@ -470,6 +497,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         divergent (a subclass of TrainingStalled).
       Interrupted: SIGINT or SIGTERM (after saving a checkpoint when a step had run).
     """
+    check_parameter_memory(validate_config(config, num_devices))  # before the model is built
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
     check_data_path(exp.config.data.path)  # before the step compiles
     exp.check_tokenizer()  # before the workdir is made and the corpus read
