@@ -122,5 +122,5 @@ def test_start_up_faults_are_one_line_each_within_a_bounded_time(tmp_path):
         assert _lines(out[f"diff{me}"]) == [
             f"train.py: error: process {me} and process {other} were given different configs "
             f"(train.batch_size: {mine} here, {theirs} there); give every process the same "
-            "--config and --config.KEY=VALUE flags"], out[f"diff{me}"][-3000:]
+            "--workdir, --config and --config.KEY=VALUE flags"], out[f"diff{me}"][-3000:]
     assert not (tmp_path / "diff" / "checkpoints").exists()  # refused before any work

@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import stat
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmp._checks import BOOL, Choice, Int, Kind, Real, is_int
 from jaxmp.models.layers import FP8State
 from jaxmp.models.moe import RouterBias
 from jaxmp.models.transformer import ModelConfig, MoETransformer
@@ -71,17 +73,91 @@ IGNORED_FIELDS = frozenset({
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
     "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha", "seq_aux",
-    "_name_or_path", "tokenizer_class", "auto_map", "ep_size", "num_nextn_predict_layers",
+    "_name_or_path", "tokenizer_class", "auto_map", "ep_size",
     "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
     "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
     "problem_type", "max_window_layers", "qk_head_dim", "head_dim_for_mla",
 })
 
-# (field, value that jaxmp computes, meaning) the config must hold (absent = that value).
-_REQUIRED = {
-    "hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
-    "sliding_window": None, "use_sliding_window": False, "router_jitter_noise": 0.0,
-}
+# ---- config.json fields: each family's table of what it reads, typed and ranged -----------
+
+_NEEDED = type("_Needed", (), {"__repr__": lambda self: "NEEDED"})()
+_ABSENT = type("_Absent", (), {"__repr__": lambda self: "ABSENT"})()
+_REFUSED = type("_Refused", (), {"__repr__": lambda self: "REFUSED"})()
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """How one ``config.json`` field is read (an entry of :attr:`Family.specs`).
+
+    Attributes:
+      allowed: the values it may hold, a :mod:`jaxmp._checks` spec (``Int``, ``Real``,
+        ``Choice``, ``Kind``, ``BOOL``): integers are never bools, reals are finite.
+      default: its value when config.json leaves it out, transformers' default for the
+        family (None: as if ``null``); ``NEEDED``: required (transformers has no default,
+        or it is a shape field); ``ABSENT``: not read when left out (an alias).
+      null: what a JSON ``null`` stands for (``REFUSED``: null is not allowed).
+      exact: ``allowed`` lists the only values jaxmp computes exactly (a value outside it
+        "cannot be represented exactly" rather than being ill-typed).
+    """
+
+    allowed: Any
+    default: Any = _NEEDED
+    null: Any = _REFUSED
+    exact: bool = False
+
+
+_MAX_INT = 2 ** 31 - 1  # every count and size is an int32 array dimension or position
+_COUNT = Int(1, _MAX_INT)
+_COUNT0 = Int(0, _MAX_INT)
+_POSITIVE = Real(0.0, lo_open=True)
+_OBJECT = Kind(lambda v: isinstance(v, dict), "a JSON object {...} or null")
+_STRING = Kind(lambda v: isinstance(v, str), "a string")
+_NAMES = Kind(lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+              "a list of strings or null")
+_INDICES = Kind(lambda v: isinstance(v, list) and all(is_int(i) and 0 <= i <= _MAX_INT
+                                                     for i in v),
+                "a list of layer indices (integers >= 0) or null")
+
+
+def _fixed(*values: Any, text: Optional[str] = None) -> Field:
+    """A field with the only value(s) jaxmp computes; absent means the first."""
+    return Field(Choice(values, text or " or ".join(map(repr, values))), values[0],
+                 exact=True)
+
+
+def _specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
+           eps: float = 1e-6, theta: float = 10000.0, partial: float = 1.0,
+           d_ff: Any = _COUNT, window: Optional[int] = None, window_switch: Any = _ABSENT,
+           mtp: int = 0, **extra: Field) -> Dict[str, Field]:
+    """A family's :attr:`Family.specs`: the fields every family reads, with the
+    family's transformers defaults (``max_len``: ``max_position_embeddings``, ``eps``:
+    ``rms_norm_eps``, ``window``: ``sliding_window``, ``window_switch``:
+    ``use_sliding_window``, ``mtp``: ``num_nextn_predict_layers``), and ``extra``."""
+    specs = {
+        "vocab_size": Field(_COUNT), "hidden_size": Field(_COUNT),
+        "num_hidden_layers": Field(_COUNT), "num_attention_heads": Field(_COUNT),
+        "num_key_value_heads": Field(_COUNT, kv_heads, null=0),  # 0: num_attention_heads
+        "head_dim": Field(_COUNT, head_dim, null=0),  # 0: hidden_size / num_attention_heads
+        "intermediate_size": Field(d_ff),
+        "max_position_embeddings": Field(_COUNT, max_len),
+        "rms_norm_eps": Field(_POSITIVE, eps),
+        "tie_word_embeddings": Field(BOOL, False),
+        "rope_theta": Field(_POSITIVE, theta),
+        "partial_rotary_factor": Field(Real(0.0, 1.0, lo_open=True), partial),
+        "rope_scaling": Field(_OBJECT, None, null={}),
+        "rope_parameters": Field(_OBJECT, None, null={}),
+        "layer_types": Field(_NAMES, None, null=[]),
+        # MTP layers (DeepSeek-V3, GLM-4.5) are not read; their tensors are skipped.
+        "num_nextn_predict_layers": Field(_COUNT0, mtp, null=0),
+        "hidden_act": _fixed("silu"), "attention_dropout": _fixed(0.0, 0),
+        "mlp_bias": _fixed(False), "pretraining_tp": _fixed(1),
+        "router_jitter_noise": _fixed(0.0, 0),
+        "sliding_window": Field(_COUNT, window, null=None),
+        "use_sliding_window": Field(Choice((False,), "False"), window_switch, exact=True),
+    }
+    specs.update(extra)
+    return specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +170,16 @@ class Family:
       fixed: ModelConfig fields the family always has (``qk_norm=True`` for Qwen3).
       moe: the MoE key names ``{"experts": [...], "router": ..., "bias": ..., "shared": ...}``
         (None: a dense family).
+      specs: ``{config.json field: Field}``, every field the family reads (``fields`` and
+        those read by :func:`config_from_hf` itself): its type, range and default. A field
+        neither here nor in :data:`IGNORED_FIELDS` is refused.
     """
 
     architecture: str
     fields: Dict[str, str]
     fixed: Dict[str, Any]
     moe: Optional[Dict[str, Any]] = None
+    specs: Dict[str, Field] = dataclasses.field(default_factory=dict)
 
 
 _COMMON = {"vocab_size": "vocab_size", "hidden_size": "d_model",
@@ -114,24 +194,51 @@ _QWEN_MOE = {"num_experts": "num_experts", "num_local_experts": "num_experts",
 
 _EXPERTS_GUD = ("gate_proj", "up_proj", "down_proj")
 
+# The defaults below are transformers' (its configuration_<family>.py) where it has one;
+# the shape fields (sizes and counts of tensors) are required. Two keys naming one
+# ModelConfig field (num_experts / num_local_experts) are aliases: either one suffices.
+_NO_QKV_BIAS = _fixed(False)
+_ROUTED = dict(num_experts_per_tok=Field(_COUNT), moe_intermediate_size=Field(_COUNT))
+_DEEPSEEK = dict(  # DeepSeek-V2 and V3
+    _ROUTED, n_routed_experts=Field(_COUNT), num_local_experts=Field(_COUNT),
+    kv_lora_rank=Field(_COUNT), q_lora_rank=Field(_COUNT, null=0),  # null: plain q_proj
+    qk_nope_head_dim=Field(_COUNT), qk_rope_head_dim=Field(_COUNT), v_head_dim=Field(_COUNT),
+    moe_layer_freq=_fixed(1), attention_bias=_fixed(False))
+
 FAMILIES: Dict[str, Family] = {
-    "llama": Family("LlamaForCausalLM", dict(_COMMON, attention_bias="qkv_bias"), {}),
-    "mistral": Family("MistralForCausalLM", dict(_COMMON), {}),
-    "qwen2": Family("Qwen2ForCausalLM", dict(_COMMON), {"qkv_bias": True}),
+    "llama": Family("LlamaForCausalLM", dict(_COMMON, attention_bias="qkv_bias"), {},
+                    specs=_specs(max_len=2048, attention_bias=_fixed(
+                        False, text="false (jaxmp has no o_proj bias)"))),
+    "mistral": Family("MistralForCausalLM", dict(_COMMON), {},
+                      specs=_specs(max_len=131072, kv_heads=8, window=4096)),
+    "qwen2": Family("Qwen2ForCausalLM", dict(_COMMON), {"qkv_bias": True},
+                    specs=_specs(max_len=32768, kv_heads=32, window=4096,
+                                 window_switch=False)),
     "qwen3": Family("Qwen3ForCausalLM", dict(_COMMON, attention_bias="qkv_bias"),
-                    {"qk_norm": True}),
+                    {"qk_norm": True},
+                    specs=_specs(max_len=32768, kv_heads=32, head_dim=128, window=4096,
+                                 window_switch=False, attention_bias=_NO_QKV_BIAS)),
     "qwen3_moe": Family("Qwen3MoeForCausalLM",
                         dict(_COMMON, attention_bias="qkv_bias", **_QWEN_MOE),
                         {"qk_norm": True, "score_fn": "softmax", "num_shared_experts": 0,
                          "first_dense_layers": 0},
-                        {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate"}),
+                        {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate"},
+                        _specs(max_len=32768, kv_heads=4, window=4096, window_switch=False,
+                               d_ff=_COUNT0, attention_bias=_NO_QKV_BIAS, **_ROUTED,
+                               num_experts=Field(_COUNT), num_local_experts=Field(_COUNT),
+                               norm_topk_prob=Field(BOOL, False),
+                               mlp_only_layers=Field(_INDICES, None, null=[]),
+                               decoder_sparse_step=Field(_COUNT, 1))),
     "mixtral": Family("MixtralForCausalLM",
                       dict(_COMMON, num_local_experts="num_experts",
                            num_experts_per_tok="top_k", intermediate_size="d_expert"),
                       {"score_fn": "softmax", "num_shared_experts": 0,
                        "first_dense_layers": 0, "norm_topk_prob": True},
                       {"block": "block_sparse_moe", "experts": ("w1", "w3", "w2"),
-                       "router": "gate"}),
+                       "router": "gate"},
+                      _specs(max_len=131072, kv_heads=8, eps=1e-5, theta=1e6,
+                             num_local_experts=Field(_COUNT),
+                             num_experts_per_tok=Field(_COUNT))),
     "deepseek_v3": Family("DeepseekV3ForCausalLM",
                           dict(_COMMON, n_routed_experts="num_experts",
                                num_local_experts="num_experts",
@@ -147,52 +254,170 @@ FAMILIES: Dict[str, Family] = {
                           {"score_fn": "sigmoid"},
                           {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate",
                            "bias": "gate.e_score_correction_bias",
-                           "shared": "shared_experts"}),
+                           "shared": "shared_experts"},
+                          _specs(max_len=4096, kv_heads=128, d_ff=_COUNT0, mtp=1, **_DEEPSEEK,
+                                 n_shared_experts=Field(_COUNT0, 1),
+                                 first_k_dense_replace=Field(_COUNT0, 3),
+                                 norm_topk_prob=Field(BOOL, True, null=False),
+                                 routed_scaling_factor=Field(_POSITIVE, 2.5),
+                                 n_group=Field(_COUNT, 8), topk_group=Field(_COUNT, 4),
+                                 topk_method=_fixed("noaux_tc"), scoring_func=_fixed("sigmoid"),
+                                 rope_interleave=Field(BOOL, True))),
 }
 FAMILIES["deepseek_v2"] = Family(
     "DeepseekV2ForCausalLM", dict(FAMILIES["deepseek_v3"].fields),
     {"score_fn": "softmax", "rope_layout": "interleaved", "group_score": "max"},
-    {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate", "shared": "shared_experts"})
+    {"block": "mlp", "experts": _EXPERTS_GUD, "router": "gate", "shared": "shared_experts"},
+    _specs(max_len=2048, d_ff=_COUNT0, **_DEEPSEEK,
+           n_shared_experts=Field(_COUNT0, 2), first_k_dense_replace=Field(_COUNT0, 0),
+           norm_topk_prob=Field(Choice((False,), "false (transformers' DeepseekV2 never "
+                                                 "normalizes)"), False, null=False, exact=True),
+           routed_scaling_factor=Field(_POSITIVE, 1.0),
+           n_group=Field(_COUNT, None, null=None), topk_group=Field(_COUNT, None, null=None),
+           topk_method=_fixed("greedy", "group_limited_greedy"),
+           scoring_func=_fixed("softmax")))
 FAMILIES["glm4_moe"] = Family(
     "Glm4MoeForCausalLM",
     dict(_COMMON, attention_bias="qkv_bias", use_qk_norm="qk_norm",
          **{k: v for k, v in FAMILIES["deepseek_v3"].fields.items()
             if k not in _COMMON and "lora" not in k and "head_dim" not in k}),
-    {"score_fn": "sigmoid"}, FAMILIES["deepseek_v3"].moe)
+    {"score_fn": "sigmoid"}, FAMILIES["deepseek_v3"].moe,
+    _specs(max_len=131072, kv_heads=8, eps=1e-5, partial=0.5, d_ff=_COUNT0, mtp=1, **_ROUTED,
+           attention_bias=Field(BOOL, False), use_qk_norm=Field(BOOL, False),
+           n_routed_experts=Field(_COUNT), num_local_experts=Field(_COUNT),
+           n_shared_experts=Field(_COUNT0, 1), first_k_dense_replace=Field(_COUNT0, 1),
+           norm_topk_prob=Field(BOOL, True), routed_scaling_factor=Field(_POSITIVE, 1.0),
+           n_group=Field(_COUNT, 1), topk_group=Field(_COUNT, 1)))
+for _fam in FAMILIES.values():  # every field a family maps is in its table
+    assert set(_fam.fields) <= set(_fam.specs), set(_fam.fields) - set(_fam.specs)
 
-# Fields a family reads besides FAMILIES[...].fields, checked in config_from_hf.
-_FAMILY_CHECKS = {
-    "qwen3_moe": {"decoder_sparse_step"},
-    "deepseek_v3": {"topk_method", "scoring_func", "rope_interleave", "moe_layer_freq",
-                    "attention_bias"},
-    "deepseek_v2": {"topk_method", "scoring_func", "moe_layer_freq", "attention_bias"},
-    "glm4_moe": set(),
+# rope_scaling / rope_parameters keys: their types, and the rope_type(s) that read them.
+_ROPE_PARAMS: Dict[str, Field] = {
+    "factor": Field(_POSITIVE),
+    "original_max_position_embeddings": Field(_COUNT),
+    "low_freq_factor": Field(_POSITIVE), "high_freq_factor": Field(_POSITIVE),
+    "beta_fast": Field(_POSITIVE, None, null=None),
+    "beta_slow": Field(_POSITIVE, None, null=None),
+    "mscale": Field(Real(), None, null=None), "mscale_all_dim": Field(Real(), None, null=None),
+    "truncate": _fixed(True),
+    "attention_factor": Field(Choice((), "unset (derived from factor and mscale)"), None,
+                              null=None, exact=True),
 }
-
-_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+_ROPE_TYPES = {
+    "default": (),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate", "attention_factor"),
+}
 
 # The fields from_pretrained's overrides may set: how the model runs, not what it is.
 RUNTIME_FIELDS = ("max_len", "attention", "moe_kernel", "scan_layers", "remat",
                   "capacity_factor", "aux_loss_weight", "bias_update_rate")
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` on one line, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _name(key: Any) -> str:
+    """A field's name for a one-line message (``repr`` when it is not printable text)."""
+    return key if isinstance(key, str) and key.isprintable() else repr(key)
+
+
 def _err(model_type: str, field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"config.json ({model_type}): {field}={value!r} cannot be represented "
-                      f"exactly; allowed: {allowed}")
+    return ValueError(f"config.json ({model_type}): {field}={_short(value)} cannot be "
+                      f"represented exactly; allowed: {allowed}")
 
 
-def _rope_fields(model_type: str, hf: Dict[str, Any], out: Dict[str, Any]) -> None:
+def _bad(model_type: str, field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"config.json ({model_type}): {field}={_short(value)} is not allowed; "
+                      f"allowed: {allowed}")
+
+
+def _missing(model_type: str, field: str, allowed: str, why: str = "") -> ValueError:
+    return ValueError(f"config.json ({model_type}): {field} is missing{why}; it is required "
+                      f"(allowed: {allowed})")
+
+
+def _non_finite(data: Any) -> Optional[Tuple[str, Any]]:
+    """``(path, value)`` of the first non-finite number (NaN, Infinity) anywhere in parsed
+    JSON ``data`` (``rope_scaling.factor``, ``mlp_only_layers[2]``), else None."""
+    stack = [("", data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return path or "(the whole file)", x
+        if isinstance(x, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in
+                         reversed(list(x.items())))
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+    return None
+
+
+def _read_field(model_type: str, name: str, spec: Field, present: bool, value: Any) -> Any:
+    """The checked value of one field (``present``: config.json gives ``value``), its
+    default when absent, what null stands for when null; ``_ABSENT`` when not read."""
+    if not present:
+        if spec.default is _NEEDED:
+            raise _missing(model_type, name, spec.allowed.allowed)
+        if spec.default is _ABSENT:
+            return _ABSENT
+        value = spec.default
+    if value is None:
+        if spec.null is _REFUSED:
+            raise _bad(model_type, name, None, spec.allowed.allowed)
+        return spec.null
+    if not spec.allowed.ok(value):
+        raise (_err if spec.exact else _bad)(model_type, name, value, spec.allowed.allowed)
+    return value
+
+
+def _field_values(model_type: str, hf: Dict[str, Any]) -> Dict[str, Any]:
+    """``{field: checked value}`` for every field of the family's :attr:`Family.specs`
+    (defaults filled in); a missing, null or ill-typed field is a one-line ValueError."""
+    fam = FAMILIES[model_type]
+    vals = {}
+    for key, spec in fam.specs.items():
+        target = fam.fields.get(key)
+        present = key in hf
+        if not present and spec.default is _NEEDED and target is not None and any(
+                k in hf for k, t in fam.fields.items() if t == target and k != key):
+            continue  # an alias (num_local_experts for num_experts, ...) says it
+        value = _read_field(model_type, key, spec, present, hf.get(key))
+        if value is not _ABSENT:
+            vals[key] = value
+    return vals
+
+
+def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
+                 out: Dict[str, Any]) -> None:
     """The RoPE fields of ``out`` from the old (``rope_theta`` + ``rope_scaling``) or new
-    (``rope_parameters``) transformers layout."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = hf.get("rope_theta", params.pop("rope_theta", 10000.0))
-    params.pop("rope_theta", None)
-    merged = {**scaling, **params}
+    (``rope_parameters``) transformers layout, each key checked (:data:`_ROPE_PARAMS`)."""
+    specs = FAMILIES[model_type].specs
+    merged: Dict[str, Any] = {}
+    where: Dict[str, str] = {}  # key -> the dict it came from, for the messages
+    for source in ("rope_scaling", "rope_parameters"):  # rope_parameters' keys win
+        for key, value in vals[source].items():
+            name = f"{source}.{key}"
+            if key in ("rope_type", "type"):
+                value = _read_field(model_type, name, Field(_STRING), True, value)
+            elif key in ("rope_theta", "partial_rotary_factor"):
+                value = _read_field(model_type, name, specs[key], True, value)
+            elif key in _ROPE_PARAMS:
+                value = _read_field(model_type, name, _ROPE_PARAMS[key], True, value)
+            merged[key], where[key] = value, source
+    prefix = "rope_parameters" if vals["rope_parameters"] and not vals["rope_scaling"] \
+        else "rope_scaling"
+    theta = merged.pop("rope_theta", vals["rope_theta"])
+    if "rope_theta" in hf:  # the top-level field wins over rope_parameters'
+        theta = vals["rope_theta"]
     kind = merged.pop("rope_type", merged.pop("type", "default"))
-    # transformers' Glm4MoeConfig sets 0.5 where config.json gives no factor.
-    partial = merged.pop("partial_rotary_factor", hf.get(
-        "partial_rotary_factor", 0.5 if model_type == "glm4_moe" else 1.0))
+    # transformers' Glm4MoeConfig sets 0.5 where config.json gives no factor (the default).
+    partial = merged.pop("partial_rotary_factor", vals["partial_rotary_factor"])
     out["rope_theta"] = float(theta)
     if partial != 1.0:
         if out.get("kv_lora_rank"):
@@ -201,46 +426,49 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], out: Dict[str, Any]) -> No
         if out["rope_dim"] != out["head_dim"] * partial:
             raise _err(model_type, "partial_rotary_factor", partial,
                        "a factor giving a whole number of rotated dimensions")
+    merged = {k: v for k, v in merged.items()  # a known key's null: as if absent
+              if v is not None or k not in _ROPE_PARAMS}
+    if kind not in _ROPE_TYPES:
+        raise _err(model_type, f"{where.get('rope_type', where.get('type', prefix))}.rope_type",
+                   kind, ", ".join(_ROPE_TYPES))
+    for key in sorted(merged):
+        if key not in _ROPE_TYPES[kind]:
+            raise _err(model_type, f"{where[key]}.{key}", merged[key],
+                       f"the {kind} parameters" if _ROPE_TYPES[kind] else
+                       "no parameters for rope_type default")
     if kind == "default":
-        if merged:
-            raise _err(model_type, "rope_scaling", merged, "no parameters for rope_type default")
         return
-    if kind not in ("llama3", "yarn"):
-        raise _err(model_type, "rope_scaling.rope_type", kind, "default, llama3, yarn")
+    for key in _ROPE_TYPES[kind]:
+        if key not in merged and _ROPE_PARAMS[key].default is _NEEDED:
+            raise _missing(model_type, f"{prefix}.{key}", _ROPE_PARAMS[key].allowed.allowed,
+                           f" (rope_type {kind} needs it)")
     out["rope_scaling"] = kind
-    original = merged.pop("original_max_position_embeddings", None)
-    if original is None:
-        raise _err(model_type, "rope_scaling.original_max_position_embeddings", None,
-                   "an integer")
-    out["rope_original_max_len"] = int(original)
-    factor = merged.pop("factor", None)
-    if factor is None:
-        if kind != "yarn":
-            raise _err(model_type, "rope_scaling.factor", None, "a number")
-        factor = hf["max_position_embeddings"] / original
-    out["rope_factor"] = float(factor)
+    out["rope_original_max_len"] = int(merged["original_max_position_embeddings"])
+    out["rope_factor"] = float(merged["factor"])
     names = ({"low_freq_factor": "rope_low_freq_factor",
               "high_freq_factor": "rope_high_freq_factor"} if kind == "llama3" else
              {"beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
               "mscale": "rope_mscale", "mscale_all_dim": "rope_mscale_all_dim"})
     for key, field in names.items():
-        if merged.get(key) is not None:
-            out[field] = float(merged.pop(key))
-        merged.pop(key, None)
-    if kind == "yarn":
-        if merged.pop("truncate", True) is not True:
-            raise _err(model_type, "rope_scaling.truncate", False, "true")
-        if merged.get("attention_factor") is not None:
-            raise _err(model_type, "rope_scaling.attention_factor", merged["attention_factor"],
-                       "unset (derived from factor and mscale)")
-        merged.pop("attention_factor", None)
-    if merged:
-        key = sorted(merged)[0]
-        raise _err(model_type, f"rope_scaling.{key}", merged[key], f"the {kind} parameters")
+        if key in merged:
+            out[field] = float(merged[key])
+    if kind == "llama3" and not merged["high_freq_factor"] > merged["low_freq_factor"]:
+        raise _bad(model_type, f"{where['high_freq_factor']}.high_freq_factor",
+                   merged["high_freq_factor"],
+                   f"a number > low_freq_factor={merged['low_freq_factor']}")
 
 
 def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     """ModelConfig fields for a transformers ``config.json``.
+
+    Every field is read through the family's table (:attr:`Family.specs`): the fields
+    transformers has no default for, and the shape fields (``vocab_size``,
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``intermediate_size``, the expert counts and sizes, the MLA ranks), are required; the
+    others take transformers' default for the family when left out (``rms_norm_eps``,
+    ``rope_theta``, ``max_position_embeddings``, ...). Integers must be integers (not
+    bools) in range, reals finite and in range, bools bools; no number anywhere in the
+    file may be NaN or infinite.
 
     Args:
       hf: the parsed ``config.json``.
@@ -250,78 +478,77 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
       ``attention`` are left to the caller).
 
     Raises:
-      ValueError: an unknown ``model_type`` or a field that cannot be represented exactly
-        (one line, naming the field and what is allowed).
+      ValueError: one line naming the field and what is allowed: ``hf`` not a JSON object,
+        an unknown ``model_type``, an unknown field, a required field missing, a field
+        null, ill-typed or out of range, a non-finite number anywhere, or a value that
+        cannot be represented exactly.
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json: {_short(hf)} is not a JSON object of fields "
+                         f"({type(hf).__name__}); allowed: an object {{...}}")
+    bad = _non_finite(hf)
+    if bad is not None:
+        raise ValueError(f"config.json: {bad[0]}={bad[1]!r} is not a finite number; "
+                         f"allowed: finite numbers only")
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"config.json: model_type={model_type!r} is not supported; "
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ValueError(f"config.json: model_type={_short(model_type)} is not supported; "
                          f"allowed: {', '.join(FAMILIES)}")
     fam = FAMILIES[model_type]
-    known = (set(fam.fields) | IGNORED_FIELDS | set(_REQUIRED) | set(_ROPE_KEYS)
-             | _FAMILY_CHECKS.get(model_type, set()) | {"layer_types"})
     for key in hf:
-        if key not in known:
-            raise _err(model_type, key, hf[key], "the fields jaxmp.models.hf implements "
-                                                 "(unknown field)")
-    for key, want in _REQUIRED.items():
-        if key not in hf or hf[key] == want:
-            continue
-        if key == "sliding_window" and hf.get("use_sliding_window") is False:
-            continue  # Qwen2/3 keep the size with the window switched off
-        raise _err(model_type, key, hf[key], repr(want))
-    if any(t != "full_attention" for t in hf.get("layer_types") or ()):
+        if key not in fam.specs and key not in IGNORED_FIELDS:
+            raise _err(model_type, _name(key), hf[key],
+                       "the fields jaxmp.models.hf implements (unknown field)")
+    vals = _field_values(model_type, hf)
+    if vals["sliding_window"] is not None and vals.get("use_sliding_window") is not False:
+        raise _err(model_type, "sliding_window", vals["sliding_window"],
+                   "None" + ("" if "sliding_window" in hf else
+                             f" (absent: transformers' {model_type} default)"))
+    if any(t != "full_attention" for t in vals["layer_types"]):
         raise _err(model_type, "layer_types", hf["layer_types"], "only full_attention")
     out: Dict[str, Any] = {"num_experts": 0}
+    said: Dict[str, str] = {}  # ModelConfig field -> the config.json field that set it
     for key, field in fam.fields.items():
-        if key in hf and hf[key] is not None:
-            out[field] = hf[key]
+        if key not in vals:
+            continue
+        if field in said and vals[said[field]] != vals[key]:
+            raise _bad(model_type, key, vals[key], f"{said[field]}'s value "
+                                                   f"{vals[said[field]]!r} (both name {field})")
+        out[field], said[field] = vals[key], key
     out.update(fam.fixed)
-    if model_type == "glm4_moe":
-        out.setdefault("n_group", 1)
-        out.setdefault("topk_group", out["n_group"])
-    if model_type == "llama" and out.get("qkv_bias"):
-        raise _err(model_type, "attention_bias", True, "false (jaxmp has no o_proj bias)")
-    if model_type in ("qwen3", "qwen3_moe") and out.pop("qkv_bias", False):
-        raise _err(model_type, "attention_bias", True, "false")
+    if model_type in ("qwen3", "qwen3_moe"):
+        out.pop("qkv_bias", None)
     if model_type == "qwen3_moe":
-        step = int(hf.get("decoder_sparse_step", 1))
-        dense = set(out.get("mlp_only_layers") or ())
+        step = vals["decoder_sparse_step"]
+        dense = set(out["mlp_only_layers"])
         dense |= {i for i in range(out["num_layers"]) if (i + 1) % step}
         out["mlp_only_layers"] = tuple(sorted(dense))
-        out["norm_topk_prob"] = bool(out.get("norm_topk_prob", False))
     if model_type in ("deepseek_v2", "deepseek_v3"):
         v3 = model_type == "deepseek_v3"
-        checks = {"topk_method": ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy"),
-                  "scoring_func": ("sigmoid" if v3 else "softmax",), "moe_layer_freq": (1,),
-                  "attention_bias": (False,)}
-        for key, want in checks.items():
-            if key in hf and hf[key] not in want:
-                raise _err(model_type, key, hf[key], " or ".join(map(repr, want)))
-        if not v3 and hf.get("topk_method", "greedy") == "greedy":
+        if not v3 and vals["topk_method"] == "greedy":
             out["n_group"] = out["topk_group"] = 1  # transformers' greedy ignores the groups
-        elif not v3 and out.get("num_experts"):  # group_limited_greedy
-            per_group = out["num_experts"] // max(1, out.get("n_group") or 1)
-            if out.get("top_k", 1) > (out.get("topk_group") or 1) * per_group:
-                raise _err(model_type, "num_experts_per_tok", out.get("top_k"),
+        elif not v3:  # group_limited_greedy
+            for key in ("n_group", "topk_group"):
+                if out[key] is None:
+                    raise (_bad(model_type, key, None, "an integer >= 1 with topk_method "
+                                                       "group_limited_greedy")
+                           if key in hf else _missing(model_type, key, "an integer >= 1",
+                                                      " with topk_method group_limited_greedy"))
+            per_group = out["num_experts"] // out["n_group"]
+            if out["top_k"] > out["topk_group"] * per_group:
+                raise _err(model_type, "num_experts_per_tok", out["top_k"],
                            "at most topk_group x the experts of a group (transformers "
                            "would pick masked experts with gate 0)")
         if v3:
-            out["rope_layout"] = "interleaved" if hf.get("rope_interleave", True) else "half"
-        elif out.get("norm_topk_prob"):  # transformers' DeepseekV2 never normalizes
-            raise _err(model_type, "norm_topk_prob", True, "false")
+            out["rope_layout"] = "interleaved" if vals["rope_interleave"] else "half"
         out.pop("head_dim", None)
         out.pop("num_kv_heads", None)
-        out.setdefault("n_group", 1)
-        out.setdefault("topk_group", out["n_group"])
-        out.setdefault("q_lora_rank", 0)
     if "quantization_config" in hf:
         raise _err(model_type, "quantization_config", hf["quantization_config"], "absent")
-    out["tie_embeddings"] = bool(out.get("tie_embeddings", False))
     out.setdefault("head_dim", 0)
     if not out.get("kv_lora_rank"):
         out["head_dim"] = out["head_dim"] or out["d_model"] // out["num_heads"]
-    _rope_fields(model_type, hf, out)
+    _rope_fields(model_type, hf, vals, out)
     if out["num_experts"]:
         out.setdefault("d_ff", 0)
         out["bias_update_rate"] = 0.0
@@ -465,48 +692,200 @@ def _safetensors():
     return safetensors
 
 
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+# The dtypes a weight may be stored in (safetensors' names): floating point, not FP8
+# (FP8 checkpoints come with a quantization_config, which jaxmp does not read).
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# Tensors a checkpoint may hold that jaxmp does not read, on purpose: RoPE's inverse
+# frequencies, a buffer older transformers saved (jaxmp computes them from rope_theta).
+_SKIPPED = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _first(names: List[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def _regular(file: str, what: str, missing_ok: bool = False) -> bool:
+    """Whether ``file`` is a regular file (after symbolic links), checked with ``os.stat``
+    alone: a FIFO, a device or a directory is refused without being opened (opening a
+    FIFO for reading blocks). False when nothing is there and ``missing_ok``.
+
+    Raises:
+      ValueError: ``file`` is not a regular file, is missing (unless ``missing_ok``) or a
+        broken symbolic link (one line naming it and ``what`` it should be).
+    """
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        if os.path.islink(file):
+            raise ValueError(f"{file}: a broken symbolic link; the checkpoint's {what} must "
+                             f"be a regular file") from None
+        if missing_ok:
+            return False
+        raise ValueError(f"{file}: no such file; the checkpoint's {what} must be a regular "
+                         f"file") from None
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read the checkpoint's {what} "
+                         f"({_one_line(e)})") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a character device" if stat.S_ISCHR(mode) else "a block device"
+                if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special")
+        raise ValueError(f"{file}: {kind}, not a regular file; the checkpoint's {what} must "
+                         f"be a regular file (refused unread)")
+    return True
+
+
+def _json_kind(data: Any) -> str:
+    return ("null" if data is None else "a JSON array" if isinstance(data, list) else
+            "a string" if isinstance(data, str) else "a boolean" if isinstance(data, bool)
+            else f"the number {data!r}" if isinstance(data, (int, float)) else
+            type(data).__name__)
+
+
+def _read_json(file: str, what: str, finite: bool = True) -> Dict[str, Any]:
+    """The JSON object in regular file ``file`` (the checkpoint's ``what``).
+
+    Raises:
+      ValueError: not a regular file, not JSON, not an object, or (``finite``) a
+        non-finite number anywhere (one line naming the file and, for a number, the key).
+    """
+    _regular(file, what)
+    try:
+        with open(file, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8
+        raise ValueError(f"{file}: cannot read the checkpoint's {what} "
+                         f"({_one_line(e)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: the checkpoint's {what} is {_json_kind(data)}; allowed: a "
+                         f"JSON object {{...}}")
+    bad = _non_finite(data) if finite else None
+    if bad is not None:
+        raise ValueError(f"{file}: {bad[0]}={bad[1]!r} is not a finite number; allowed: "
+                         f"finite numbers only")
+    return data
+
+
+def _plain_name(directory: str, name: Any) -> bool:
+    """``name`` is a plain file name inside ``directory``: no path separator, not ``..``,
+    not absolute, lexically inside the directory once joined."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\x00" in name:
+        return False
+    if any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep)):
+        return False
+    if os.path.isabs(name):
+        return False
+    joined = os.path.abspath(os.path.join(directory, name))
+    return os.path.dirname(joined) == os.path.abspath(directory)
+
+
 class _Files:
-    """The checkpoint's tensors by name over its (possibly sharded) safetensors files."""
+    """The checkpoint's tensors by name over its (possibly sharded) safetensors files.
+
+    Nothing is taken on trust: the index must map tensor names to plain file names inside
+    the directory, every file must be a regular file (checked before it is opened) and a
+    readable safetensors file, a shard must hold only the tensors the index maps to it,
+    and every slice read must be finite. Each fault is a one-line ``ValueError`` naming
+    the file (and the tensor).
+    """
 
     def __init__(self, path: str):
-        safe_open = _safetensors().safe_open
-
-        index = os.path.join(path, "model.safetensors.index.json")
-        single = os.path.join(path, "model.safetensors")
-        if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.exists(single):
-            with safe_open(single, "np") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
+        self.path, self._safe_open = path, _safetensors().safe_open
+        self._headers: Dict[str, Dict[str, Tuple[Tuple[int, ...], str]]] = {}
+        index = os.path.join(path, _INDEX)
+        if _regular(index, _INDEX, missing_ok=True):
+            weight_map = _read_json(index, _INDEX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: weight_map={_short(weight_map)} is not allowed; "
+                                 f"allowed: a JSON object {{tensor name: file name}}")
+            for name, file in weight_map.items():
+                if not _plain_name(path, file):
+                    raise ValueError(f"{index}: weight_map[{name!r}]={_short(file)} is not a "
+                                     f"file inside the checkpoint directory; allowed: a plain "
+                                     f"file name (no path separator, not '..')")
+            self.indexed, self.weight_map = True, weight_map
+        elif _regular(os.path.join(path, _SINGLE), _SINGLE, missing_ok=True):
+            self.indexed, self.weight_map = False, {}
+            self.weight_map = dict.fromkeys(self._header(_SINGLE), _SINGLE)
         else:
             raise ValueError(f"{path}: neither model.safetensors nor "
                              f"model.safetensors.index.json found")
-        self.path, self.weight_map = path, weight_map
-        self._safe_open, self._shapes = safe_open, {}
 
-    def slice(self, name: str):
-        """The tensor's lazy slice over a mapping of its file opened for this read only:
-        when the slice is dropped the file is unmapped, so the pages read do not stay in
-        the process's resident memory (a cached handle kept the whole checkpoint's pages
-        resident: benchmarks/hf_load_memory.py)."""
-        if name not in self.weight_map:
-            raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
-        with self._safe_open(os.path.join(self.path, self.weight_map[name]), "np") as f:
-            return f.get_slice(name)
+    def _header(self, file: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """``{tensor: (shape, dtype)}`` of weight file ``file`` (its header, read once)."""
+        if file not in self._headers:
+            full = os.path.join(self.path, file)
+            _regular(full, "weight file")
+            try:
+                header = {}
+                with self._safe_open(full, "np") as f:
+                    for k in f.keys():
+                        sl = f.get_slice(k)
+                        header[k] = (tuple(sl.get_shape()), sl.get_dtype())
+            except Exception as e:  # noqa: BLE001  SafetensorError, OSError: damaged
+                raise ValueError(f"{full}: not a readable safetensors file "
+                                 f"({_one_line(e)})") from None
+            if self.indexed:
+                extra = sorted(k for k in header if self.weight_map.get(k) != file)
+                if extra:
+                    raise ValueError(f"{full}: holds {len(extra)} tensor(s) that {_INDEX} "
+                                     f"does not map to it: {_first(extra)}")
+            self._headers[file] = header
+        return self._headers[file]
 
-    def shape(self, name: str) -> Tuple[int, ...]:
-        """The tensor's shape, from its file's header (each file's header is read once)."""
+    def info(self, name: str) -> Tuple[Tuple[int, ...], str]:
+        """The tensor's ``(shape, dtype)``, from its file's header."""
         if name not in self.weight_map:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
         file = self.weight_map[name]
-        if file not in self._shapes:
-            with self._safe_open(os.path.join(self.path, file), "np") as f:
-                self._shapes[file] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        if name not in self._shapes[file]:
+        header = self._header(file)
+        if name not in header:
             raise ValueError(f"{self.path}: {file} has no tensor {name!r} (the index says "
                              f"it has)")
-        return self._shapes[file][name]
+        return header[name]
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The tensor's shape, from its file's header (each file's header is read once)."""
+        return self.info(name)[0]
+
+    def read(self, name: str, index) -> np.ndarray:
+        """``tensor[index]`` read from a mapping of its file opened for this read only
+        (when it closes the file is unmapped, so the pages read do not stay in the
+        process's resident memory: a cached handle kept the whole checkpoint's pages
+        resident, benchmarks/hf_load_memory.py).
+
+        Raises:
+          ValueError: the read fails, or the slice holds a NaN or an infinity (naming the
+            tensor and its file).
+        """
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        file = os.path.join(self.path, self.weight_map[name])
+        try:
+            with self._safe_open(file, "np") as f:
+                x = np.asarray(f.get_slice(name)[index])
+        except Exception as e:  # noqa: BLE001  SafetensorError, OSError
+            raise ValueError(f"{file}: cannot read tensor {name} ({_one_line(e)})") from None
+        if not _all_finite(x):
+            raise ValueError(f"{file}: tensor {name} holds non-finite values (NaN or "
+                             f"infinity); allowed: finite weights")
+        return x
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """No NaN or infinity in ``x``, without an array of its size in memory: the float64
+    sum of finite float16/bfloat16/float32 values is finite; only a non-finite sum (or a
+    float64 sum that overflows) is looked at element by element."""
+    if x.size == 0 or math.isfinite(float(x.sum(dtype=np.float64))):
+        return True
+    return bool(np.isfinite(x).all())
 
 
 def _norm_index(index, shape):
@@ -520,15 +899,14 @@ def _norm_index(index, shape):
 
 
 def _read(files: _Files, name: str, kind: str, shape: Tuple[int, ...], index) -> np.ndarray:
-    sl = files.slice(name)
     if kind == "same":
-        return np.asarray(sl[index])
+        return files.read(name, index)
     if kind == "vec":
-        return np.asarray(sl[:]).reshape(shape)[index]
+        return files.read(name, slice(None)).reshape(shape)[index]
     if kind == "in":  # ours [in, *out]
-        w = np.asarray(sl[:, index[0]])  # [out, in_local]
+        w = files.read(name, (slice(None), index[0]))  # [out, in_local]
         return w.T.reshape((w.shape[1],) + tuple(shape[1:]))[(slice(None),) + tuple(index[1:])]
-    w = np.asarray(sl[index[-1], :])  # "out": ours [*in, out]; w [out_local, in]
+    w = files.read(name, (index[-1], slice(None)))  # "out": ours [*in, out]; w [out_local, in]
     return w.T.reshape(tuple(shape[:-1]) + (w.shape[0],))[tuple(index[:-1]) + (slice(None),)]
 
 
@@ -629,8 +1007,48 @@ def _load_array(files: _Files, config, family, layers, key, stacked, shape, dtyp
     return _read(files, name, kind, shape, tuple(index)).astype(dtype)
 
 
+def _check_names(files: _Files, config: ModelConfig, family: str, mtp_layers: range) -> None:
+    """Before the model is built: every tensor ``config`` needs is in the checkpoint's
+    weight map (a set lookup per name, layer by layer, failing at the first layer that
+    lacks one: a config.json of a million layers over a 2-layer file fails at layer 2 at
+    once), and every tensor of the checkpoint is one of them, except those skipped on
+    purpose: RoPE's ``rotary_emb.inv_freq`` buffers, the multi-token-prediction layers
+    ``model.layers.{n}..`` that ``num_nextn_predict_layers`` announces (``mtp_layers``:
+    DeepSeek-V3 and GLM-4.5 keep them after the ``n`` layers, jaxmp does not read them) and
+    ``lm_head.weight`` with tied embeddings (transformers ties it to the embedding too).
+
+    Raises:
+      ValueError: a missing tensor (named, with its layer), or unused tensors (their count
+        and first names).
+    """
+    have = files.weight_map
+    used = set()
+    for key, (name, _) in _global_table(config).items():
+        if name not in have:
+            raise ValueError(f"{files.path}: the checkpoint has no tensor {name!r} (jaxmp "
+                             f"{key})")
+        used.add(name)
+    for i in range(config.num_layers):
+        for key, (name, _) in _layer_table(config, family, i).items():
+            for n in (name if isinstance(name, tuple) else (name,)):
+                if n not in have:
+                    raise ValueError(f"{files.path}: the checkpoint has no tensor {n!r}: "
+                                     f"layer {i} is missing or incomplete, and config.json "
+                                     f"says {config.num_layers} layers (jaxmp {key})")
+                used.add(n)
+    mtp = tuple(f"model.layers.{j}." for j in mtp_layers)
+    unused = sorted(n for n in have if n not in used and not _SKIPPED.fullmatch(n)
+                    and not n.startswith(mtp)
+                    and not (config.tie_embeddings and n == "lm_head.weight"))
+    if unused:
+        raise ValueError(f"{files.path}: {len(unused)} tensor(s) of the checkpoint are not "
+                         f"used by the {family} model its config.json describes "
+                         f"({config.num_layers} layers): {_first(unused)}")
+
+
 def _check_shapes(files: _Files, model: MoETransformer, family: str, sources) -> None:
-    """Every tensor the model needs exists with the shape jaxmp expects (before loading)."""
+    """Every tensor the model needs exists with the shape jaxmp expects and a floating
+    dtype (before loading)."""
     config = model.config
     for path, var in nnx.to_flat_state(nnx.state(model)):
         layers, key, stacked = sources[tuple(str(x) for x in path)]
@@ -648,7 +1066,13 @@ def _check_shapes(files: _Files, model: MoETransformer, family: str, sources) ->
                       "in": (int(np.prod(want[1:])), want[0]) if want else (),
                       "out": (want[-1], int(np.prod(want[:-1]))) if want else ()}[kind]
             for n in names:
-                have = files.shape(n)
+                have, dtype = files.info(n)
+                if dtype not in _FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{os.path.join(files.path, files.weight_map[n])}: tensor {n} has "
+                        f"dtype {dtype}; allowed: {', '.join(_FLOAT_DTYPES)}"
+                        + (" (FP8 weights need a quantization_config, which jaxmp does not "
+                           "read)" if dtype.startswith("F8") else ""))
                 if have != tuple(expect):
                     raise ValueError(f"{files.path}: tensor {n} has shape {list(have)}; the "
                                      f"config.json says {list(expect)} (jaxmp {key})")
@@ -675,8 +1099,14 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
       The model; ``model(tokens)`` returns ``(logits, aux)``.
 
     Raises:
-      ValueError: a config.json field that cannot be represented (named), an override
-        outside :data:`RUNTIME_FIELDS`, a missing tensor or a tensor of the wrong shape.
+      ValueError: one line, naming the file, field or tensor and what is allowed: a
+        config.json or index that is not a regular file, not JSON or not an object; a
+        config.json field missing, ill-typed, out of range, non-finite or not representable
+        (:func:`config_from_hf`); an override outside :data:`RUNTIME_FIELDS`; a weight file
+        named outside the directory, not a regular file or not a readable safetensors
+        file; a missing tensor, an unused one, one of the wrong shape or of a non-float
+        dtype (all before any weight is read); a weight holding a NaN or an infinity (as
+        it is read).
       ImportError: safetensors is not installed (the ``train`` extra), before any work.
     """
     _safetensors()
@@ -692,17 +1122,15 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
 
 
 def read_config(path: str) -> Dict[str, Any]:
-    """The parsed ``config.json`` of checkpoint directory ``path``.
+    """The parsed ``config.json`` of checkpoint directory ``path`` (its fields are
+    checked by :func:`config_from_hf`).
 
     Raises:
-      ValueError: no readable ``config.json`` there.
+      ValueError: one line naming the file: no ``config.json`` there, or not a regular
+        file (a FIFO, a device or a directory: refused without being opened), not JSON,
+        not a JSON object, or holding a non-finite number (NaN, Infinity; the key named).
     """
-    file = os.path.join(path, "config.json")
-    try:
-        with open(file) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: cannot read the checkpoint's config.json ({e})") from None
+    return _read_json(os.path.join(path, "config.json"), "config.json")
 
 
 def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
@@ -712,8 +1140,13 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
     checks that first); the tensors' shapes are checked before anything is read.
     ``target``: the compile target of the model's kernel choices (``MoETransformer``'s).
 
+    Before the model is built (even abstractly), the checkpoint's weight map must have
+    every tensor ``config`` needs and no other (:func:`_check_names`); then every file's
+    header is read and each tensor's shape and dtype checked; each slice is checked finite
+    as it is read.
+
     Raises:
-      ValueError: an unsupported family, a missing tensor or one of the wrong shape.
+      ValueError: as :func:`from_pretrained` (one line naming the file, field or tensor).
       ImportError: safetensors is not installed (the ``train`` extra).
     """
     _safetensors()
@@ -721,6 +1154,9 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
     config_from_hf(hf)
     family = hf["model_type"]
     files = _Files(path)
+    layers = hf["num_hidden_layers"]
+    _check_names(files, config, family,
+                 range(layers, layers + _field_values(family, hf)["num_nextn_predict_layers"]))
     abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0),
                                                      target=target))
     sources = _param_sources(abstract, family)
@@ -884,20 +1320,24 @@ def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
     choice, :data:`jaxmp.train.tokenizer.EOS_CANDIDATES`).
 
     Raises:
-      ValueError: an ``eos_token`` that the tokenizer does not have.
+      ValueError: an ``eos_token`` that the tokenizer does not have, or either file not a
+        regular file (refused unopened) or, for ``tokenizer_config.json``, not a JSON
+        object with a string ``eos_token`` (one line naming the file).
     """
     file = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(file):
+    if not _regular(file, "tokenizer.json", missing_ok=True):
         return None
     eos = None
     config = os.path.join(path, "tokenizer_config.json")
-    if os.path.exists(config):
-        with open(config) as f:
-            eos = json.load(f).get("eos_token")
+    if _regular(config, "tokenizer_config.json", missing_ok=True):
+        eos = _read_json(config, "tokenizer_config.json", finite=False).get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     if not eos:
         return file, None
+    if not isinstance(eos, str):
+        raise ValueError(f"{config}: eos_token={_short(eos)} is not allowed; allowed: a "
+                         f"string or {{\"content\": string}}")
     from tokenizers import Tokenizer
 
     eos_id = Tokenizer.from_file(file).token_to_id(eos)

@@ -1,0 +1,620 @@
+"""A Hugging Face checkpoint directory from outside is checked, not trusted
+(jaxmp.models.hf): a config.json field missing, null, ill-typed, out of range or
+non-finite, a tensor the config does not use, of a non-float dtype or holding a NaN, a
+weight file named outside the directory, a damaged or non-regular file: each is one
+ValueError line naming the field, tensor or file, raised before work is lost.
+
+The checkpoints are written here with safetensors.numpy and a hand-written config.json
+(a 2-layer llama of width 8): no torch. Nothing here compiles."""
+import ast
+import contextlib
+import glob
+import importlib.util
+import json
+import os
+import signal
+import struct
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors", reason="the train extra (safetensors) is not installed")
+from safetensors.numpy import save_file  # noqa: E402
+
+from _configs import ROOT  # noqa: E402
+from jaxmp.models import ModelConfig, from_pretrained, hf  # noqa: E402
+
+V, D, L, H, KV, HD, FF = 16, 8, 2, 2, 1, 4, 12
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": V,
+         "hidden_size": D, "num_hidden_layers": L, "num_attention_heads": H,
+         "num_key_value_heads": KV, "intermediate_size": FF, "max_position_embeddings": 32,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": V, "hidden_size": D,
+             "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
+             "head_dim": HD, "intermediate_size": FF, "num_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 4}
+MIXTRAL = {"model_type": "mixtral", "vocab_size": V, "hidden_size": D, "num_hidden_layers": L,
+           "num_attention_heads": H, "intermediate_size": FF, "num_local_experts": 4,
+           "num_experts_per_tok": 2}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "vocab_size": V, "hidden_size": D,
+               "num_hidden_layers": L, "num_attention_heads": H, "intermediate_size": FF,
+               "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
+               "kv_lora_rank": 4, "q_lora_rank": None, "qk_nope_head_dim": 4,
+               "qk_rope_head_dim": 4, "v_head_dim": 4, "n_group": 4, "topk_group": 2}
+DEEPSEEK_V2 = {**DEEPSEEK_V3, "model_type": "deepseek_v2", "n_group": None, "topk_group": None}
+GLM4_MOE = {"model_type": "glm4_moe", "vocab_size": V, "hidden_size": D, "num_hidden_layers": L,
+            "num_attention_heads": H, "head_dim": HD, "intermediate_size": FF,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4}
+FAMILY = {"llama": LLAMA, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL,
+          "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE}
+
+
+def _one_line(info):
+    assert "\n" not in str(info.value), str(info.value)
+
+
+def _tensors(layers=L, seed=0):
+    """A llama checkpoint's tensors (float32, random), ``layers`` layers."""
+    rng = np.random.RandomState(seed)
+    t = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,),
+         "lm_head.weight": (V, D)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t.update({f"{p}.input_layernorm.weight": (D,), f"{p}.post_attention_layernorm.weight":
+                  (D,), f"{p}.self_attn.q_proj.weight": (H * HD, D),
+                  f"{p}.self_attn.k_proj.weight": (KV * HD, D),
+                  f"{p}.self_attn.v_proj.weight": (KV * HD, D),
+                  f"{p}.self_attn.o_proj.weight": (D, H * HD), f"{p}.mlp.gate_proj.weight":
+                  (FF, D), f"{p}.mlp.up_proj.weight": (FF, D),
+                  f"{p}.mlp.down_proj.weight": (D, FF)})
+    return {k: rng.randn(*s).astype(np.float32) for k, s in t.items()}
+
+
+def _checkpoint(path, tensors=None, config=None, **fields):
+    """A llama checkpoint directory: config.json (LLAMA with ``fields``) and
+    model.safetensors (``tensors``, default :func:`_tensors`)."""
+    os.makedirs(path, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or {**LLAMA, **fields}))
+    save_file(_tensors() if tensors is None else tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _raw_safetensors(file, tensors):
+    """A safetensors file written by hand: ``{name: (dtype name, shape, bytes)}``."""
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Fails (instead of hanging) when the block runs past ``seconds``: SIGALRM
+    interrupts even an ``open`` blocked on a FIFO."""
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# ---- 1. config.json fields: required, typed, range-checked ---------------------------------
+
+DROP = object()
+
+
+@pytest.mark.parametrize("family, change, message", [
+    ("llama", dict(num_hidden_layers=DROP), r"num_hidden_layers is missing; it is required"),
+    ("llama", dict(num_attention_heads=None), r"num_attention_heads=None is not allowed"),
+    ("llama", dict(vocab_size=DROP), r"vocab_size is missing"),
+    ("llama", dict(hidden_size=64.0), r"hidden_size=64\.0 is not allowed; allowed: an integer"),
+    ("llama", dict(intermediate_size=DROP), r"intermediate_size is missing"),
+    ("llama", dict(vocab_size=True), r"vocab_size=True is not allowed"),
+    ("llama", dict(num_hidden_layers=0), r"num_hidden_layers=0 is not allowed; allowed: an "
+                                         r"integer in \[1, 2147483647\]"),
+    ("llama", dict(num_key_value_heads=-1), r"num_key_value_heads=-1 is not allowed"),
+    ("llama", dict(max_position_embeddings="32"), r"max_position_embeddings='32' is not"),
+    ("llama", dict(rope_theta="1e4"), r"rope_theta='1e4' is not allowed; allowed: a finite "
+                                      r"number > 0"),
+    ("llama", dict(rms_norm_eps=0), r"rms_norm_eps=0 is not allowed; allowed: a finite number"
+                                    r" > 0"),
+    ("llama", dict(tie_word_embeddings=1), r"tie_word_embeddings=1 is not allowed; allowed: "
+                                           r"True or False"),
+    ("llama", dict(mlp_bias=0), r"mlp_bias=0 cannot be represented exactly"),
+    ("llama", dict(partial_rotary_factor=0.0), r"partial_rotary_factor=0\.0 is not allowed; "
+                                               r"allowed: a finite number in \(0, 1\]"),
+    ("llama", dict(partial_rotary_factor=1.5), r"partial_rotary_factor=1\.5 is not allowed"),
+    ("llama", dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}),
+     r"rope_scaling\.low_freq_factor is missing \(rope_type llama3 needs it\)"),
+    ("llama", dict(rope_scaling={**LLAMA3, "high_freq_factor": 1.0}),
+     r"rope_scaling\.high_freq_factor=1\.0 is not allowed"),
+    ("llama", dict(rope_scaling={k: v for k, v in YARN.items() if k != "factor"}),
+     r"rope_scaling\.factor is missing"),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": "4",
+                                    "original_max_position_embeddings": 16}),
+     r"rope_parameters\.factor='4' is not allowed"),
+    ("qwen3_moe", dict(norm_topk_prob="yes"), r"norm_topk_prob='yes' is not allowed"),
+    ("qwen3_moe", dict(moe_intermediate_size=DROP), r"moe_intermediate_size is missing"),
+    ("qwen3_moe", dict(num_experts=DROP), r"num_experts is missing"),
+    ("qwen3_moe", dict(mlp_only_layers=[0, "1"]), r"mlp_only_layers=\[0, '1'\] is not"),
+    ("mixtral", dict(num_experts_per_tok=DROP), r"num_experts_per_tok is missing"),
+    ("deepseek_v3", dict(kv_lora_rank=DROP), r"kv_lora_rank is missing"),
+    ("deepseek_v3", dict(q_lora_rank=DROP), r"q_lora_rank is missing"),
+    ("deepseek_v3", dict(n_routed_experts=DROP), r"n_routed_experts is missing"),
+    ("deepseek_v3", dict(first_k_dense_replace="1"), r"first_k_dense_replace='1' is not"),
+    ("deepseek_v3", dict(routed_scaling_factor=0.0), r"routed_scaling_factor=0\.0 is not"),
+    ("deepseek_v3", dict(rope_interleave="true"), r"rope_interleave='true' is not allowed"),
+    ("deepseek_v3", dict(moe_layer_freq=True), r"moe_layer_freq=True cannot be represented"),
+    ("deepseek_v3", dict(num_local_experts=4), r"num_local_experts=4 is not allowed; "
+                                               r"allowed: n_routed_experts's value 8"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy"),
+     r"n_group=None is not allowed; allowed: an integer >= 1 with topk_method "
+     r"group_limited_greedy"),
+    ("glm4_moe", dict(use_qk_norm="no"), r"use_qk_norm='no' is not allowed"),
+    ("glm4_moe", dict(n_group=0), r"n_group=0 is not allowed"),
+])
+def test_config_field_missing_null_or_ill_typed_is_named(family, change, message):
+    """Nothing is filled in with jaxmp's defaults: a required field is required, and every
+    field has its type and range (ints are not bools, reals are finite)."""
+    config = {**FAMILY[family], **change}
+    config = {k: v for k, v in config.items() if v is not DROP}
+    with pytest.raises(ValueError, match=rf"^config\.json \({family}\): {message}") as info:
+        hf.config_from_hf(config)
+    _one_line(info)
+
+
+# ---- 2. what was a traceback is one line ---------------------------------------------------
+
+@pytest.mark.parametrize("family, change, message", [
+    ("llama", dict(rope_scaling=[1, 2]), r"rope_scaling=\[1, 2\] is not allowed; allowed: a "
+                                         r"JSON object"),
+    ("llama", dict(rope_scaling="yarn"), r"rope_scaling='yarn' is not allowed"),
+    ("llama", dict(rope_theta=None), r"rope_theta=None is not allowed"),
+    ("llama", dict(rope_scaling={**YARN, "original_max_position_embeddings": 0}),
+     r"rope_scaling\.original_max_position_embeddings=0 is not allowed"),
+    ("llama", dict(rope_scaling={**YARN, "beta_fast": 0}), r"rope_scaling\.beta_fast=0 is not"),
+    ("llama", dict(rope_scaling={**YARN, "rope_type": 3}), r"rope_scaling\.rope_type=3 is not"),
+    ("llama", dict(layer_types=5), r"layer_types=5 is not allowed"),
+    ("llama", dict(rope_theta=float("nan")), r"rope_theta=nan is not a finite number"),
+    ("llama", dict(rope_scaling={**YARN, "factor": float("inf")}),
+     r"rope_scaling\.factor=inf is not a finite number"),
+    ("llama", dict(initializer_range=float("nan")), r"initializer_range=nan is not a finite"),
+    ("llama", dict(model_type=["llama"]), r"model_type=\['llama'\] is not supported"),
+    ("qwen3_moe", dict(decoder_sparse_step=0), r"decoder_sparse_step=0 is not allowed"),
+])
+def test_config_faults_that_were_tracebacks_are_one_line(family, change, message):
+    with pytest.raises(ValueError, match=message) as info:
+        hf.config_from_hf({**FAMILY[family], **change})
+    _one_line(info)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", r"config\.json is a JSON array; allowed: a JSON object"),
+    ("null", r"config\.json is null"),
+    ("NaN", r"config\.json is the number nan"),
+    ('{"model_type": "llama", "rope_theta": NaN}', r"rope_theta=nan is not a finite number"),
+    ('{"model_type": "llama", "rope_scaling": {"factor": -Infinity}}',
+     r"rope_scaling\.factor=-inf is not a finite number"),
+    ('{"model_type": "llama", "mlp_only_layers": [1e999]}',
+     r"mlp_only_layers\[0\]=inf is not a finite number"),
+    ('{"model_type": "llama",', r"cannot read the checkpoint's config\.json \(Expecting"),
+    ("\xff\xfe\x00", r"cannot read the checkpoint's config\.json"),
+    ("[" * 100000, r"cannot read the checkpoint's config\.json"),
+])
+def test_config_json_that_is_not_an_object_of_finite_numbers_is_named(tmp_path, text, message):
+    (tmp_path / "config.json").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: .*{message}") as info:
+        from_pretrained(str(tmp_path))
+    _one_line(info)
+
+
+def _transformers_defaults(family):
+    """``{field: default}`` of transformers' config class for ``family``, read from the
+    source of its configuration_<family>.py (the class's annotated fields, or its
+    ``__init__``'s keyword defaults in older versions), without importing it (that imports
+    torch: seconds)."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("transformers is not installed")
+    file = os.path.join(spec.submodule_search_locations[0], "models", family,
+                        f"configuration_{family}.py")
+    tree = ast.parse(open(file).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
+               and n.name.endswith("Config"))
+    pairs = []
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
+            pairs.append((node.target.id, node.value))
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            pairs.append((node.targets[0].id, node.value))
+        elif isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            args = node.args.args[len(node.args.args) - len(node.args.defaults):]
+            pairs += [(a.arg, d) for a, d in zip(args, node.args.defaults)]
+    out = {}
+    for name, value in pairs:
+        try:  # literals and constant arithmetic (4096 * 32)
+            out[name] = eval(compile(ast.Expression(value), file, "eval"), {"__builtins__": {}})
+        except Exception:  # noqa: BLE001  a name or a call: no default to compare
+            pass
+    out.setdefault("default_theta", 10000.0)  # RotaryEmbeddingConfigMixin's
+    return out
+
+
+def test_defaults_are_transformers_own():
+    """Each field jaxmp defaults has transformers' default for the family (its config
+    class), not jaxmp's: Mixtral's rope_theta is 1e6 and its eps 1e-5, DeepSeek-V3 routes
+    8 groups, 4 picked, with 3 dense layers, and so on."""
+    names = {"rope_theta": "default_theta", "num_nextn_predict_layers": "num_mtp_layers"}
+    checked = 0
+    for family, fam in hf.FAMILIES.items():
+        theirs = _transformers_defaults(family)
+        for key, spec in fam.specs.items():
+            if spec.default in (hf._NEEDED, hf._ABSENT) or key == "partial_rotary_factor":
+                continue
+            if names.get(key, key) not in theirs:
+                continue  # transformers does not declare it (topk_method of V3, ...)
+            default = theirs[names.get(key, key)]
+            assert spec.default == default and (isinstance(default, float) or
+                                                type(spec.default) is type(default)), \
+                (family, key, spec.default, default)
+            checked += 1
+    assert checked > 100, checked
+    # Glm4MoeConfig's __post_init__ sets 0.5; the others read 1.0 (all dimensions).
+    assert {f: fam.specs["partial_rotary_factor"].default
+            for f, fam in hf.FAMILIES.items()} == {f: 0.5 if f == "glm4_moe" else 1.0
+                                                  for f in hf.FAMILIES}
+
+
+def test_defaults_filled_in_are_transformers_not_jaxmps():
+    out = hf.config_from_hf(MIXTRAL)
+    assert (out["rope_theta"], out["norm_eps"], out["max_len"]) == (1e6, 1e-5, 131072)
+    out = hf.config_from_hf({k: v for k, v in DEEPSEEK_V3.items()
+                             if k not in ("n_group", "topk_group")})
+    assert (out["n_group"], out["topk_group"], out["first_dense_layers"],
+            out["num_shared_experts"], out["routed_scaling_factor"],
+            out["norm_topk_prob"]) == (8, 4, 3, 1, 2.5, True)
+    out = hf.config_from_hf({**DEEPSEEK_V2, "n_routed_experts": 4})  # greedy: no groups
+    assert (out["norm_topk_prob"], out["n_group"], out["num_shared_experts"]) == (False, 1, 2)
+    # Mistral without a sliding_window field has transformers' 4096 window: refused.
+    config = {**LLAMA, "model_type": "mistral"}
+    with pytest.raises(ValueError, match=r"sliding_window=4096 cannot be represented exactly; "
+                                         r"allowed: None \(absent: transformers' mistral"):
+        hf.config_from_hf(config)
+    assert "sliding_window" not in hf.config_from_hf({**config, "sliding_window": None})
+
+
+def _expected(c):
+    """The ModelConfig of released config.json ``c``, from its numbers (not hf.py's)."""
+    e = dict(vocab_size=c["vocab_size"], d_model=c["hidden_size"],
+             num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+             max_len=c["max_position_embeddings"], norm_eps=c["rms_norm_eps"],
+             rope_theta=float(c["rope_theta"]), tie_embeddings=c["tie_word_embeddings"])
+    kind = c["model_type"]
+    scaling = c.get("rope_scaling") or {}
+    if scaling:
+        e.update(rope_scaling=scaling.get("rope_type", scaling.get("type")),
+                 rope_factor=float(scaling["factor"]),
+                 rope_original_max_len=scaling["original_max_position_embeddings"])
+    if scaling.get("rope_type") == "llama3":
+        e.update(rope_low_freq_factor=scaling["low_freq_factor"],
+                 rope_high_freq_factor=scaling["high_freq_factor"])
+    if scaling.get("type") == "yarn":
+        e.update(rope_beta_fast=scaling["beta_fast"], rope_beta_slow=scaling["beta_slow"],
+                 rope_mscale=scaling["mscale"], rope_mscale_all_dim=scaling["mscale_all_dim"])
+    if kind in ("llama", "mixtral", "qwen3_moe"):
+        e.update(num_kv_heads=c["num_key_value_heads"],
+                 head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]))
+    if kind == "llama":
+        e.update(d_ff=c["intermediate_size"])
+    else:
+        e.update(num_experts=c.get("num_local_experts", c.get("num_experts",
+                                                              c.get("n_routed_experts"))),
+                 top_k=c["num_experts_per_tok"], capacity_factor=None, aux_loss_weight=0.0,
+                 bias_update_rate=0.0)
+    if kind == "mixtral":
+        e.update(d_expert=c["intermediate_size"], d_ff=0)
+    if kind == "qwen3_moe":
+        e.update(d_expert=c["moe_intermediate_size"], d_ff=c["intermediate_size"],
+                 qk_norm=True, norm_topk_prob=c["norm_topk_prob"])
+    if kind.startswith("deepseek"):
+        e.update(d_expert=c["moe_intermediate_size"], d_ff=c["intermediate_size"],
+                 num_shared_experts=c["n_shared_experts"],
+                 first_dense_layers=c["first_k_dense_replace"],
+                 norm_topk_prob=c["norm_topk_prob"],
+                 routed_scaling_factor=c["routed_scaling_factor"],
+                 q_lora_rank=c["q_lora_rank"] or 0, kv_lora_rank=c["kv_lora_rank"],
+                 qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
+                 v_head_dim=c["v_head_dim"], rope_layout="interleaved",
+                 score_fn=c["scoring_func"])
+    if kind == "deepseek_v3":
+        e.update(n_group=c["n_group"], topk_group=c["topk_group"])
+    if kind == "deepseek_v2":  # greedy: transformers ignores the groups
+        e.update(group_score="max", n_group=1, topk_group=1)
+    return ModelConfig(**e)
+
+
+@pytest.mark.parametrize("file", sorted(glob.glob(str(ROOT / "configs" / "hf" / "*.json"))),
+                         ids=os.path.basename)
+def test_released_configs_give_the_same_model_config(file):
+    """configs/hf/*.json (released config.json files) still pass, each giving the
+    ModelConfig its numbers say."""
+    c = json.loads(open(file).read())
+    assert ModelConfig(**hf.config_from_hf(c)) == _expected(c)
+
+
+# ---- 3. tensors: every one used, floating, finite -------------------------------------------
+
+def _raises(path, message, **kw):
+    with pytest.raises(ValueError, match=message) as info:
+        from_pretrained(path, "fp32", **kw)
+    _one_line(info)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(extra={f"model.layers.7.mlp.{p}_proj.weight": np.ones((FF, D), np.float32)
+                 for p in ("gate", "up")}),
+     r"^/.*: 2 tensor\(s\) of the checkpoint are not used by the llama model "
+     r"its config\.json describes \(2 layers\): model\.layers\.7\.mlp\.gate_proj\.weight, "
+     r"model\.layers\.7\.mlp\.up_proj\.weight$"),
+    (dict(extra={"model.layers.0.self_attn.o_proj.bias": np.ones(D, np.float32)}),
+     r": 1 tensor\(s\) .* not used .*: model\.layers\.0\.self_attn\.o_proj\.bias$"),
+    (dict(extra={f"model.layers.2.{n}": np.ones(D, np.float32) for n in ("a", "b", "c", "d",
+                                                                       "e")}),
+     r": 5 tensor\(s\) .*model\.layers\.2\.a, .*model\.layers\.2\.d, \.\.\.$"),
+    (dict(replace={"model.norm.weight": np.ones(D, np.int32)}),
+     r"model\.safetensors: tensor model\.norm\.weight has dtype I32; allowed: F16, BF16, "
+     r"F32, F64$"),
+    (dict(replace={"model.layers.1.mlp.up_proj.weight": np.ones((FF, D), np.uint8)}),
+     r"tensor model\.layers\.1\.mlp\.up_proj\.weight has dtype U8"),
+    (dict(replace={"model.layers.0.self_attn.q_proj.weight": np.ones((H * HD, D), np.bool_)}),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.weight has dtype BOOL"),
+    (dict(drop="model.layers.1.self_attn.k_proj.weight"),
+     r"has no tensor 'model\.layers\.1\.self_attn\.k_proj\.weight': layer 1 is missing"),
+    (dict(replace={"model.layers.1.mlp.down_proj.weight": np.ones((FF, D), np.float32)}),
+     r"tensor model\.layers\.1\.mlp\.down_proj\.weight has shape \[12, 8\]"),
+])
+def test_tensor_faults_are_named_before_loading(tmp_path, change, message):
+    tensors = {**_tensors(), **change.get("replace", {}), **change.get("extra", {})}
+    tensors.pop(change.get("drop"), None)
+    _raises(_checkpoint(tmp_path, tensors), message)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_weight_is_named_as_it_is_read(tmp_path, bad):
+    tensors = _tensors()
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+    _raises(_checkpoint(tmp_path, tensors), r"model\.safetensors: tensor "
+                                            r"model\.layers\.1\.mlp\.down_proj\.weight holds "
+                                            r"non-finite values \(NaN or infinity\)")
+
+
+def test_fp8_weights_without_quantization_config_are_named(tmp_path):
+    tensors = {k: ("F32", v.shape, v.tobytes()) for k, v in _tensors().items()}
+    tensors["model.layers.0.mlp.up_proj.weight"] = ("F8_E4M3", (FF, D), bytes(FF * D))
+    _checkpoint(tmp_path, {})
+    _raw_safetensors(tmp_path / "model.safetensors", tensors)
+    _raises(str(tmp_path), r"tensor model\.layers\.0\.mlp\.up_proj\.weight has dtype F8_E4M3; "
+                           r"allowed: F16, BF16, F32, F64 \(FP8 weights need a "
+                           r"quantization_config")
+
+
+def test_tensors_skipped_on_purpose_load_bit_for_bit(tmp_path):
+    """MTP layers num_nextn_predict_layers announces (after the config's layers), RoPE's
+    inv_freq buffers and a tied lm_head are skipped; the weights load unchanged. Without
+    the announcement the MTP layer is refused as unused."""
+    tensors = _tensors(layers=L + 1)  # layer 2: an MTP layer
+    tensors["model.layers.2.eh_proj.weight"] = np.ones((D, 2 * D), np.float32)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(HD // 2, np.float32)
+    path = _checkpoint(tmp_path, tensors, num_nextn_predict_layers=1)
+    model = from_pretrained(path, "fp32")
+    np.testing.assert_array_equal(np.asarray(model.embed.table[...]),
+                                  tensors["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(np.asarray(model.blocks[1].mlp.w_down[...]),
+                                  tensors["model.layers.1.mlp.down_proj.weight"].T)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))  # llama: no MTP by default
+    _raises(path, r": 10 tensor\(s\) .*: model\.layers\.2\.eh_proj\.weight, model\.layers\.2\."
+                  r"input_layernorm\.weight")
+    tied = tmp_path / "tied"
+    _checkpoint(tied, _tensors(), tie_word_embeddings=True)  # lm_head.weight saved anyway
+    assert from_pretrained(str(tied), "fp32").config.tie_embeddings
+
+
+# ---- 4. weight files outside the directory --------------------------------------------------
+
+@pytest.mark.parametrize("file", ["../outside/evil.safetensors", "/tmp/evil.safetensors",
+                                  "sub/model.safetensors", "..", ".", "", "a\\b", None, 3])
+def test_index_naming_a_file_outside_the_directory_is_refused_unread(tmp_path, file):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file(_tensors(), str(outside / "evil.safetensors"))
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(LLAMA))
+    weight_map = {name: "model-00001-of-00001.safetensors" for name in _tensors()}
+    weight_map["model.norm.weight"] = file
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: "
+                                         r"weight_map\['model\.norm\.weight'\]=.* is not a file "
+                                         r"inside the checkpoint directory; allowed: a plain "
+                                         r"file name") as info:
+        hf._Files(str(path))  # only the index is read
+    _one_line(info)
+
+
+# ---- 5. damaged and non-regular files -------------------------------------------------------
+
+def _damage(file, how):
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0] if len(raw) >= 8 else 0
+    if how == "truncated":
+        file.write_bytes(raw[:-5])
+    elif how == "empty":
+        file.write_bytes(b"")
+    elif how == "7 bytes":
+        file.write_bytes(raw[:7])
+    elif how == "flipped header":
+        file.write_bytes(raw[:8] + b"X" + raw[9:])
+    elif how == "oversized header":
+        file.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+    elif how == "offsets past the end":
+        header = json.loads(raw[8:8 + n])
+        header["model.norm.weight"]["data_offsets"][1] += 1 << 20
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    elif how == "symlink to /dev/zero":
+        file.unlink()
+        file.symlink_to("/dev/zero")
+    elif how == "directory":
+        file.unlink()
+        file.mkdir()
+    elif how == "fifo":
+        file.unlink()
+        os.mkfifo(file)
+    elif how == "broken symlink":
+        file.unlink()
+        file.symlink_to(file.parent / "nowhere")
+
+
+DAMAGE = {
+    "truncated": r"not a readable safetensors file \(.*incomplete metadata",
+    "empty": r"not a readable safetensors file \(.*header too small",
+    "7 bytes": r"not a readable safetensors file \(.*header too small",
+    "flipped header": r"not a readable safetensors file \(.*invalid JSON",
+    "oversized header": r"not a readable safetensors file \(.*header too large",
+    "offsets past the end": r"not a readable safetensors file",
+    "symlink to /dev/zero": r"a character device, not a regular file; the checkpoint's "
+                            r"model\.safetensors must be a regular file \(refused unread\)",
+    "directory": r"a directory, not a regular file",
+    "fifo": r"a FIFO, not a regular file",
+    "broken symlink": r"a broken symbolic link",
+}
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_damaged_model_safetensors_is_one_line(tmp_path, how):
+    path = _checkpoint(tmp_path)
+    _damage(tmp_path / "model.safetensors", how)
+    with _deadline(20):
+        message = _raises(path, rf"^{tmp_path}/model\.safetensors: {DAMAGE[how]}")
+    assert "Traceback" not in message
+
+
+@pytest.mark.parametrize("how", ["fifo", "directory", "symlink to /dev/zero"])
+def test_a_non_regular_config_json_is_refused_unopened(tmp_path, how):
+    _checkpoint(tmp_path)
+    _damage(tmp_path / "config.json", how)
+    with _deadline(20):
+        _raises(str(tmp_path), rf"^{tmp_path}/config\.json: {DAMAGE[how].split(';')[0]}; the "
+                               rf"checkpoint's config\.json must be a regular file")
+
+
+def _sharded(path):
+    """A checkpoint in two shards with its index; returns the index's path."""
+    tensors = _tensors()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:10],
+              "model-00002-of-00002.safetensors": names[10:]}
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA))
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(path / file))
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {
+        n: f for f, part in shards.items() for n in part}}))
+    return index, tensors
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", r"cannot read the checkpoint's model\.safetensors\.index\.json \(Expecting"),
+    ("[1]", r"the checkpoint's model\.safetensors\.index\.json is a JSON array; allowed: "
+            r"a JSON object"),
+    ("{}", r"weight_map=None is not allowed; allowed: a JSON object \{tensor name: file name"),
+    ('{"weight_map": null}', r"weight_map=None is not allowed"),
+    ('{"weight_map": ["a"]}', r"weight_map=\['a'\] is not allowed"),
+    ('{"weight_map": {"x": "y"}, "metadata": {"total_size": NaN}}',
+     r"metadata\.total_size=nan is not a finite number"),
+    ("fifo", r"a FIFO, not a regular file"),
+    ("directory", r"a directory, not a regular file"),
+])
+def test_bad_index_json_is_one_line(tmp_path, text, message):
+    index, _ = _sharded(tmp_path)
+    if text in ("fifo", "directory"):
+        _damage(index, text)
+    else:
+        index.write_text(text)
+    with _deadline(20):
+        _raises(str(tmp_path), rf"^{index}: {message}")
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("shard holds more", r"model-00002-of-00002\.safetensors: holds 1 tensor\(s\) that "
+                         r"model\.safetensors\.index\.json does not map to it: extra\.weight$"),
+    ("shard missing", r"model-00002-of-00002\.safetensors: no such file; the checkpoint's "
+                      r"weight file must be a regular file$"),
+    ("shard is a fifo", r"model-00002-of-00002\.safetensors: a FIFO, not a regular file"),
+    ("index lies", r": model-00002-of-00002\.safetensors has no tensor 'model\.norm\.weight' "
+                   r"\(the index says it has\)$"),
+])
+def test_sharded_checkpoint_faults_are_one_line(tmp_path, fault, message):
+    index, tensors = _sharded(tmp_path)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    names = sorted(tensors)[10:]
+    if fault == "shard holds more":
+        save_file({**{n: tensors[n] for n in names}, "extra.weight": np.ones(2, np.float32)},
+                  str(shard))
+    elif fault == "shard missing":
+        shard.unlink()
+    elif fault == "shard is a fifo":
+        _damage(shard, "fifo")
+    else:
+        save_file({n: tensors[n] for n in names if n != "model.norm.weight"}, str(shard))
+    with _deadline(20):
+        _raises(str(tmp_path), message)
+
+
+def test_a_valid_sharded_checkpoint_loads(tmp_path):
+    _, tensors = _sharded(tmp_path)
+    model = from_pretrained(str(tmp_path), "fp32")
+    np.testing.assert_array_equal(np.asarray(model.final_norm.scale[...]),
+                                  tensors["model.norm.weight"])
+
+
+@pytest.mark.parametrize("fault", ["fifo", "list"])
+def test_tokenizer_files_are_checked(tmp_path, fault):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    config = tmp_path / "tokenizer_config.json"
+    if fault == "fifo":
+        os.mkfifo(config)
+    else:
+        config.write_text("[]")
+    with _deadline(20), pytest.raises(ValueError, match=rf"^{config}: ") as info:
+        hf.tokenizer_eos(str(tmp_path))
+    _one_line(info)
+
+
+# ---- 6. a config.json far larger than its checkpoint answers at once -------------------------
+
+def test_a_million_layers_over_two_fail_at_layer_two_at_once(tmp_path):
+    """The checkpoint's names are checked against the config's layer by layer before the
+    model is built (even abstractly): the answer names layer 2 within seconds."""
+    path = _checkpoint(tmp_path, num_hidden_layers=1_000_000)
+    start = time.perf_counter()
+    with _deadline(60):
+        _raises(path, r"has no tensor 'model\.layers\.2\.input_layernorm\.weight': layer 2 is "
+                      r"missing or incomplete, and config\.json says 1000000 layers")
+    assert time.perf_counter() - start < 5
