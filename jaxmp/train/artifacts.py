@@ -149,6 +149,22 @@ def _flat_arrays(model: nnx.Module) -> dict:
     return out
 
 
+def _load_for_export(workdir, out, step, force, notes):
+    """What both exports start with: ``out`` checked (cheap checks first, nothing
+    written), the checkpoint read (read-only), ``out`` checked against the run's inputs,
+    the corrupt checkpoints passed over added to ``notes`` (or warned about when None).
+    Returns ``(model, tokenizer, config, step, out resolved)``."""
+    real = _check_out(out, workdir, force)
+    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
+    _check_out_is_no_input(out, real, config)
+    if notes is not None:
+        notes.extend(passed_over)
+    else:
+        for note in passed_over:
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
+    return model, tokenizer, config, saved_step, real
+
+
 def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[int] = None,
            force: bool = False, notes: Optional[list] = None) -> dict:
     """Writes a checkpoint as safetensors weights, a ``config.json`` and the tokenizer.
@@ -182,14 +198,8 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
       CheckpointError: as :func:`load`.
     """
     import safetensors.numpy
-    real = _check_out(out, workdir, force)  # cheap checks first, nothing written
-    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
-    _check_out_is_no_input(out, real, config)
-    if notes is not None:
-        notes.extend(passed_over)
-    else:
-        for note in passed_over:
-            warnings.warn(note, RuntimeWarning, stacklevel=2)
+    model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
+                                                                  notes)
     tensors = _flat_arrays(model)
     kind = ("bytes" if isinstance(tokenizer, ByteTokenizer) else
             "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
@@ -457,14 +467,8 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
 
     from jaxmp.models.hf import save_pretrained
 
-    real = _check_out(out, workdir, force)  # cheap checks first, nothing written
-    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)  # read-only
-    _check_out_is_no_input(out, real, config)
-    if notes is not None:
-        notes.extend(passed_over)
-    else:
-        for note in passed_over:
-            warnings.warn(note, RuntimeWarning, stacklevel=2)
+    model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
+                                                                  notes)
     spm_model = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None
     if spm_model is not None:  # a model with no exact counterpart is refused before writing
         tokenizer = HFTokenizer(spm_model.to_hf(), spm_model.name, spm_model.eos_id)
