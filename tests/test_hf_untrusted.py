@@ -13,8 +13,10 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import struct
 import time
+import types
 
 import numpy as np
 import pytest
@@ -95,13 +97,44 @@ def _raw_safetensors(file, tensors):
     file.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
+_FIFOS = {}  # {path: a read-write descriptor of it} of the FIFOs the running test made
+
+
+def _mkfifo(file):
+    """A FIFO at ``file``, held open read-write by the test: a reader that opens it does
+    not block (there is a writer), so a regression fails instead of hanging; _deadline
+    also refuses any open of it by jaxmp.models.hf."""
+    os.mkfifo(file)
+    _FIFOS[os.path.abspath(file)] = os.open(file, os.O_RDWR | os.O_NONBLOCK)
+
+
 @contextlib.contextmanager
 def _deadline(seconds):
-    """Fails (instead of hanging) when the block runs past ``seconds``: SIGALRM
-    interrupts even an ``open`` blocked on a FIFO."""
+    """Fails (instead of hanging) when the block runs past ``seconds`` (SIGALRM), and
+    when jaxmp.models.hf opens anything but a regular file (``open`` or ``safe_open``;
+    a FIFO blocks, /dev/zero never ends): a non-regular file must be refused from
+    ``os.stat`` alone."""
     def expire(signum, frame):
         raise TimeoutError(f"still running after {seconds} s")
 
+    def refuse(file):
+        if os.path.exists(file) and not stat.S_ISREG(os.stat(file).st_mode):
+            raise AssertionError(f"jaxmp.models.hf opened {file}, not a regular file")
+
+    real_safetensors = hf._safetensors()
+
+    def guarded_open(file, *args, **kwargs):
+        refuse(file)
+        return open(file, *args, **kwargs)
+
+    def guarded_safe_open(file, *args, **kwargs):
+        refuse(file)
+        return real_safetensors.safe_open(file, *args, **kwargs)
+
+    saved = hf._safetensors
+    hf.open = guarded_open  # the module's global open, ahead of the builtin
+    hf._safetensors = lambda: types.SimpleNamespace(safe_open=guarded_safe_open,
+                                                    numpy=real_safetensors.numpy)
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -109,6 +142,11 @@ def _deadline(seconds):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        hf._safetensors = saved
+        del hf.open
+        for fd in _FIFOS.values():
+            os.close(fd)
+        _FIFOS.clear()
 
 
 # ---- 1. config.json fields: required, typed, range-checked ---------------------------------
@@ -484,7 +522,7 @@ def _damage(file, how):
         file.mkdir()
     elif how == "fifo":
         file.unlink()
-        os.mkfifo(file)
+        _mkfifo(file)
     elif how == "broken symlink":
         file.unlink()
         file.symlink_to(file.parent / "nowhere")
@@ -599,7 +637,7 @@ def test_tokenizer_files_are_checked(tmp_path, fault):
     (tmp_path / "tokenizer.json").write_text("{}")
     config = tmp_path / "tokenizer_config.json"
     if fault == "fifo":
-        os.mkfifo(config)
+        _mkfifo(config)
     else:
         config.write_text("[]")
     with _deadline(20), pytest.raises(ValueError, match=rf"^{config}: ") as info:

@@ -33,6 +33,26 @@ concern training or generation in transformers (``initializer_range``,
 ``router_aux_loss_coef``, token ids, ``use_cache``, ...) are ignored
 (:data:`IGNORED_FIELDS`).
 
+A checkpoint directory from outside is checked, not trusted; each fault is a one-line
+``ValueError`` naming the file, field or tensor and what is allowed, raised before work
+is lost:
+
+* ``config.json``: each family's table of fields (:attr:`Family.specs`, one
+  :class:`Field` each: type, range, default) requires the shape fields and those
+  transformers has no default for, fills the others with transformers' default for that
+  family (never jaxmp's), and refuses a null, an ill-typed value (an integer is not a
+  bool, a real is finite) or one out of range; no number anywhere may be NaN or infinite.
+* files: ``config.json``, the index and every weight file must be regular files
+  (checked with ``os.stat`` before opening: a FIFO, a device or a directory is refused
+  unread); the index's ``weight_map`` must name plain file names inside the directory;
+  a damaged safetensors file (truncated, bad header, offsets past the end) is named.
+* tensors: before the model is built, the weight map must hold every tensor the config
+  needs (checked layer by layer, failing at the first missing layer) and no other (except
+  RoPE ``inv_freq`` buffers and the multi-token-prediction layers that
+  ``num_nextn_predict_layers`` announces, which are not read); every needed tensor's
+  shape and dtype (F16, BF16, F32, F64) is checked from the headers, and every slice is
+  checked finite as it is read.
+
 Layouts: transformers' ``nn.Linear`` weight ``[out, in]`` is jaxmp's ``[in, out]``
 transposed, with the head axis split out (``q_proj.weight [H * h, d]`` is ``wq [d, H, h]``);
 routed experts are stacked (``experts.{e}.gate_proj.weight`` are ``w_gate[e]``). Loading
