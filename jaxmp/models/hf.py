@@ -83,7 +83,7 @@ from jaxmp.precision import fp8 as fp8_lib
 
 __all__ = ["from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf", "FAMILIES",
            "IGNORED_FIELDS", "MAX_SHARD_BYTES", "RUNTIME_FIELDS", "load_weights", "read_config",
-           "family_of", "tokenizer_eos"]
+           "family_of", "tokenizer_eos", "check_weights"]
 
 MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size="5GB"
 
@@ -903,8 +903,9 @@ def _all_finite(x: np.ndarray) -> bool:
     """No NaN or infinity in ``x``, without an array of its size in memory: the float64
     sum of finite float16/bfloat16/float32 values is finite; only a non-finite sum (or a
     float64 sum that overflows) is looked at element by element."""
-    if x.size == 0 or math.isfinite(float(x.sum(dtype=np.float64))):
-        return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        if x.size == 0 or math.isfinite(float(x.sum(dtype=np.float64))):
+            return True
     return bool(np.isfinite(x).all())
 
 
@@ -1143,33 +1144,33 @@ def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
 
 def read_config(path: str) -> Dict[str, Any]:
     """The parsed ``config.json`` of checkpoint directory ``path`` (its fields are
-    checked by :func:`config_from_hf`).
+    checked by :func:`config_from_hf`). ``path`` may also name the ``.json`` file itself
+    (a released model's config.json alone, as in ``configs/hf/``): enough to plan a run
+    (``python -m jaxmp.report``), not to load weights (:func:`check_weights` refuses it).
 
     Raises:
       ValueError: one line naming the file: no ``config.json`` there, or not a regular
         file (a FIFO, a device or a directory: refused without being opened), not JSON,
         not a JSON object, or holding a non-finite number (NaN, Infinity; the key named).
     """
-    return _read_json(os.path.join(path, "config.json"), "config.json")
+    file = path if _config_file(path) else os.path.join(path, "config.json")
+    return _read_json(file, "config.json")
 
 
-def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
-                 rules=None, target=None) -> MoETransformer:
-    """:func:`from_pretrained` with the :class:`ModelConfig` given: ``config``'s architecture
-    must be the one ``path``'s config.json describes (the trainer's ``model.init_from``
-    checks that first); the tensors' shapes are checked before anything is read.
-    ``target``: the compile target of the model's kernel choices (``MoETransformer``'s).
+def _config_file(path: str) -> bool:
+    """``path`` names a config.json file rather than a checkpoint directory: it is not a
+    directory and its name ends in ``.json``."""
+    return str(path).endswith(".json") and not os.path.isdir(path)
 
-    Before the model is built (even abstractly), the checkpoint's weight map must have
-    every tensor ``config`` needs and no other (:func:`_check_names`); then every file's
-    header is read and each tensor's shape and dtype checked; each slice is checked finite
-    as it is read.
 
-    Raises:
-      ValueError: as :func:`from_pretrained` (one line naming the file, field or tensor).
-      ImportError: safetensors is not installed (the ``train`` extra).
-    """
+def _checked(path: str, config: ModelConfig, policy: Any, target):
+    """``(files, family, abstract model, sources)`` once :func:`check_weights`' checks
+    pass (no weight read)."""
     _safetensors()
+    if _config_file(path) or not os.path.isdir(path):
+        raise ValueError(f"{path}: not a checkpoint directory; a config.json alone plans a run "
+                         f"(python -m jaxmp.report) but loading needs the directory with its "
+                         f"config.json and safetensors weights")
     hf = read_config(path)
     config_from_hf(hf)
     family = hf["model_type"]
@@ -1181,6 +1182,52 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
                                                      target=target))
     sources = _param_sources(abstract, family)
     _check_shapes(files, abstract, family, sources)
+    return files, family, abstract, sources
+
+
+def check_weights(path: str, config: ModelConfig, policy: Any = "fp32", *,
+                  target=None) -> None:
+    """Checks, from the safetensors headers alone, that checkpoint directory ``path`` holds
+    the weights of ``config``: every tensor ``config`` needs and no other, each of the
+    shape jaxmp expects and a floating dtype. No weight is read (a few KiB per file), so
+    the trainer calls it before it reads its corpus; :func:`load_weights` runs the same
+    checks and then checks each slice finite as it reads it.
+
+    Args:
+      path: the checkpoint directory (``config.json``, ``model.safetensors`` or shards
+        with ``model.safetensors.index.json``).
+      config: the architecture to check against (that of ``path``'s config.json,
+        :func:`config_from_hf`, plus :data:`RUNTIME_FIELDS`).
+      policy: the precision policy or rules the model is built with.
+      target: the compile target of the model's kernel choices.
+
+    Raises:
+      ValueError: as :func:`from_pretrained`, one line naming the file, field or tensor:
+        ``path`` not a directory (e.g. a config.json file, which plans but does not
+        load), a damaged index or weight file, a missing, unused, misshapen or non-float
+        tensor.
+      ImportError: safetensors is not installed (the ``train`` extra).
+    """
+    _checked(path, config, policy, target)
+
+
+def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
+                 rules=None, target=None) -> MoETransformer:
+    """:func:`from_pretrained` with the :class:`ModelConfig` given: ``config``'s architecture
+    must be the one ``path``'s config.json describes (the trainer's ``model.init_from``
+    checks that first); the tensors' shapes are checked before anything is read.
+    ``target``: the compile target of the model's kernel choices (``MoETransformer``'s).
+
+    Before the model is built (even abstractly), the checkpoint's weight map must have
+    every tensor ``config`` needs and no other (:func:`_check_names`); then every file's
+    header is read and each tensor's shape and dtype checked (:func:`check_weights`'
+    checks); each slice is checked finite as it is read.
+
+    Raises:
+      ValueError: as :func:`from_pretrained` (one line naming the file, field or tensor).
+      ImportError: safetensors is not installed (the ``train`` extra).
+    """
+    files, family, abstract, sources = _checked(path, config, policy, target)
     from jaxmp import sharding as shd
 
     flat = []
@@ -1335,7 +1382,7 @@ def _check_router_biases(model: MoETransformer, family: str) -> None:
 
 def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
     """``(tokenizer.json path, eos id)`` of a checkpoint directory, or None without a
-    ``tokenizer.json``. The id is that of ``tokenizer_config.json``'s ``eos_token``, looked
+    ``tokenizer.json`` (or when ``path`` is a config.json file, :func:`read_config`). The id is that of ``tokenizer_config.json``'s ``eos_token``, looked
     up in the tokenizer (None when there is no such file or token: the tokenizer's own
     choice, :data:`jaxmp.train.tokenizer.EOS_CANDIDATES`).
 
@@ -1344,6 +1391,8 @@ def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
         regular file (refused unopened) or, for ``tokenizer_config.json``, not a JSON
         object with a string ``eos_token`` (one line naming the file).
     """
+    if not os.path.isdir(path):  # a config.json file alone (read_config): no tokenizer
+        return None
     file = os.path.join(path, "tokenizer.json")
     if not _regular(file, "tokenizer.json", missing_ok=True):
         return None

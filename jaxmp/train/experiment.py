@@ -316,6 +316,24 @@ class Experiment:
         self._check_vocab(data.tokenizer)
         return data
 
+    def check_init_from(self) -> None:
+        """The cheap checks of ``model.init_from``'s weights, before any document is read:
+        the tensors' names, shapes and dtypes from the safetensors headers
+        (:func:`jaxmp.models.hf.check_weights`), no weight read. Nothing without
+        ``model.init_from``.
+
+        Raises:
+          ValueError: ``model.init_from`` is not a checkpoint directory (a config.json
+            file plans a run, it does not start one), or a tensor is missing, unused,
+            misshapen or not a float (one line naming the file and tensor).
+        """
+        path = self.config.model.init_from
+        if path:
+            from jaxmp.models import hf
+
+            hf.check_weights(path, self.model_config, self.settings.rules,
+                             target=_target_of(self.mesh))
+
     def check_tokenizer(self) -> None:
         """The cheap checks of ``data.tokenizer`` against ``model.vocab_size``, before any
         document is read: ``bpe:VOCAB`` compared by its number, bytes' 257 ids, a

@@ -72,7 +72,8 @@ KEYS: Tuple[Key, ...] = (
     *(Key(f"model.{f.name}", f.default, f.metadata["meaning"], f.metadata["allowed"])
       for f in dataclasses.fields(ModelConfig)),
     Key("model.init_from", "", "a Hugging Face checkpoint directory: its config.json is the "
-                               "architecture, its weights the start ('' = random init)",
+                               "architecture, its weights the start ('' = random init); a "
+                               "config.json file alone plans a run (jaxmp.report), not trains",
         Kind(lambda v: isinstance(v, str), "'' or a checkpoint directory")),
     # precision
     Key("precision.policy", "mixed_bf16; router: fp32; norm: fp32",

@@ -501,6 +501,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
     check_data_path(exp.config.data.path)  # before the step compiles
     exp.check_tokenizer()  # before the workdir is made and the corpus read
+    if not _has_checkpoints(workdir):  # a resume takes no weight from model.init_from
+        exp.check_init_from()  # the base's tensors, from their headers: before the corpus
     check_sample_memory(exp)
     try:  # what the workdir held (None: nothing, it did not exist)
         before = set(os.listdir(workdir)) if pathlib.Path(workdir).is_dir() else None
@@ -515,6 +517,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if before is not False:
             _remove_untrained(workdir, before)
         raise
+
+
+def _has_checkpoints(workdir) -> bool:
+    """Whether ``workdir`` has a non-empty ``checkpoints`` directory (a run to resume;
+    restore then decides which checkpoint is good)."""
+    try:
+        return any((pathlib.Path(workdir) / "checkpoints").iterdir())
+    except OSError:  # none (or unreadable: prepare_workdir and restore say so)
+        return False
 
 
 def _remove_untrained(workdir: pathlib.Path, before: Optional[set] = None) -> None:
