@@ -2,7 +2,8 @@
 
     python train.py --config configs/tiny_moe.py --workdir runs/tiny [--config.train.steps=100]
 
-Rerunning the same command resumes from the newest checkpoint in --workdir. Ctrl-C or
+Rerunning the same command resumes from the newest checkpoint in --workdir (default:
+runs/NAME for --config configs/NAME.py). Ctrl-C or
 SIGTERM saves a checkpoint at the current step and exits with status 130 or 143.
 Several processes: --coordinator_address=HOST:PORT --num_processes=N --process_id=I on
 each (jaxmp.train.distributed), or a cluster's environment (Slurm, Open MPI, ...).
@@ -52,7 +53,9 @@ _DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent / "configs" / "tin
 flags.DEFINE_string("config", _DEFAULT_CONFIG,
                     "Path to a config file; --config.KEY=VALUE overrides a key.")
 _LOADED = {}
-_WORKDIR = flags.DEFINE_string("workdir", "runs/tiny", "Directory for checkpoints and logs.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs (default: "
+                                "runs/NAME for --config configs/NAME.py, so that another "
+                                "config never resumes this one's run).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0 for a "
                                    "multi-process run (jax.distributed); with --num_processes, "
                                    "--process_id.")
@@ -89,6 +92,7 @@ def _parse_flags(argv):
             rest.append(a)
     try:
         _LOADED["config"] = load_config(path, overrides, where="on the command line")
+        _LOADED["workdir"] = str(pathlib.Path("runs") / pathlib.Path(path).stem)
         return flags.FLAGS(rest)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         sys.exit(f"train.py: error: {e}")
@@ -123,15 +127,16 @@ def main(argv):
     cpu_without_a_gpu()  # no CUDA plugin traceback on a machine without a GPU
     quiet_orbax_tracebacks()  # this process is the trainer's: a failed write is one line
     watchdog = None
+    workdir = _WORKDIR.value if _WORKDIR.value is not None else _LOADED["workdir"]
     try:
         # Before anything touches the devices; the workdir, for the line of a lost peer.
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                               _HEARTBEAT.value, _WORKDIR.value, _STARTUP.value)
-        watchdog = distributed.start_watchdog(_WORKDIR.value)  # a peer that dies stops this one
+                               _HEARTBEAT.value, workdir, _STARTUP.value)
+        watchdog = distributed.start_watchdog(workdir)  # a peer that dies stops this one
         # Before any collective: processes with different configs would meet in mismatched ones.
         distributed.check_same_config(config_to_dict(_LOADED["config"]), _STARTUP.value,
-                                      workdir=_WORKDIR.value)
-        train_and_evaluate(_LOADED["config"], _WORKDIR.value)
+                                      workdir=workdir)
+        train_and_evaluate(_LOADED["config"], workdir)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the
         # message says what and why.

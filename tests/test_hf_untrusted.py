@@ -733,3 +733,22 @@ def test_a_config_json_file_plans_a_run_and_only_a_directory_starts_one(tmp_path
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match=rf"^{file}: not a checkpoint directory"):
         from_pretrained(str(file))
+    # The README's example: refused as a file before any other check (before, an 8B
+    # model's parameter memory, or seq_len above its max_len, was refused first).
+    released = ROOT / "configs" / "hf" / "Llama-3.1-8B.json"
+    with pytest.raises(ValueError, match=rf"^{released}: not a checkpoint directory"):
+        _finetune(released, tmp_path, monkeypatch)
+
+
+def test_under_init_from_a_vocabulary_too_small_names_the_tokenizer_not_the_model(tmp_path,
+                                                                                  monkeypatch):
+    """The base's vocabulary is fixed: the refusal names data.tokenizer, not a
+    model.vocab_size that init_from would refuse in turn."""
+    path = _checkpoint(tmp_path / "base")  # 16 tokens, no tokenizer.json: bytes (257)
+    with pytest.raises(ValueError, match=r"^model\.vocab_size=16 is smaller than the vocabulary "
+                                         r"of data\.tokenizer='bytes' \(257 tokens\); the "
+                                         r"vocabulary is model\.init_from's .*: give "
+                                         r"data\.tokenizer of at most 16 tokens") as info:
+        _finetune(path, tmp_path, monkeypatch)
+    _one_line(info)
+    assert "model.vocab_size=384" not in str(info.value)

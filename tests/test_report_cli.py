@@ -85,7 +85,8 @@ def test_a_mode_xla_cannot_compile_is_one_line_not_a_48_gib_allocation(capsys):
     status = main(["--config", "configs/seed_moe.py", "--modes", "topk_allreduce"])
     err = capsys.readouterr().err
     assert status == 1, err[-3000:]
-    assert err.strip().splitlines() == [
+    assert err.strip().splitlines() == [  # the progress lines, then the one error line
+        "building the model (24 layers) ...", "compiling mode topk_allreduce (1/1) ...",
         "python -m jaxmp.report: error: mode topk_allreduce: XLA cannot compile its step on this "
         "machine (cpu): UNIMPLEMENTED: Scatter operations with more than 2147483647 scatter "
         "indices are not supported."], err[-3000:]
@@ -105,3 +106,20 @@ def test_entry_points_do_not_greet_a_planning_user_with_the_cuda_plugins_traceba
     assert proc.stderr.strip().splitlines() == [
         f"train.py: error: data.path '{tmp_path / 'none'}' does not exist (give a directory, a "
         "file, a glob such as 'corpus/**/*.txt', or '' for the standard library's sources)"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "configs/tiny_moe.py", "--config.data.seq_len=100000"],
+     "data.seq_len=100000 exceeds model.max_len="),
+    (["--config", "configs/tiny_moe.py", "--config.model.num_layer=3"],
+     "unknown config key 'model.num_layer'"),
+])
+def test_a_bad_config_value_is_its_line_without_the_usage(argv, message, capsys):
+    """A value the user gave that is wrong is the last line on stderr, and argparse's
+    usage text (about 10 lines) is not printed above it; the status is argparse's 2."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "usage:" not in err
+    assert err.strip().splitlines()[-1].startswith(f"python -m jaxmp.report: error: {message}")

@@ -320,10 +320,15 @@ def test_a_reader_opens_the_checkpoints_without_an_absl_warning(tmp_path, caplog
     from jaxmp.train.checkpoint import Checkpointer
 
     (tmp_path / "checkpoints").mkdir()
+    absl_filters = list(logging.getLogger("absl").filters)
     with caplog.at_level(logging.WARNING):
         with Checkpointer(tmp_path, read_only=True) as ckpt:
             assert ckpt.all_steps() == []
     assert not [r for r in caplog.records if "save_interval_steps" in r.getMessage()]
+    # nor orbax's 'Given directory is read only' (jaxmp.train.load printed it), and the
+    # logger is left as it was
+    assert not [r for r in caplog.records if "read only" in r.getMessage()]
+    assert logging.getLogger("absl").filters == absl_filters
 
 
 @pytest.mark.parametrize("body,what", [
@@ -420,3 +425,33 @@ def test_param_keys_draw_nnxs_own_keys_and_leave_the_stream_where_nnx_would():
     keys.commit()
     assert np.array_equal(jax.random.key_data(mine.params()),
                           jax.random.key_data(theirs.params()))
+
+
+@pytest.mark.parametrize("config,given,want", [
+    ("configs/finetune.py", None, "runs/finetune"),
+    ("configs/tiny_moe.py", None, "runs/tiny_moe"),
+    ("configs/finetune.py", "elsewhere", "elsewhere"),
+])
+def test_train_py_defaults_the_workdir_to_the_configs_name(config, given, want, base, tmp_path,
+                                                           monkeypatch):
+    """Without --workdir a run of configs/NAME.py goes to runs/NAME: before, every config
+    defaulted to runs/tiny, so a fine-tune without --workdir tried to resume the tiny_moe
+    run and was refused with a list of differing settings."""
+    from _configs import ROOT
+    from absl import flags
+
+    import train
+
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir: ran.append(workdir))
+    flags.FLAGS["workdir"].unparse()  # a fresh process's flag: not given
+    argv = ["train.py", "--config", str(ROOT / config), "--config.data.seq_len=32"]
+    if config.endswith("finetune.py"):
+        argv.append(f"--config.model.init_from={base[0]}")
+    if given is not None:
+        argv.append(f"--workdir={given}")
+    with pytest.raises(SystemExit) as e:
+        train.main(train._parse_flags(argv))
+    assert e.value.code in (0, None) and ran == [want]
+    flags.FLAGS["workdir"].unparse()

@@ -180,8 +180,8 @@ def test_the_vocabulary_of_a_saved_bpe_is_checked_before_the_corpus_is_read(tmp_
         Experiment.create(config, num_devices=1).data
     assert read == []
     config.data.tokenizer = "bpe:300"
-    with pytest.raises(ValueError, match=r"model.vocab_size=257 is smaller than "
-                                         r"data.tokenizer='bpe:300'"):
+    with pytest.raises(ValueError, match=r"model.vocab_size=257 is smaller than the "
+                                         r"vocabulary of data.tokenizer='bpe:300'"):
         Experiment.create(config, num_devices=1).data
     assert read == []
 

@@ -77,8 +77,8 @@ def test_sentencepiece_model(tmp_path):
 
 def test_vocab_size_is_checked_against_the_tokenizer(tmp_path):
     cfg = load_config("configs/tiny_moe.py", [f"data.path={CORPUS}", "data.tokenizer=bpe:1000"])
-    with pytest.raises(ValueError, match=r"model.vocab_size=257 is smaller than "
-                                         r"data.tokenizer='bpe:1000'.*set model.vocab_size=1024"):
+    with pytest.raises(ValueError, match=r"model.vocab_size=257 is smaller than the vocabulary "
+                                         r"of data.tokenizer='bpe:1000'.*set model.vocab_size=1024"):
         Experiment.create(cfg, num_devices=1).data
     with pytest.raises(ValueError, match="data.tokenizer='wordpiece' is not allowed"):
         load_tokenizer("wordpiece")

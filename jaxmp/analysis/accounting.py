@@ -74,7 +74,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -485,7 +485,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
 
 def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequence[str]] = None,
                       num_devices: int = 8, *, breakdown: int = 0,
-                      skip_failed: bool = False) -> dict:
+                      skip_failed: bool = False,
+                      progress: Optional[Callable[[str], None]] = None) -> dict:
     """:func:`account_mode` for each mode, as the JSON of ``python -m jaxmp.report --config``.
 
     Args:
@@ -497,6 +498,9 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
         2**31 - 1 scatter indices, which top-k compression of a large model exceeds) is
         left out of ``"modes"`` and its one-line reason put in ``"skipped"``, instead of
         raising.
+      progress: called with a line before each mode's compile (``"compiling mode NAME
+        (i/n) ..."``) and before the model is built: a model of thousands of layers takes
+        minutes per mode (``python -m jaxmp.report`` prints them on stderr).
 
     Returns:
       ``{"model": {"params": int, "active_params": int}, "setup": {...}, "modes":
@@ -514,8 +518,14 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
+    say = progress or (lambda text: None)
     config = complete_config(config)
     mesh = data_mesh(num_devices, int(config.parallel.expert))
+    m = config.model
+    say(f"building the model ({m.num_layers} layers"
+        + (", unscanned: XLA compiles each layer on its own, so the compiles grow with "
+           "the layers; model.scan_layers=True compiles one" if not m.scan_layers
+           and m.num_layers > 32 else "") + ") ...")
     total, active = Experiment.create(config, mesh=mesh).param_counts
     t = config.train
     out = {
@@ -531,7 +541,8 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
         "details": {},
         "skipped": {},
     }
-    for mode in modes:
+    for i, mode in enumerate(modes, 1):
+        say(f"compiling mode {mode} ({i}/{len(modes)}) ...")
         try:
             row = account_mode(config, mode, num_devices, breakdown=breakdown, mesh=mesh)
         except jax.errors.JaxRuntimeError as e:

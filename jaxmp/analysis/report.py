@@ -250,6 +250,17 @@ def format_cost(report: dict) -> str:
 MAX_DEVICES = 16384
 
 
+def _refuse(parser: argparse.ArgumentParser, error: ValueError) -> None:
+    """Exits with status 2 (argparse's) and ``error`` as one line on stderr: a value or
+    file the user gave is wrong, and the usage text above it would hide the line."""
+    parser.exit(2, f"{parser.prog}: error: {error}\n")
+
+
+def _progress(text: str) -> None:
+    """A line on stderr while the report works (the tables go to stdout)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def _check_devices(parser: argparse.ArgumentParser, n: int) -> None:
     if not 1 <= n <= MAX_DEVICES:
         parser.error(f"--devices must be in [1, {MAX_DEVICES}], got {n} (each device is "
@@ -362,8 +373,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 dtype=args.dtype, mfu=args.mfu, num_gpus=args.gpus, watts_per_gpu=args.watts,
                 num_layers=args.layers, seq_len=args.seq_len, d_model=args.d_model)
             text.append(format_cost(out["cost"]))
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # a bad value or file: its line alone, not the usage before it
+        _refuse(parser, e)
     print("\n\n".join(text))
     if args.json:
         with open(args.json, "w") as f:
@@ -419,7 +430,7 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
                          "article's value), dynamic:init=2**15 there gives the mode's")
         print("\n".join(notes))
         out = accounting.accounting_report(config, modes, args.devices, breakdown=args.breakdown,
-                                           skip_failed=True)
+                                           skip_failed=True, progress=_progress)
         if not out["modes"]:  # not one mode could be compiled: say why, in one line each
             for mode, reason in out["skipped"].items():
                 print(f"{parser.prog}: error: mode {mode}: {reason}", file=sys.stderr)
@@ -427,8 +438,8 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
         if args.settings:
             out["settings"] = remat.activation_settings(
                 config, next(iter(out["modes"])), args.devices, flops=args.flops)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # a bad value or file: its line alone, not the usage before it
+        _refuse(parser, e)
     print(accounting.format_accounting(out, args.config))
     if args.settings:
         print()
@@ -464,8 +475,8 @@ def _main_target(parser: argparse.ArgumentParser, args) -> int:
         config = load_config(args.config, args.overrides)
         out = gpu.gpu_report(config, target, args.devices, top=args.top,
                              autotune_results=args.autotune_results)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # a bad value or file: its line alone, not the usage before it
+        _refuse(parser, e)
     print(gpu.format_gpu_report(out, args.config))
     if args.json:
         with open(args.json, "w") as f:

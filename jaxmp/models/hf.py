@@ -83,7 +83,7 @@ from jaxmp.precision import fp8 as fp8_lib
 
 __all__ = ["from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf", "FAMILIES",
            "IGNORED_FIELDS", "MAX_SHARD_BYTES", "RUNTIME_FIELDS", "load_weights", "read_config",
-           "family_of", "tokenizer_eos", "check_weights"]
+           "family_of", "tokenizer_eos", "check_weights", "check_directory"]
 
 MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size="5GB"
 
@@ -1163,14 +1163,24 @@ def _config_file(path: str) -> bool:
     return str(path).endswith(".json") and not os.path.isdir(path)
 
 
-def _checked(path: str, config: ModelConfig, policy: Any, target):
-    """``(files, family, abstract model, sources)`` once :func:`check_weights`' checks
-    pass (no weight read)."""
-    _safetensors()
+def check_directory(path: str) -> None:
+    """Refuses a ``path`` that is not a directory, e.g. a config.json file, which
+    :func:`read_config` reads to plan a run but which holds no weights.
+
+    Raises:
+      ValueError: one line naming ``path``.
+    """
     if _config_file(path) or not os.path.isdir(path):
         raise ValueError(f"{path}: not a checkpoint directory; a config.json alone plans a run "
                          f"(python -m jaxmp.report) but loading needs the directory with its "
                          f"config.json and safetensors weights")
+
+
+def _checked(path: str, config: ModelConfig, policy: Any, target):
+    """``(files, family, abstract model, sources)`` once :func:`check_weights`' checks
+    pass (no weight read)."""
+    _safetensors()
+    check_directory(path)
     hf = read_config(path)
     config_from_hf(hf)
     family = hf["model_type"]

@@ -189,6 +189,26 @@ class _DropOrbaxTracebacks(logging.Filter):
         return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Drops orbax's warning that a manager was opened read-only (absl's logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Given directory is read only")
+
+
+class _without_read_only_notice:  # noqa: N801  (a context manager)
+    """While orbax's ``CheckpointManager`` is built, its warning that the directory is read
+    only (what a reader asked for) is dropped from absl's logger; the filter is removed on
+    leaving, so library calls (:func:`jaxmp.train.load`) leave the logger as they found it."""
+
+    def __enter__(self):
+        self._filter = _ReadOnlyNotice()
+        logging.getLogger("absl").addFilter(self._filter)
+
+    def __exit__(self, *exc):
+        logging.getLogger("absl").removeFilter(self._filter)
+
+
 def _raised_in_orbax(exc_info) -> bool:
     """Whether an exception's traceback runs through orbax's files."""
     tb = exc_info[2] if isinstance(exc_info, tuple) and len(exc_info) == 3 else None
@@ -558,8 +578,9 @@ class Checkpointer:
             try:
                 # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
                 # newest healthy checkpoint is kept outside the rotation.
-                self.manager = ocp.CheckpointManager(
-                    self.directory, options=options, handler_registry=_handler_registry())
+                with _without_read_only_notice():
+                    self.manager = ocp.CheckpointManager(
+                        self.directory, options=options, handler_registry=_handler_registry())
                 break
             except FileNotFoundError as e:
                 # A reader beside a live trainer: orbax lists the steps, then reads each

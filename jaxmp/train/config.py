@@ -414,7 +414,10 @@ def validate_config(config: ml_collections.ConfigDict,
                          f"grows the weights); it must be below 1 / learning_rate = {1 / lr:.3g}")
     model = ModelConfig.from_config(config.model)
     if d.seq_len > model.max_len:
-        raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}")
+        raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_len={model.max_len}"
+                         + (" (model.init_from's max_position_embeddings unless given): give "
+                            "a smaller data.seq_len, or model.max_len (RoPE is not trained "
+                            "beyond the base's)" if config.model.get("init_from") else ""))
     if not isinstance(p.policy, str) or not p.policy.strip():
         raise ValueError(f"precision.policy={p.policy!r} is not allowed; it must name a preset "
                          f"({', '.join(PRESETS)}) or a dtype, with optional 'MODULE: POLICY' rules")

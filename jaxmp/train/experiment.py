@@ -112,6 +112,21 @@ def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) ->
     return jax.tree.map(lambda x: x.copy(), jax.device_put(state, shardings))
 
 
+def vocab_problem(config: ml_collections.ConfigDict, have: int, need: int) -> str:
+    """The one-line refusal of ``model.vocab_size=have`` below the ``need`` tokens of
+    ``data.tokenizer``, with the fix this config can take: a larger ``model.vocab_size``
+    (the next multiple of 128, :func:`~jaxmp.train.tokenizer.round_vocab`), or, with
+    ``model.init_from`` (whose vocabulary is the base's), a ``data.tokenizer`` that fits."""
+    spec = config.data.tokenizer
+    text = (f"model.vocab_size={have} is smaller than the vocabulary of data.tokenizer={spec!r} "
+            f"({need} tokens); ")
+    if config.model.get("init_from"):
+        return text + (f"the vocabulary is model.init_from's ({config.model.init_from}): give "
+                       f"data.tokenizer of at most {have} tokens, e.g. the base's tokenizer.json")
+    return text + (f"set model.vocab_size={round_vocab(need)} (the next multiple of 128) or at "
+                   f"least {need}")
+
+
 def _target_of(mesh: Mesh) -> target.Target:
     """The compile target of ``mesh``: its devices, which for a deviceless compile are
     topology devices, not this host's (:mod:`jaxmp.target`)."""
@@ -346,10 +361,7 @@ class Experiment:
         cfg = self.config
         spec, have = cfg.data.tokenizer, self.model_config.vocab_size
         if spec.startswith("bpe:") and spec[4:].isdigit() and int(spec[4:]) > have:
-            need = int(spec[4:])  # refused before the BPE is trained
-            raise ValueError(f"model.vocab_size={have} is smaller than data.tokenizer={spec!r} "
-                             f"({need} tokens); set model.vocab_size={round_vocab(need)} (the next "
-                             f"multiple of 128) or at least {need}")
+            raise ValueError(vocab_problem(cfg, have, int(spec[4:])))  # before BPE training
         if spec in ("", "bytes") or spec.lower().endswith((".json", ".model")):  # no corpus read
             self._check_vocab(load_tokenizer(spec, eod_id=cfg.data.eod_id, save=False))
 
@@ -358,10 +370,7 @@ class Experiment:
         cfg, have = self.config, self.model_config.vocab_size
         need = tokenizer.vocab_size
         if have < need:
-            raise ValueError(f"model.vocab_size={have} is smaller than the vocabulary of "
-                             f"data.tokenizer={cfg.data.tokenizer!r} ({need} tokens); set "
-                             f"model.vocab_size={round_vocab(need)} (the next multiple of 128) or "
-                             f"at least {need}")
+            raise ValueError(vocab_problem(cfg, have, need))
 
     def batch_to_device(self, batch: Mapping[str, np.ndarray]) -> dict:
         """A process-local ``{"inputs", "targets"}`` batch as global arrays on the mesh."""

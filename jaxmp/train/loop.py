@@ -365,6 +365,8 @@ def banner(exp: Experiment, data) -> str:
             f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}"
             if m.num_experts else f"dense (feed-forward width {m.d_ff})"),
         f"  parameters  : {total:,} total, {active:,} active per token",
+        *([f"  weights     : from model.init_from={cfg.model.init_from} (at step 0; a resumed "
+           f"run's are its checkpoint's)"] if cfg.model.get("init_from") else []),
         f"  policy      : {exp.rules}",
         f"  loss scale  : {describe_loss_scale(exp.settings.loss_scale)}",
         f"  grad comm   : {c['grad_reduce_dtype']} reduce" + (
@@ -486,6 +488,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     Raises:
       ValueError: bad config values or data (see :func:`~jaxmp.train.config.validate_config`),
+        a ``model.init_from`` that is not a checkpoint directory or whose tensors do not
+        match its config.json (:func:`jaxmp.models.hf.check_weights`, before the corpus
+        is read),
         a workdir that cannot be written, or a step too large for the device memory
         (:func:`check_memory`).
       WorkdirInUse: another trainer holds ``workdir``.
@@ -497,6 +502,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         divergent (a subclass of TrainingStalled).
       Interrupted: SIGINT or SIGTERM (after saving a checkpoint when a step had run).
     """
+    if config.model.get("init_from"):  # a config.json file plans a run, it does not start one
+        from jaxmp.models import hf
+
+        hf.check_directory(config.model.init_from)  # before any other check
     check_parameter_memory(validate_config(config, num_devices))  # before the model is built
     exp = Experiment.create(config, num_devices=num_devices)  # validates: nothing is written
     check_data_path(exp.config.data.path)  # before the step compiles
