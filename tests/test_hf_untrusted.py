@@ -752,3 +752,111 @@ def test_under_init_from_a_vocabulary_too_small_names_the_tokenizer_not_the_mode
         _finetune(path, tmp_path, monkeypatch)
     _one_line(info)
     assert "model.vocab_size=384" not in str(info.value)
+
+
+# ---- 8. what an attack on the fine-tuner's path found next ----------------------------------
+
+ROPE_P = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("family, change, message", [
+    # transformers reads rope_parameters' theta, jaxmp read the top-level one
+    ("llama", dict(rope_theta=500000.0, rope_parameters=ROPE_P),
+     r"rope_theta=500000\.0 is not allowed; allowed: rope_parameters\.rope_theta's 10000\.0 "
+     r"\(both are given"),
+    # transformers reads rope_scaling, jaxmp read rope_parameters
+    ("llama", dict(rope_scaling=YARN, rope_parameters={**YARN, "factor": 2.0}),
+     r"rope_parameters\.factor=2\.0 is not allowed; allowed: rope_scaling\.factor's 4\.0 "
+     r"\(both are given\)"),
+    ("llama", dict(rope_scaling={**YARN, "type": "yarn"},
+                   rope_parameters={**YARN, "rope_type": "llama3"}),
+     r"rope_parameters\.rope_type='llama3' is not allowed; allowed: rope_scaling\.rope_type's"),
+    ("llama", dict(layer_types=["full_attention"]),
+     r"layer_types=\['full_attention'\] is not allowed; allowed: one entry per layer \(2, "),
+    ("llama", dict(layer_types=["full_attention"] * 5), r"layer_types=.* one entry per layer"),
+    ("deepseek_v3", dict(num_key_value_heads=1),
+     r"num_key_value_heads=1 is not allowed; allowed: num_attention_heads \(2\) or null: MLA"),
+])
+def test_config_fields_that_disagree_with_each_other_are_named(family, change, message):
+    with pytest.raises(ValueError, match=rf"^config\.json \({family}\): {message}") as info:
+        hf.config_from_hf({**FAMILY[family], **change})
+    _one_line(info)
+
+
+@pytest.mark.parametrize("change", [
+    dict(rope_theta=10000.0, rope_parameters=ROPE_P),  # the same value twice
+    dict(rope_scaling=YARN, rope_parameters=YARN),
+    dict(layer_types=["full_attention"] * L),
+])
+def test_config_fields_given_twice_alike_are_taken(change):
+    assert hf.config_from_hf({**LLAMA, **change})["num_layers"] == L
+    assert hf.config_from_hf({**DEEPSEEK_V3, "num_key_value_heads": H})["num_heads"] == H
+
+
+def test_a_qwen3_moe_of_a_billion_layers_maps_at_once():
+    """Every layer sparse (decoder_sparse_step 1): nothing is enumerated, so the trainer's
+    memory check can refuse it in a second instead of building a billion-entry set."""
+    with _deadline(30):
+        out = hf.config_from_hf({**QWEN3_MOE, "num_hidden_layers": 10 ** 9})
+    assert out["num_layers"] == 10 ** 9 and out["mlp_only_layers"] == ()
+
+
+def test_a_tied_head_stored_beside_its_embedding_must_equal_it(tmp_path):
+    """transformers keeps a stored lm_head.weight even with tie_word_embeddings: true, while
+    jaxmp ties the head to the embedding: a head that differs is refused (it loaded
+    silently as another model); an equal one loads, tied."""
+    tensors = _tensors()
+    path = _checkpoint(tmp_path / "differs", tensors, tie_word_embeddings=True)
+    with _deadline(20):
+        _raises(path, r"config\.json says tie_word_embeddings: true, but the checkpoint's "
+                      r"lm_head\.weight differs from model\.embed_tokens\.weight")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    path = _checkpoint(tmp_path / "equal", tensors, tie_word_embeddings=True)
+    model = from_pretrained(path, "fp32")
+    np.testing.assert_array_equal(np.asarray(model.embed.table[...]),
+                                  tensors["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("dtype, value, policy, what", [
+    (np.float64, 1e300, "fp32", "float32"),
+    (np.float32, 1e5, "params=float16,compute=float16,output=float32", "float16"),
+])
+def test_a_finite_weight_beyond_the_parameter_dtype_is_named(tmp_path, dtype, value, policy,
+                                                             what):
+    """A weight finite in the file but infinite in the parameter dtype loaded as inf and
+    the run skipped every step: refused as it is read, naming the tensor."""
+    tensors = _tensors()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = np.full(tensors[name].shape, value, dtype)
+    path = _checkpoint(tmp_path, tensors)
+    with pytest.raises(ValueError, match=rf"tensor {name} holds values beyond {what}'s range "
+                                         r"\(the parameter dtype; largest \|value\| ") as info:
+        from_pretrained(path, policy)
+    _one_line(info)
+
+
+@pytest.mark.parametrize("eos", ["", False, 0, {"text": "</s>"}, {"content": ""}])
+def test_an_ill_typed_or_empty_eos_token_is_named(tmp_path, eos):
+    """Treated as absent before (the tokenizer's own guess was used, exit 0)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={"a": 0, "</s>": 1}, merges=[])).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token=.* is not allowed; "
+                                         r"allowed: a non-empty string") as info:
+        hf.tokenizer_eos(str(tmp_path))
+    _one_line(info)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    assert hf.tokenizer_eos(str(tmp_path)) == (str(tmp_path / "tokenizer.json"), None)
+
+
+@pytest.mark.parametrize("text", ['{"version": "1.0", "mod', "hello", "[]"])
+def test_a_damaged_tokenizer_json_beside_an_eos_token_is_one_line(tmp_path, text):
+    """tokenizers raises a bare Exception: it was a traceback."""
+    (tmp_path / "tokenizer.json").write_text(text)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/tokenizer\.json: not a Hugging Face "
+                                         r"tokenizer\.json \(") as info:
+        hf.tokenizer_eos(str(tmp_path))
+    _one_line(info)

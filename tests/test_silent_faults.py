@@ -455,3 +455,118 @@ def test_train_py_defaults_the_workdir_to_the_configs_name(config, given, want, 
         train.main(train._parse_flags(argv))
     assert e.value.code in (0, None) and ran == [want]
     flags.FLAGS["workdir"].unparse()
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_init_from_beside_finetune_py_is_refused(value):
+    """``--config.model.init_from=$BASE`` with BASE unset trained jaxmp's default model from
+    random weights, exit 0."""
+    with pytest.raises(ValueError, match=r"^model\.init_from='\s*' is empty, and config file "
+                                         r"'configs/finetune\.py' takes its model from it"):
+        load_config("configs/finetune.py", [f"--config.model.init_from={value}"])
+    # a config with a model of its own: '' is its documented random initialisation
+    assert load_config("configs/tiny_moe.py", ["model.init_from="]).model.init_from == ""
+
+
+def test_a_refused_resume_leaves_the_runs_tokenizer_copy_as_it_was(base, tmp_path,
+                                                                   monkeypatch):
+    """The run's copy of its tokenizer was replaced by the base's new one before restore
+    refused the resume for that very tokenizer, so sample and export then refused the run
+    too. The compile, the memory check and the restore are stood in for: what is tested
+    is the order."""
+    from jaxmp.train import loop
+    from jaxmp.train.checkpoint import CheckpointError
+
+    path, _ = base
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    work = tmp_path / "run"
+    work.mkdir()
+    (work / "tokenizer.json").write_text("the copy the run was trained with")
+    before = (work / "tokenizer.json").read_bytes()
+
+    class Compiled:
+        def __init__(self, exp):
+            pass
+
+        def finish(self, catcher):
+            pass
+
+        def join(self, catcher):
+            return object()
+
+    def refuse(*args):
+        raise CheckpointError("checkpoint step 2 was trained with another tokenizer")
+
+    monkeypatch.setattr(loop, "_Compilation", Compiled)
+    monkeypatch.setattr(loop, "check_memory", lambda *a: None)
+    monkeypatch.setattr(loop, "_restore_or_init", refuse)
+    monkeypatch.setattr(loop.Experiment, "check_init_from", lambda self: None)
+    config = load_config("configs/finetune.py", [
+        f"model.init_from={path}", "data.seq_len=16", "train.batch_size=2",
+        f"data.path={tmp_path / 'corpus.txt'}", "train.sample_tokens=0"])
+    with pytest.raises(CheckpointError, match="another tokenizer"):
+        loop.train_and_evaluate(config, str(work), num_devices=1)
+    assert (work / "tokenizer.json").read_bytes() == before
+
+
+def test_a_reader_refuses_a_fifo_where_the_runs_tokenizer_copy_belongs(tmp_path):
+    """A FIFO there made the readers fall back to the base's tokenizer, silently."""
+    from jaxmp.train.tokenizer import kept_tokenizer
+
+    assert kept_tokenizer(tmp_path, "/base/tokenizer.json") is None  # no copy kept
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a regular file; the run's copy "
+                                         r"of its tokenizer must be one"):
+        kept_tokenizer(tmp_path, "/base/tokenizer.json")
+
+
+def test_a_billion_layers_are_counted_not_enumerated():
+    """parameter_bytes (the memory check's) listed every layer's kind: a config.json of
+    10**9 layers took minutes and gigabytes before the refusal."""
+    import signal
+
+    from jaxmp.models import ModelConfig
+    from jaxmp.train.experiment import parameter_bytes
+
+    def expire(signum, frame):
+        raise TimeoutError("still counting after 60 s")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)  # a bound on a regression, not a timing
+    try:
+        config = ModelConfig(vocab_size=64, d_model=16, num_layers=10 ** 9, num_heads=2,
+                             d_ff=32, num_experts=4, top_k=2, d_expert=8,
+                             first_dense_layers=3, mlp_only_layers=(5, 5, 7))
+        small = ModelConfig(vocab_size=64, d_model=16, num_layers=10, num_heads=2, d_ff=32,
+                            num_experts=4, top_k=2, d_expert=8, first_dense_layers=3,
+                            mlp_only_layers=(5, 5, 7))
+        big, ten = parameter_bytes(config, "fp32"), parameter_bytes(small, "fp32")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert (config.num_dense_layers, config.num_moe_layers) == (5, 10 ** 9 - 5)
+    # the same 5 dense layers; each further layer is one more MoE block
+    moe_block = (ten - parameter_bytes(ModelConfig(
+        vocab_size=64, d_model=16, num_layers=9, num_heads=2, d_ff=32, num_experts=4, top_k=2,
+        d_expert=8, first_dense_layers=3, mlp_only_layers=(5, 5, 7)), "fp32"))
+    assert big == ten + (10 ** 9 - 10) * moe_block
+
+
+def test_the_counted_dense_layers_are_the_enumerated_ones():
+    """ModelConfig.num_dense_layers counts what is_moe_layer says layer by layer."""
+    from hypothesis import given, settings, strategies as st
+
+    from jaxmp.models import ModelConfig
+
+    @settings(max_examples=60, deadline=None)
+    @given(n=st.integers(1, 12), first=st.integers(0, 12), experts=st.sampled_from([0, 4]),
+           only=st.lists(st.integers(0, 11), max_size=5))
+    def check(n, first, experts, only):
+        first = min(first, n)
+        only = tuple(i for i in only if i < n)
+        c = ModelConfig(vocab_size=64, d_model=16, num_layers=n, num_heads=2, d_ff=32,
+                        num_experts=experts, top_k=2, d_expert=8, first_dense_layers=first,
+                        mlp_only_layers=only)
+        assert c.num_dense_layers == sum(not c.is_moe_layer(i) for i in range(n))
+
+    check()

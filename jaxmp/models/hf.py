@@ -42,6 +42,10 @@ is lost:
   transformers has no default for, fills the others with transformers' default for that
   family (never jaxmp's), and refuses a null, an ill-typed value (an integer is not a
   bool, a real is finite) or one out of range; no number anywhere may be NaN or infinite.
+  Two fields naming one value must agree (a top-level ``rope_theta`` and
+  ``rope_parameters``' own, ``rope_scaling`` and ``rope_parameters``: transformers reads
+  one of them), ``layer_types`` has one entry per layer, and MLA's
+  ``num_key_value_heads`` is the head count.
 * files: ``config.json``, the index and every weight file must be regular files
   (checked with ``os.stat`` before opening: a FIFO, a device or a directory is refused
   unread); the index's ``weight_map`` must name plain file names inside the directory;
@@ -50,8 +54,12 @@ is lost:
   needs (checked layer by layer, failing at the first missing layer) and no other (except
   RoPE ``inv_freq`` buffers and the multi-token-prediction layers that
   ``num_nextn_predict_layers`` announces, which are not read); every needed tensor's
-  shape and dtype (F16, BF16, F32, F64) is checked from the headers, and every slice is
-  checked finite as it is read.
+  shape and dtype (F16, BF16, F32, F64) is checked from the headers, a tied head stored
+  beside its embedding must equal it (transformers would use the stored one), and every
+  slice is checked finite as it is read and again in the parameter dtype (a float64
+  weight of 1e300 is infinite in float32).
+* ``tokenizer_config.json``'s ``eos_token`` is null, a non-empty string or
+  ``{"content": non-empty string}``, and a ``tokenizer.json`` that does not load is named.
 
 Layouts: transformers' ``nn.Linear`` weight ``[out, in]`` is jaxmp's ``[in, out]``
 transposed, with the head axis split out (``q_proj.weight [H * h, d]`` is ``wq [d, H, h]``);
@@ -420,7 +428,8 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
     specs = FAMILIES[model_type].specs
     merged: Dict[str, Any] = {}
     where: Dict[str, str] = {}  # key -> the dict it came from, for the messages
-    for source in ("rope_scaling", "rope_parameters"):  # rope_parameters' keys win
+    seen: Dict[str, Tuple[str, Any]] = {}  # key (type: rope_type) -> (source, value)
+    for source in ("rope_scaling", "rope_parameters"):  # both name the same parameters
         for key, value in vals[source].items():
             name = f"{source}.{key}"
             if key in ("rope_type", "type"):
@@ -429,11 +438,21 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                 value = _read_field(model_type, name, specs[key], True, value)
             elif key in _ROPE_PARAMS:
                 value = _read_field(model_type, name, _ROPE_PARAMS[key], True, value)
+            same = "rope_type" if key == "type" else key
+            if same in seen and seen[same][0] != source and seen[same][1] != value:
+                # transformers reads one and jaxmp would read the other: neither is taken
+                raise _bad(model_type, name, value, f"{seen[same][0]}.{key}'s "
+                                                    f"{seen[same][1]!r} (both are given)")
+            seen[same] = (source, value)
             merged[key], where[key] = value, source
     prefix = "rope_parameters" if vals["rope_parameters"] and not vals["rope_scaling"] \
         else "rope_scaling"
     theta = merged.pop("rope_theta", vals["rope_theta"])
-    if "rope_theta" in hf:  # the top-level field wins over rope_parameters'
+    if "rope_theta" in hf:  # the top-level field and rope_parameters' must agree
+        if "rope_theta" in where and theta != vals["rope_theta"]:
+            raise _bad(model_type, "rope_theta", vals["rope_theta"],
+                       f"{where['rope_theta']}.rope_theta's {theta!r} (both are given, and "
+                       f"transformers reads {where['rope_theta']})")
         theta = vals["rope_theta"]
     kind = merged.pop("rope_type", merged.pop("type", "default"))
     # transformers' Glm4MoeConfig sets 0.5 where config.json gives no factor (the default).
@@ -526,6 +545,10 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
                              f" (absent: transformers' {model_type} default)"))
     if any(t != "full_attention" for t in vals["layer_types"]):
         raise _err(model_type, "layer_types", hf["layer_types"], "only full_attention")
+    if vals["layer_types"] and len(vals["layer_types"]) != vals["num_hidden_layers"]:
+        raise _bad(model_type, "layer_types", hf["layer_types"],
+                   f"one entry per layer ({vals['num_hidden_layers']}, num_hidden_layers; "
+                   f"transformers refuses another length)")
     out: Dict[str, Any] = {"num_experts": 0}
     said: Dict[str, str] = {}  # ModelConfig field -> the config.json field that set it
     for key, field in fam.fields.items():
@@ -541,7 +564,8 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     if model_type == "qwen3_moe":
         step = vals["decoder_sparse_step"]
         dense = set(out["mlp_only_layers"])
-        dense |= {i for i in range(out["num_layers"]) if (i + 1) % step}
+        if step > 1:  # every layer is sparse at step 1: nothing to enumerate
+            dense |= {i for i in range(out["num_layers"]) if (i + 1) % step}
         out["mlp_only_layers"] = tuple(sorted(dense))
     if model_type in ("deepseek_v2", "deepseek_v3"):
         v3 = model_type == "deepseek_v3"
@@ -561,6 +585,11 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
                            "would pick masked experts with gate 0)")
         if v3:
             out["rope_layout"] = "interleaved" if vals["rope_interleave"] else "half"
+        kv = hf.get("num_key_value_heads")
+        if kv is not None and kv != out["num_heads"]:  # MLA: one key and value per head
+            raise _bad(model_type, "num_key_value_heads", kv,
+                       f"num_attention_heads ({out['num_heads']}) or null: MLA has a key and "
+                       f"value per head (transformers' {model_type} fails on another count)")
         out.pop("head_dim", None)
         out.pop("num_kv_heads", None)
     if "quantization_config" in hf:
@@ -1010,6 +1039,21 @@ def _param_sources(model: MoETransformer, family: str):
     return out
 
 
+def _cast(files: _Files, name: Any, x: np.ndarray, dtype) -> np.ndarray:
+    """``x`` (finite, as read) as the parameter dtype ``dtype``, refusing values it cannot
+    hold: a finite float64 weight of 1e300 is infinite in float32, a float32 weight of 1e5
+    infinite in float16."""
+    with np.errstate(over="ignore"):  # an overflow is refused below, not warned about
+        y = x.astype(dtype)
+    if not _all_finite(y):
+        names = name if isinstance(name, tuple) else (name,)
+        raise ValueError(f"{files.path}: tensor {', '.join(names)} holds values beyond "
+                         f"{np.dtype(dtype).name}'s range (the parameter dtype; largest "
+                         f"|value| {float(np.max(np.abs(x.astype(np.float64)))):.4g}); "
+                         f"allowed: weights the parameter dtype holds")
+    return y
+
+
 def _load_array(files: _Files, config, family, layers, key, stacked, shape, dtype, index):
     """The ``index`` slice of one jaxmp variable, as ``dtype``."""
     idx = _norm_index(index, shape)
@@ -1023,9 +1067,9 @@ def _load_array(files: _Files, config, family, layers, key, stacked, shape, dtyp
         _global_table(config)[key]
     if isinstance(name, tuple):  # stacked experts: leading axis = expert index
         experts = [name[e] for e in idx[0]]
-        return np.stack([_read(files, n, kind, shape[1:], tuple(index[1:])) for n in experts]
-                        ).astype(dtype)
-    return _read(files, name, kind, shape, tuple(index)).astype(dtype)
+        return _cast(files, tuple(experts), np.stack(
+            [_read(files, n, kind, shape[1:], tuple(index[1:])) for n in experts]), dtype)
+    return _cast(files, name, _read(files, name, kind, shape, tuple(index)), dtype)
 
 
 def _check_names(files: _Files, config: ModelConfig, family: str, mtp_layers: range) -> None:
@@ -1036,7 +1080,8 @@ def _check_names(files: _Files, config: ModelConfig, family: str, mtp_layers: ra
     purpose: RoPE's ``rotary_emb.inv_freq`` buffers, the multi-token-prediction layers
     ``model.layers.{n}..`` that ``num_nextn_predict_layers`` announces (``mtp_layers``:
     DeepSeek-V3 and GLM-4.5 keep them after the ``n`` layers, jaxmp does not read them) and
-    ``lm_head.weight`` with tied embeddings (transformers ties it to the embedding too).
+    ``lm_head.weight`` with tied embeddings (which must equal the embedding:
+    :func:`_check_tied_head`).
 
     Raises:
       ValueError: a missing tensor (named, with its layer), or unused tensors (their count
@@ -1097,6 +1142,31 @@ def _check_shapes(files: _Files, model: MoETransformer, family: str, sources) ->
                 if have != tuple(expect):
                     raise ValueError(f"{files.path}: tensor {n} has shape {list(have)}; the "
                                      f"config.json says {list(expect)} (jaxmp {key})")
+
+
+def _check_tied_head(files: _Files, rows: int = 8192) -> None:
+    """With ``tie_word_embeddings: true`` a stored ``lm_head.weight`` must equal the
+    embedding (a copy some writers keep): transformers then uses the stored head, jaxmp
+    the embedding, so a head that differs would load as another model. Compared
+    ``rows`` rows at a time, no copy of either in memory.
+
+    Raises:
+      ValueError: the two differ in shape or in any value (one line naming both).
+    """
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    shape = files.shape(head)
+    same = shape == files.shape(embed)
+    for start in range(0, shape[0] if same and shape else 0, rows):
+        block = slice(start, min(start + rows, shape[0]))
+        same = np.array_equal(files.read(head, block).astype(np.float32),
+                              files.read(embed, block).astype(np.float32))
+        if not same:
+            break
+    if not same:
+        raise ValueError(f"{files.path}: config.json says tie_word_embeddings: true, but the "
+                         f"checkpoint's {head} differs from {embed} (transformers would use the "
+                         f"stored head, jaxmp the embedding); allowed: "
+                         f"tie_word_embeddings false, or no {head}, or one equal to {embed}")
 
 
 def from_pretrained(path: str, policy: Any = "fp32", *, mesh=None, rules=None,
@@ -1192,6 +1262,8 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
                                                      target=target))
     sources = _param_sources(abstract, family)
     _check_shapes(files, abstract, family, sources)
+    if config.tie_embeddings and "lm_head.weight" in files.weight_map:
+        _check_tied_head(files)
     return files, family, abstract, sources
 
 
@@ -1199,8 +1271,9 @@ def check_weights(path: str, config: ModelConfig, policy: Any = "fp32", *,
                   target=None) -> None:
     """Checks, from the safetensors headers alone, that checkpoint directory ``path`` holds
     the weights of ``config``: every tensor ``config`` needs and no other, each of the
-    shape jaxmp expects and a floating dtype. No weight is read (a few KiB per file), so
-    the trainer calls it before it reads its corpus; :func:`load_weights` runs the same
+    shape jaxmp expects and a floating dtype; with ``tie_word_embeddings`` a stored
+    ``lm_head.weight`` equal to the embedding. No other weight is read (a few KiB per
+    file), so the trainer calls it before it reads its corpus; :func:`load_weights` runs the same
     checks and then checks each slice finite as it reads it.
 
     Args:
@@ -1215,7 +1288,7 @@ def check_weights(path: str, config: ModelConfig, policy: Any = "fp32", *,
       ValueError: as :func:`from_pretrained`, one line naming the file, field or tensor:
         ``path`` not a directory (e.g. a config.json file, which plans but does not
         load), a damaged index or weight file, a missing, unused, misshapen or non-float
-        tensor.
+        tensor, a tied ``lm_head.weight`` that differs from the embedding.
       ImportError: safetensors is not installed (the ``train`` extra).
     """
     _checked(path, config, policy, target)
@@ -1398,8 +1471,10 @@ def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
 
     Raises:
       ValueError: an ``eos_token`` that the tokenizer does not have, or either file not a
-        regular file (refused unopened) or, for ``tokenizer_config.json``, not a JSON
-        object with a string ``eos_token`` (one line naming the file).
+        regular file (refused unopened), a ``tokenizer.json`` that does not load, or a
+        ``tokenizer_config.json`` that is not a JSON object or whose ``eos_token`` is
+        neither null, a non-empty string nor ``{"content": non-empty string}`` (one line
+        naming the file).
     """
     if not os.path.isdir(path):  # a config.json file alone (read_config): no tokenizer
         return None
@@ -1410,16 +1485,20 @@ def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
     config = os.path.join(path, "tokenizer_config.json")
     if _regular(config, "tokenizer_config.json", missing_ok=True):
         eos = _read_json(config, "tokenizer_config.json", finite=False).get("eos_token")
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    if not eos:
+    if eos is None:  # absent or null: the tokenizer's own choice
         return file, None
-    if not isinstance(eos, str):
+    text = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(text, str) or not text:
         raise ValueError(f"{config}: eos_token={_short(eos)} is not allowed; allowed: a "
-                         f"string or {{\"content\": string}}")
+                         f"non-empty string or {{\"content\": non-empty string}}, or null")
+    eos = text
     from tokenizers import Tokenizer
 
-    eos_id = Tokenizer.from_file(file).token_to_id(eos)
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception
+        raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({_one_line(e)})") from None
+    eos_id = tokenizer.token_to_id(eos)
     if eos_id is None:
         raise ValueError(f"{config}: eos_token={eos!r} is not in {file}")
     return file, int(eos_id)

@@ -402,7 +402,10 @@ class ModelConfig:
     def num_dense_layers(self) -> int:
         if self.num_experts == 0:
             return self.num_layers
-        return sum(not self.is_moe_layer(i) for i in range(self.num_layers))
+        # Counted, not enumerated: a config.json may announce a billion layers, and the
+        # memory check that refuses it must answer at once.
+        first = min(self.first_dense_layers, self.num_layers)
+        return first + len({i for i in self.mlp_only_layers if first <= i < self.num_layers})
 
     @property
     def num_moe_layers(self) -> int:

@@ -29,7 +29,7 @@ from jaxmp.train.checkpoint import CheckpointError, Checkpointer, residual_adapt
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
 from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
-                                   kept_tokenizer, load_tokenizer)
+                                   kept_tokenizer, kept_tokenizer_path, load_tokenizer)
 
 __all__ = ["load", "export", "load_export", "EXPORT_WEIGHTS", "EXPORT_CONFIG"]
 
@@ -128,6 +128,16 @@ def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None
     if d.tokenizer.startswith("bpe:") and not (workdir / "tokenizer.json").is_file():
         raise ValueError(f"data.tokenizer={d.tokenizer!r} but {workdir} holds no tokenizer.json")
     kept = kept_tokenizer(workdir, d.tokenizer)  # the run's own copy of a tokenizer file
+    copy = kept_tokenizer_path(workdir, d.tokenizer)
+    if copy is not None and kept is None:  # a run's copy gone (or a run from before copies)
+        if not os.path.isfile(d.tokenizer):
+            raise ValueError(f"{copy}: the run's copy of its tokenizer is missing, and "
+                             f"data.tokenizer={d.tokenizer} is not there either")
+        notes.append(f"the run's copy of its tokenizer ({copy}) is missing: read "
+                     f"data.tokenizer={d.tokenizer} instead"
+                     + (", which has the SHA-256 its checkpoint recorded"
+                        if isinstance(data_state, dict) and (data_state.get("fingerprint") or {})
+                        .get("tokenizer") else ""))
     tokenizer = load_tokenizer(str(kept) if kept else d.tokenizer, workdir=workdir,
                                eod_id=d.eod_id, save=False)
     recorded = (data_state.get("fingerprint") or {}).get("tokenizer") \

@@ -236,7 +236,7 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
         defines no ``get_config``, leaves ``model.init_from`` a placeholder (``None``, as
-        configs/finetune.py does) that no override fills, or its ``get_config()`` raises (an
+        configs/finetune.py does) that no override fills or that one fills with ``''``, or its ``get_config()`` raises (an
         exception or a ``KeyboardInterrupt`` the file's code raises) or returns something
         other than a ConfigDict or dict (each one line naming the file and the cause); an
         unknown key in it or in ``overrides``; a value of the wrong type.
@@ -270,12 +270,19 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
         raise ValueError(f"config file {name}: get_config() returned {config!r} (a "
                          f"{type(config).__name__}); it must return an ml_collections.ConfigDict")
     given = set(_given(config)) | {_split_override(text)[0] for text in overrides}
+    model = config.get("model") if hasattr(config, "get") else None
+    placeholder = hasattr(model, "get") and "init_from" in model and model.get("init_from") is None
     config = apply_overrides(complete_config(config), overrides, where)
     _remember_given(config, given)
     if config.model.init_from is None:  # a placeholder: configs/finetune.py, DIR not given
         raise ValueError(f"config file {name} sets no model architecture (it comes from "
                          f"model.init_from): give --config.model.init_from=DIR, a Hugging "
                          f"Face checkpoint directory")
+    if placeholder and not config.model.init_from.strip():  # e.g. an unset shell variable
+        raise ValueError(f"model.init_from={config.model.init_from!r} is empty, and config file "
+                         f"{name} takes its model from it: give --config.model.init_from=DIR, "
+                         f"a Hugging Face checkpoint directory (an empty value would train a "
+                         f"random model)")
     if config.model.init_from:  # the architecture from DIR, checked against what is set
         _apply_init_from(config, {k: _get(config, k) for k in given if _has(config, k)})
     return config

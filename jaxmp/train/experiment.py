@@ -81,16 +81,18 @@ def parameter_bytes(config: ModelConfig, rules: Any) -> int:
     def nbytes(tree) -> int:
         return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
-    kinds = [config.is_moe_layer(i) for i in range(config.num_layers)]
+    counts = {False: config.num_dense_layers, True: config.num_moe_layers}  # not enumerated
     total = glob = 0
-    for moe in sorted(set(kinds)):
+    for moe in (False, True):
+        if not counts[moe]:
+            continue
         one = dataclasses.replace(config, num_layers=1, scan_layers=False, mlp_only_layers=(),
                                   first_dense_layers=0 if moe else 1,
                                   num_experts=config.num_experts if moe else 0)
         model = nnx.eval_shape(lambda: MoETransformer(one, rules, rngs=nnx.Rngs(0)))
         block = nbytes(nnx.state(model.blocks[0], nnx.Param))
         glob = nbytes(nnx.state(model, nnx.Param)) - block
-        total += block * kinds.count(moe)
+        total += block * counts[moe]
     return total + glob
 
 

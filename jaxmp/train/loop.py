@@ -584,8 +584,6 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
         data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
         stack.callback(data.train_iter.close)  # grain's prefetch threads
-        if main_process:  # the run's own copy of a tokenizer file: its readers need no other
-            keep_tokenizer(data.tokenizer, exp.config.data.tokenizer, workdir)
         step_fn = compilation.join(catcher)
         if step_fn is None:  # a signal during start-up: nothing to save
             raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(),
@@ -593,6 +591,9 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
         check_memory(step_fn, exp)  # before the state takes device memory
         ckpt = stack.enter_context(Checkpointer(workdir, keep=t.keep_checkpoints))
         start, state, notes = _restore_or_init(exp, ckpt, data, config_dict)
+        if main_process:  # the run's own copy of a tokenizer file: its readers need no other.
+            # After restore: a resume refused for another tokenizer leaves the copy as it was.
+            keep_tokenizer(data.tokenizer, exp.config.data.tokenizer, workdir)
         if main_process:
             _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)

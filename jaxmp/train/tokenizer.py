@@ -650,15 +650,32 @@ def load_tokenizer(spec: str, *, workdir: Optional[str | os.PathLike] = None,
 KEPT_FILES = {".json": TOKENIZER_FILE, ".model": "tokenizer.model"}
 
 
-def kept_tokenizer(workdir: str | os.PathLike, spec: str) -> Optional[pathlib.Path]:
-    """The run's own copy of the tokenizer file ``spec`` names (see :func:`keep_tokenizer`),
-    or None: ``spec`` is ``bytes`` or ``bpe:VOCAB``, or the run kept no copy (one trained
-    before copies were kept)."""
+def kept_tokenizer_path(workdir: str | os.PathLike, spec: str) -> Optional[pathlib.Path]:
+    """Where the run keeps its own copy of the tokenizer file ``spec`` names (see
+    :func:`keep_tokenizer`), whether or not it is there; None for ``bytes`` and
+    ``bpe:VOCAB``, which are not copies."""
     suffix = os.path.splitext(spec.lower())[1]
     if spec.startswith("bpe:") or suffix not in KEPT_FILES:
         return None
-    path = pathlib.Path(workdir) / KEPT_FILES[suffix]
-    return path if path.is_file() else None
+    return pathlib.Path(workdir) / KEPT_FILES[suffix]
+
+
+def kept_tokenizer(workdir: str | os.PathLike, spec: str) -> Optional[pathlib.Path]:
+    """The run's own copy of the tokenizer file ``spec`` names (see :func:`keep_tokenizer`),
+    or None: ``spec`` is ``bytes`` or ``bpe:VOCAB``, or the run kept no copy (one trained
+    before copies were kept, or the copy was deleted).
+
+    Raises:
+      ValueError: something that is not a regular file (a FIFO, a directory) stands where
+        the copy belongs (refused unopened, naming it).
+    """
+    path = kept_tokenizer_path(workdir, spec)
+    if path is None or not os.path.lexists(path):
+        return None
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file; the run's copy of its tokenizer must "
+                         f"be one (refused unread)")
+    return path
 
 
 def keep_tokenizer(tokenizer, spec: str, workdir: str | os.PathLike) -> Optional[pathlib.Path]:
