@@ -9,7 +9,7 @@ padded). The prompt followed by the sample is printed to stdout. An empty prompt
 a new document (the end-of-document token).
 
 Refused with a one-line error (exit status 2) before the checkpoint is read: ``--tokens``
-below 0, ``--temperature`` below 0 or NaN, a ``--seed`` outside ``[0, 2**64)`` (each of
+below 0, ``--temperature`` below 0, infinite or NaN, a ``--seed`` outside ``[0, 2**64)`` (each of
 those seeds is its own sampling key: :func:`seed_key`), and a ``--prompt`` that is not
 valid UTF-8 text (an argument byte that does not decode, such as ``$'\\xff'``, which Python
 keeps as a lone surrogate).
@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     Raises:
       SystemExit: status 2 (argparse's one-line error naming the flag) for bad input,
-        before the checkpoint is read: ``--tokens`` < 0, ``--temperature`` < 0 or NaN,
+        before the checkpoint is read: ``--tokens`` < 0, ``--temperature`` < 0, inf or NaN,
         ``--seed`` not an integer in ``[0, 2**64)``, a ``--prompt`` that is not UTF-8
         text; after it, a workdir with no readable checkpoint.
     """
@@ -105,19 +105,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 0:
         parser.error(f"--tokens must be >= 0, got {args.tokens}")
-    if not args.temperature >= 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 <= args.temperature < float("inf"):  # inf: every logit equal, NaN probabilities
+        parser.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     bad_prompt = _prompt_error(args.prompt)
     if bad_prompt:
         parser.error(bad_prompt)
     import numpy as np
     from jaxmp.models import generate
     from jaxmp.train import CheckpointError
-    from jaxmp.train.artifacts import _load
+    from jaxmp.train.artifacts import read_run
     from jaxmp.train.checkpoint import quiet_orbax_tracebacks
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     try:
-        model, tokenizer, _, _, notes = _load(args.workdir, args.step)
+        model, tokenizer, _, _, notes = read_run(args.workdir, args.step)
     except (ValueError, CheckpointError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     finally:

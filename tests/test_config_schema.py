@@ -36,20 +36,45 @@ def test_modelconfig_defaults_are_the_run_defaults():
     assert ModelConfig.from_config(config.model) == default
 
 
+# A value each spec refuses, found by trying candidates (no value is hard-coded per key).
+_BAD_CANDIDATES = (-1, 0, "nope", None, 2.5, float("nan"), 1, True, (-1,), "", 10 ** 12)
+
+
+def _with(key: str, value):
+    """The default config, as a dict (which holds any type, as a config file's may), with
+    ``key`` set to ``value``."""
+    config = default_config().to_dict()
+    *sections, name = key.split(".")
+    node = config
+    for part in sections:
+        node = node[part]
+    node[name] = value
+    return ml_collections.ConfigDict(config)
+
+
 @pytest.mark.parametrize("key", [k for k in keys.KEYS if k.allowed is not None],
                          ids=lambda k: k.name)
-def test_allowed_is_the_declared_spec_and_each_default_passes_it(key):
-    assert ALLOWED[key.name] is key.allowed and key.allowed.ok(key.default)
-    assert key.meaning.strip()
+def test_validate_config_refuses_what_each_declared_spec_refuses(key):
+    """Behaviour, not the table restated: the declared default passes validate_config, and
+    a value the declared spec refuses is refused by validate_config with the spec's own
+    text, naming the key."""
+    assert key.allowed.ok(key.default) and key.meaning.strip()
+    refused = [v for v in _BAD_CANDIDATES if not key.allowed.ok(v)]
+    assert refused, key.name
+    value = refused[0]
+    with pytest.raises(ValueError, match=re.escape(f"{key.name}=") + r".* is not allowed; it "
+                                         r"must be " + re.escape(key.allowed.allowed)):
+        validate_config(_with(key.name, value), 1)
 
 
-def test_allowed_has_no_key_without_a_declaration():
-    assert set(ALLOWED) == {k.name for k in keys.KEYS if k.allowed is not None}
-    assert set(ALLOWED) >= {k.name for k in MODEL_KEYS}  # every model key is checked
-
-
-# A value each model spec refuses, found by trying candidates (no value is hard-coded per key).
-_BAD_CANDIDATES = (-1, 0, "nope", None, 2.5, float("nan"), 1, True, (-1,))
+@pytest.mark.parametrize("key", [k for k in keys.KEYS if k.allowed is None],
+                         ids=lambda k: k.name)
+def test_a_key_without_a_spec_is_checked_all_the_same(key):
+    """Every key is checked, not only those that carry a spec: a value of another type
+    (a list where the default is not one) is refused, naming the key."""
+    value = ["a list"] if not isinstance(key.default, (list, tuple)) else 3.5
+    with pytest.raises((ValueError, TypeError), match=re.escape(key.name.rpartition(".")[2])):
+        validate_config(_with(key.name, value), 1)
 
 
 @pytest.mark.parametrize("field", [f for f in FIELDS if f.metadata["allowed"] is not None],

@@ -45,7 +45,7 @@ FORMATS = ("jaxmp", "hf")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """``tmp/models/base`` (a Hugging Face llama, 1 layer, d_model 16), ``tmp/run`` (2 steps
-    fine-tuned from it, bytes tokenizer) and the run as ``artifacts._load`` reads it."""
+    fine-tuned from it, bytes tokenizer) and the run as ``artifacts.read_run`` reads it."""
     tmp = tmp_path_factory.mktemp("safety")
     base = tmp / "models" / "base"
     cfg = ModelConfig(vocab_size=264, num_layers=1, d_model=16, num_heads=2, d_ff=32, max_len=16)
@@ -62,16 +62,16 @@ def run(tmp_path_factory):
         "optim.warmup_steps=0"])
     workdir = tmp / "run"
     train_and_evaluate(config, str(workdir), num_devices=1)
-    loaded = artifacts._load(workdir)
+    loaded = artifacts.read_run(workdir)
     assert loaded[2].model.init_from == str(base)
     return types.SimpleNamespace(tmp=tmp, base=base, workdir=workdir, loaded=loaded)
 
 
 @pytest.fixture
 def loaded_once(run, monkeypatch):
-    """``artifacts._load`` answers with the run read once (for tests that change the
+    """``artifacts.read_run`` answers with the run read once (for tests that change the
     process's file-size limit or user, where reading the checkpoint is not the subject)."""
-    monkeypatch.setattr(artifacts, "_load", lambda workdir, step=None, num_devices=None:
+    monkeypatch.setattr(artifacts, "read_run", lambda workdir, step=None, num_devices=None:
                         run.loaded)
 
 
@@ -249,7 +249,7 @@ def test_a_file_size_limit_is_one_line_and_keeps_the_old_export(run, tmp_path, c
     before, around = _tree(out), sorted(os.listdir(tmp_path))
     assert os.path.getsize(out / "model.safetensors") > 8192
     with monkeypatch.context() as m:  # the run read once, before the limit
-        m.setattr(artifacts, "_load", lambda workdir, step=None, num_devices=None: run.loaded)
+        m.setattr(artifacts, "read_run", lambda workdir, step=None, num_devices=None: run.loaded)
         with _file_size_limit(8192):
             code, stdout, err = _export(capsys, run, out, "--format", fmt, "--force")
     line = _one_error_line(err, "export")
@@ -294,6 +294,19 @@ def test_a_seed_outside_64_bits_is_one_line(run, capsys, seed):
     line = _one_error_line(err, "sample")
     assert code == 2 and "argument --seed" in line and "[0, 2**64)" in line and stdout == ""
     assert len(line) < 200
+
+
+@pytest.mark.parametrize("temperature", ["inf", "-inf", "nan", "-1"])
+def test_a_temperature_that_is_not_a_finite_number_at_least_0_is_one_line(tmp_path, capsys,
+                                                                          temperature):
+    """--temperature inf made every logit equal, the probabilities NaN and the sampled id
+    one past the tokenizer: a ValueError traceback from decode. Refused before any
+    checkpoint is read (the workdir need not exist)."""
+    code, stdout, err = _call(sample_cli.main, capsys, "--workdir", tmp_path / "none",
+                              f"--temperature={temperature}")
+    line = _one_error_line(err, "sample")
+    assert code == 2 and stdout == ""
+    assert f"--temperature must be a finite number >= 0, got {float(temperature)}" in line
 
 
 def test_every_64_bit_seed_is_its_own_key():

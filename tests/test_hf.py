@@ -398,7 +398,7 @@ def test_a_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path, monkeypat
         tok = SentencePieceTokenizer(tmp_path / f"{kind}.model")
         net = MoETransformer(ModelConfig(vocab_size=320, num_layers=1, d_model=32, num_heads=4,
                                          d_ff=64, max_len=64), "fp32", rngs=nnx.Rngs(0))
-        monkeypatch.setattr(artifacts, "_load", lambda workdir, step: (net, tok, None, 7, []))
+        monkeypatch.setattr(artifacts, "read_run", lambda workdir, step: (net, tok, None, 7, []))
         return artifacts.export_hf(tmp_path / "run", out), tok
 
     meta, tok = export(kind, tmp_path / "out")

@@ -42,15 +42,58 @@ def test_quiet_orbax_tracebacks_is_undone_by_the_function_it_returns():
     assert _logging_state() == filters and sys.unraisablehook is hook
 
 
-def test_the_entry_points_quiet_orbax_and_the_library_does_not():
-    import pathlib
-    root = pathlib.Path(__file__).resolve().parents[1]
-    assert "quiet_orbax_tracebacks()" in (root / "train.py").read_text()
-    for module in ("export", "sample"):
-        assert "restore = quiet_orbax_tracebacks()" in (root / "jaxmp" / f"{module}.py").read_text()
-    library = [p for p in (root / "jaxmp").rglob("*.py")
-               if p.name != "checkpoint.py" and p.parent.name != "jaxmp"]
-    assert not [p for p in library if "quiet_orbax_tracebacks(" in p.read_text()]
+def test_the_entry_points_quiet_orbax_and_the_library_does_not(tmp_path, monkeypatch):
+    """Behaviour, not source text: importing every jaxmp module changes no logger and no
+    ``sys.unraisablehook``; ``jaxmp.sample`` and ``jaxmp.export`` have orbax quiet while
+    they read the run and put both back after; train.py's main has them quiet while it
+    trains (an entry point: it leaves them so until the process ends)."""
+    import importlib
+    import pkgutil
+
+    import jaxmp
+    from jaxmp import export, sample
+    from jaxmp.train import artifacts
+    from jaxmp.train.checkpoint import _DropOrbaxTracebacks
+
+    filters, hook = _logging_state(), sys.unraisablehook
+    for module in pkgutil.walk_packages(jaxmp.__path__, "jaxmp."):
+        importlib.import_module(module.name)
+    assert _logging_state() == filters and sys.unraisablehook is hook
+
+    quiet = []
+
+    def reads(*args, **kwargs):  # stands in for reading the run: is orbax quiet now?
+        quiet.append(any(isinstance(f, _DropOrbaxTracebacks)
+                         for f in logging.getLogger("absl").filters)
+                     and sys.unraisablehook is not hook)
+        raise ValueError("no run here")
+
+    for name in ("read_run", "export", "export_hf"):
+        monkeypatch.setattr(artifacts, name, reads)
+    for main, argv in ((sample.main, ["--workdir", str(tmp_path)]),
+                       (export.main, ["--workdir", str(tmp_path), "--out", str(tmp_path / "o")]),
+                       (export.main, ["--workdir", str(tmp_path), "--out", str(tmp_path / "o"),
+                                      "--format", "hf"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert _logging_state() == filters and sys.unraisablehook is hook
+    assert quiet == [True, True, True]
+
+    import train
+    from absl import flags
+
+    monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir: reads())
+    try:
+        with pytest.raises(SystemExit):
+            train.main(train._parse_flags(["train.py", "--workdir", str(tmp_path / "w")]))
+        assert quiet == [True, True, True, True]
+    finally:  # what the entry point left for its process's end
+        for name, kept in filters.items():
+            for f in list(logging.getLogger(name).filters):
+                if f not in kept:
+                    logging.getLogger(name).removeFilter(f)
+        sys.unraisablehook = hook
+        flags.FLAGS["workdir"].unparse()
 
 
 def test_leaving_interpret_mode_restores_what_it_changed():

@@ -41,7 +41,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp._checks import check_choice, check_float, check_int, check_real
-from jaxmp.precision._fp8.quant import _F32, BLOCK, E4M3, _quantize_blocks
+from jaxmp.precision._fp8.quant import BLOCK, E4M3, quantize_blocks
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision._vma import as_axes
 from jaxmp.precision.loss_scale import LossScale
@@ -421,14 +421,14 @@ def _quantize_rows(x):
     """E4M3 values and 1x128 tile scales of ``x [..., D]``:
     ``(q [..., D], s [..., ceil(D/128)])``."""
     d = x.shape[-1]
-    q, s = _quantize_blocks(x.reshape(-1, d), 1, BLOCK, E4M3)
+    q, s = quantize_blocks(x.reshape(-1, d), (1, BLOCK), E4M3)
     return q.reshape(x.shape), s.reshape(x.shape[:-1] + s.shape[-1:])
 
 
 def _dequantize_rows(q, s, dtype):
     """The inverse of :func:`_quantize_rows`, in ``dtype``."""
     scales = s if s.shape[-1] == 1 else jnp.repeat(s, BLOCK, axis=-1)[..., :q.shape[-1]]
-    return (q.astype(_F32) * scales).astype(dtype)
+    return (q.astype(jnp.float32) * scales).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

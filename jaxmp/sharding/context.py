@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import jax
 from jax.sharding import Mesh
 
-from jaxmp.sharding.rules import LOGICAL_AXES, Rules, _as_dict, logical_to_sharding
+from jaxmp.sharding.rules import LOGICAL_AXES, Rules, logical_to_sharding, rule_table
 
 __all__ = ["use_rules", "constrain"]
 
@@ -28,7 +28,7 @@ def use_rules(mesh: Mesh, rules: Rules):
     traced before outside the context is traced again inside it. Switching only the rules
     on the same mesh does not retrace an already-traced function: jit a fresh one.
     """
-    table = _as_dict(rules)
+    table = rule_table(rules)
     unknown = sorted(set(LOGICAL_AXES) - set(table))
     if unknown:
         raise ValueError(f"rules do not map the logical axes {unknown}")

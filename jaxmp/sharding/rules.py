@@ -15,6 +15,7 @@ from jaxmp.precision._vma import as_axes
 from jaxmp.precision.comm import DATA_AXIS
 
 __all__ = [
+    "rule_table",
     "LOGICAL_AXES",
     "DATA_PARALLEL_RULES",
     "FSDP_RULES",
@@ -129,7 +130,9 @@ def layout(strategy: str = "dp", expert: int = 1, dispatch_dtype: str = "compute
                   dispatch_dtype=dispatch_dtype)
 
 
-def _as_dict(rules: Rules) -> dict:
+def rule_table(rules: Rules) -> dict:
+    """``rules`` (a mapping, or ``(logical axis, mesh axis)`` pairs as the layouts hold
+    them) as a dict ``{logical axis: mesh axis or None}``."""
     return dict(rules.items() if isinstance(rules, Mapping) else rules)
 
 
@@ -180,7 +183,7 @@ def logical_to_sharding(logical_axes: Sequence[Optional[str]], mesh: Mesh,
       ValueError: a logical name the rules do not map, a mesh axis not in ``mesh``, or
         one mesh axis used for two dimensions.
     """
-    table = _as_dict(rules)
+    table = rule_table(rules)
     spec, used = [], set()
     for name in logical_axes:
         if name is None:

@@ -31,7 +31,7 @@ from jaxmp.train.experiment import Experiment
 from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
                                    kept_tokenizer, kept_tokenizer_path, load_tokenizer)
 
-__all__ = ["load", "export", "load_export", "EXPORT_WEIGHTS", "EXPORT_CONFIG"]
+__all__ = ["load", "read_run", "export", "load_export", "EXPORT_WEIGHTS", "EXPORT_CONFIG"]
 
 EXPORT_WEIGHTS = "model.safetensors"
 EXPORT_CONFIG = "config.json"
@@ -71,15 +71,28 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
         rotation deleted each newest checkpoint while it was read, every time it was read
         again (``jaxmp.train.checkpoint._ROTATION_ATTEMPTS`` times).
     """
-    model, tokenizer, config, _, notes = _load(workdir, step, num_devices)
+    model, tokenizer, config, _, notes = read_run(workdir, step, num_devices)
     for note in notes:
         warnings.warn(note, RuntimeWarning, stacklevel=2)
     return model, tokenizer, config
 
 
-def _load(workdir, step: Optional[int] = None, num_devices: Optional[int] = None):
-    """:func:`load`, returning ``(model, tokenizer, config, step, warnings)``: the step
-    that was read and the corrupt checkpoints passed over."""
+def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
+             num_devices: Optional[int] = None):
+    """:func:`load` for the command-line readers (``jaxmp.sample``, ``jaxmp.export``),
+    which print what :func:`load` turns into ``RuntimeWarning`` s.
+
+    Args:
+      workdir, step, num_devices: as :func:`load`.
+
+    Returns:
+      ``(model, tokenizer, config, step, notes)``: :func:`load`'s three, the checkpoint
+      step that was read (an int) and the notes (strs: the corrupt checkpoints passed
+      over, a missing tokenizer copy).
+
+    Raises:
+      ValueError, CheckpointError: as :func:`load`.
+    """
     if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
         raise ValueError(f"step={step!r} ({type(step).__name__}) is not allowed; give a "
                          f"checkpoint step as an int, or None for the newest")
@@ -165,7 +178,7 @@ def _load_for_export(workdir, out, step, force, notes):
     the corrupt checkpoints passed over added to ``notes`` (or warned about when None).
     Returns ``(model, tokenizer, config, step, out resolved)``."""
     real = _check_out(out, workdir, force)
-    model, tokenizer, config, saved_step, passed_over = _load(workdir, step)
+    model, tokenizer, config, saved_step, passed_over = read_run(workdir, step)
     _check_out_is_no_input(out, real, config)
     if notes is not None:
         notes.extend(passed_over)

@@ -370,11 +370,13 @@ def validate_config(config: ml_collections.ConfigDict,
     Returns:
       The :class:`Settings`.
 
-    With ``model.init_from=DIR`` the architecture keys (``model.*`` but ``max_len``,
-    ``attention``, ``moe_kernel``, ``scan_layers``, ``remat``, ``capacity_factor``) are
-    DIR's config.json's (:func:`jaxmp.models.hf.config_from_hf`): one that the config
-    sets to another value is an error; DIR's ``tokenizer.json`` is the data tokenizer
-    unless ``data.tokenizer`` is set.
+    With ``model.init_from=DIR`` the architecture keys (``model.*`` but the run's own,
+    :data:`jaxmp.models.hf.RUNTIME_FIELDS`: ``max_len``, ``attention``, ``moe_kernel``,
+    ``scan_layers``, ``remat``, ``capacity_factor``, ``aux_loss_weight``,
+    ``bias_update_rate``; ``max_len`` and the two balancing keys take DIR's values unless
+    given) are DIR's config.json's (:func:`jaxmp.models.hf.config_from_hf`): one that the
+    config sets to another value is an error; DIR's ``tokenizer.json`` is the data
+    tokenizer unless ``data.tokenizer`` is set.
 
     Raises:
       ValueError: an unknown key (named with the closest valid one); a value outside
@@ -391,6 +393,7 @@ def validate_config(config: ml_collections.ConfigDict,
     """
     given = _given(config)
     config = complete_config(config)  # a copy only, for a config that load_config read
+    _check_table(config, ["model.init_from"])  # read as a path below
     _apply_init_from(config, given)  # a second time (after load_config) changes nothing
     t, d, p = config.train, config.data, config.precision
     if num_devices is None:
@@ -430,7 +433,10 @@ def validate_config(config: ml_collections.ConfigDict,
                          f"({', '.join(PRESETS)}) or a dtype, with optional 'MODULE: POLICY' rules")
     rules = get_policy_rules(p.policy)
     _check_update_rounding(config.optim.update_rounding, rules)
-    loss_scale = get_loss_scale(p.loss_scale)
+    try:
+        loss_scale = get_loss_scale(p.loss_scale)
+    except ValueError as e:  # its message names the value and the kinds: add the key
+        raise ValueError(f"precision.loss_scale={p.loss_scale!r}: {e}") from None
     comm_kwargs = dict(grad_reduce_dtype=p.grad_reduce_dtype, grad_compression=p.grad_compression,
                        topk_ratio=p.topk_ratio)
     try:

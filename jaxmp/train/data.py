@@ -39,7 +39,8 @@ from jaxmp._checks import Int, check, check_int, check_real
 from jaxmp.train.corpus import (TOKEN_SUFFIXES, check_data_path, data_files,  # noqa: F401
                                 default_corpus_files, eval_score, load_documents,
                                 split_documents, token_files)
-from jaxmp.train.shards import TOKEN_DTYPES, shard_streams  # noqa: F401
+from jaxmp.train.keys import DEFAULTS, SEED, TOKEN_DTYPES  # noqa: F401  (re-exported)
+from jaxmp.train.shards import shard_streams
 from jaxmp.train.streams import ShardStream, TokenStream  # noqa: F401
 from jaxmp.train import tokenizer as tokenizer_module
 from jaxmp.train.tokenizer import ByteTokenizer, load_tokenizer, text_pieces  # noqa: F401
@@ -248,9 +249,6 @@ def _prompt_from(stream, tokenizer, max_tokens: int = 16) -> np.ndarray:
     return encoded if encoded.size else ids.astype(np.int32)
 
 
-# The run's seed (the run config's ``seed``): the model's initialisation, the data order
-# and the sample all take it.
-SEED = Int(0, 2**31 - 2, text="an integer in [0, 2**31 - 1)")
 
 
 def _say(progress: bool, text: str) -> None:
@@ -289,13 +287,13 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     end-of-document id) counts their documents, and eval is the end of the last shard.
 
     Args:
-      data_config: object with attributes ``path`` (a directory, a glob, token shards,
-        ``None``/``""``: the stdlib; see :func:`load_documents`), ``text_field``
-        (default ``"text"``), ``seq_len``, ``eval_fraction`` (see
+      data_config: object with attribute ``seq_len`` and the other ``data.*`` keys
+        (:mod:`jaxmp.train.keys`; one it lacks takes that key's declared default, the
+        run config's): ``path`` (a directory, a glob, token shards, ``None``/``""``: the
+        stdlib; see :func:`load_documents`), ``text_field``, ``eval_fraction`` (see
         :func:`split_documents`), ``num_eval_batches`` (0 disables eval), ``max_tokens``
         (``None`` or 0: all; otherwise caps each split's packed stream, for tests and
-        tiny runs), and optionally ``tokenizer`` (default ``"bytes"``), ``token_dtype``
-        and ``eod_id``.
+        tiny runs), ``tokenizer``, ``token_dtype`` and ``eod_id``.
       global_batch_size: sequences per step over all processes.
       seed: shuffle seed in ``[0, 2**31 - 1)`` (:data:`SEED`, the run config's ``seed``).
       process_index: this process, in ``[0, process_count)``.
@@ -326,17 +324,20 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         raise ValueError(f"global_batch_size={batch} is not divisible by "
                          f"process_count={count}")
     seed = int(check("seed", seed, SEED))
-    num_eval = check_int("data.num_eval_batches", getattr(data_config, "num_eval_batches", 0), 0)
-    max_tokens = getattr(data_config, "max_tokens", None)
+    def given(name):  # an attribute the caller's object lacks takes the key's declared default
+        return getattr(data_config, name, DEFAULTS[f"data.{name}"])
+
+    num_eval = check_int("data.num_eval_batches", given("num_eval_batches"), 0)
+    max_tokens = given("max_tokens")
     if max_tokens is not None:
         max_tokens = check_int("data.max_tokens", max_tokens, 0) or None
-    eval_fraction = check_real("data.eval_fraction", getattr(data_config, "eval_fraction", 0.0),
-                               0.0, 1.0, hi_open=True)
-    spec = getattr(data_config, "tokenizer", "bytes") or "bytes"
-    eod_id = getattr(data_config, "eod_id", -1)
+    eval_fraction = check_real("data.eval_fraction", given("eval_fraction"), 0.0, 1.0,
+                               hi_open=True)
+    spec = given("tokenizer") or DEFAULTS["data.tokenizer"]
+    eod_id = given("eod_id")
     eod_id = -1 if eod_id is None else check_int("data.eod_id", eod_id, -1)
 
-    path = getattr(data_config, "path", None)
+    path = given("path")
     warnings: list = []
     shards = token_files(path)
     trains_bpe = spec.startswith("bpe:") and not (
@@ -354,7 +355,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     else:
         what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
         _say(progress, f"reading {what}")
-        docs = load_documents(path, getattr(data_config, "text_field", None) or "text", warnings,
+        docs = load_documents(path, given("text_field") or DEFAULTS["data.text_field"], warnings,
                               progress=progress)
         split = split_documents(docs, eval_fraction)
         if trains_bpe:

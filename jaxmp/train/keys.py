@@ -21,7 +21,6 @@ from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
 from jaxmp.models import ModelConfig
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
-from jaxmp.train.data import SEED, TOKEN_DTYPES
 from jaxmp.train.optimizer import SCHEDULES
 from jaxmp.train.tokenizer import BPE_MIN_VOCAB
 
@@ -64,6 +63,12 @@ def _is_text(v: Any) -> bool:
 
 
 _TEXT = Kind(_is_text, "text (a string that UTF-8 encodes)")
+
+# The run's seed (the run config's ``seed``): the model's initialisation, the data order
+# and the sample all take it (jaxmp.train.data checks create_pipeline's seed with it).
+SEED = Int(0, 2**31 - 2, text="an integer in [0, 2**31 - 1)")
+# The dtypes of .bin token shards (jaxmp.train.shards reads them).
+TOKEN_DTYPES = ("uint16", "uint32")
 
 KEYS: Tuple[Key, ...] = (
     Key("seed", 0, "seed of the initialisation, the data order and the sample, in [0, 2**31 - 1)",

@@ -1,7 +1,7 @@
 """Pre-tokenized ``.bin`` / ``.npy`` token shards: opened memory-mapped, checked against
 the tokenizer and the end-of-document id, and cut into train and eval streams
-(:func:`shard_streams`). A part of the pipeline of :mod:`jaxmp.train.data`, which
-re-exports :data:`TOKEN_DTYPES`.
+(:func:`shard_streams`). A part of the pipeline of :mod:`jaxmp.train.data`; the dtypes
+allowed, :data:`~jaxmp.train.keys.TOKEN_DTYPES`, are declared with the config's keys.
 """
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import os
 
 import numpy as np
 
+from jaxmp.train.keys import DEFAULTS, TOKEN_DTYPES
 from jaxmp.train.streams import ShardStream, TokenStream
-
-
-TOKEN_DTYPES = ("uint16", "uint32")
 
 
 def _open_shard(file: str, dtype: str) -> np.ndarray:
@@ -52,7 +50,7 @@ def shard_streams(files, data_config, tokenizer, eod: int, seq_len: int, eval_fr
                    max_tokens, need_eval: bool):
     """``(train, eval or None, notes, documents)`` of pre-tokenized shards: eval is the
     last ``max(seq_len + 1, eval_fraction * tokens)`` tokens of the last shard."""
-    dtype = getattr(data_config, "token_dtype", "uint16") or "uint16"
+    dtype = getattr(data_config, "token_dtype", None) or DEFAULTS["data.token_dtype"]
     if dtype not in TOKEN_DTYPES:
         raise ValueError(f"data.token_dtype={dtype!r} is not allowed; it must be one of "
                          f"{', '.join(TOKEN_DTYPES)}")
