@@ -39,7 +39,7 @@ from absl import app, flags, logging  # noqa: E402
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
 from jaxmp._entry import cpu_without_a_gpu
 from jaxmp.train import distributed
-from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+from jaxmp._entry import quiet_orbax_tracebacks
 from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import config_to_dict, load_config
@@ -136,7 +136,7 @@ def main(argv):
         # Before any collective: processes with different configs would meet in mismatched ones.
         distributed.check_same_config(config_to_dict(_LOADED["config"]), _STARTUP.value,
                                       workdir=workdir)
-        train_and_evaluate(_LOADED["config"], workdir)
+        train_and_evaluate(_LOADED["config"], workdir, exit_on_second_signal=True)
     except (ValueError, CheckpointError, TrainingStalled, WorkdirInUse, OSError) as e:
         # A user's mistake, a stalled or diverging run, a busy workdir or a full disk: the
         # message says what and why.

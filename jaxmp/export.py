@@ -52,7 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import export, export_hf
-    from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+    from jaxmp._entry import quiet_orbax_tracebacks
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     notes = []
     try:

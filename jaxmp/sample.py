@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jaxmp.models import generate
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import read_run
-    from jaxmp.train.checkpoint import quiet_orbax_tracebacks
+    from jaxmp._entry import quiet_orbax_tracebacks
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     try:
         model, tokenizer, _, _, notes = read_run(args.workdir, args.step)

@@ -629,7 +629,7 @@ def test_orbaxs_never_retrieved_future_traceback_is_dropped():
     """asyncio's ``Future exception was never retrieved`` for an orbax write names no
     orbax file in its message, only in its traceback."""
     import logging
-    from jaxmp.train.checkpoint import _DropOrbaxTracebacks
+    from jaxmp._entry import _DropOrbaxTracebacks
     try:
         exec(compile("raise OSError(28, 'No space left on device')",
                      os.path.join(os.sep, "site-packages", "orbax", "checkpoint", "write.py"), "exec"))

@@ -29,7 +29,7 @@ def test_a_checkpointer_changes_no_logger_and_no_unraisablehook(tmp_path):
 
 
 def test_quiet_orbax_tracebacks_is_undone_by_the_function_it_returns():
-    from jaxmp.train.checkpoint import _DropOrbaxTracebacks, quiet_orbax_tracebacks
+    from jaxmp._entry import _DropOrbaxTracebacks, quiet_orbax_tracebacks
     filters, hook = _logging_state(), sys.unraisablehook
     restore = quiet_orbax_tracebacks()
     try:
@@ -53,7 +53,7 @@ def test_the_entry_points_quiet_orbax_and_the_library_does_not(tmp_path, monkeyp
     import jaxmp
     from jaxmp import export, sample
     from jaxmp.train import artifacts
-    from jaxmp.train.checkpoint import _DropOrbaxTracebacks
+    from jaxmp._entry import _DropOrbaxTracebacks
 
     filters, hook = _logging_state(), sys.unraisablehook
     for module in pkgutil.walk_packages(jaxmp.__path__, "jaxmp."):
@@ -82,7 +82,7 @@ def test_the_entry_points_quiet_orbax_and_the_library_does_not(tmp_path, monkeyp
     import train
     from absl import flags
 
-    monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir: reads())
+    monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir, **kw: reads())
     try:
         with pytest.raises(SystemExit):
             train.main(train._parse_flags(["train.py", "--workdir", str(tmp_path / "w")]))
@@ -224,3 +224,35 @@ def test_the_benchmarks_time_compiles_and_leave_the_cache_on(cache_dir):
         assert compile_once() == hit
     finally:
         jax.monitoring.unregister_event_listener(on_event)
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_in_a_library_call_raises_and_the_handlers_come_back(signum):
+    """train_and_evaluate's signal catcher: the first signal is a flag the loop polls; a
+    second raises KeyboardInterrupt (before, os._exit: a double Ctrl-C killed a notebook's
+    kernel); leaving puts the caller's handlers back. (train.py asks to exit at once:
+    exit_on_second_signal=True, tested with real processes in test_faults.py.)"""
+    import os
+    import signal
+    import threading
+    import time
+
+    from jaxmp.train.loop import _SignalCatcher
+
+    assert threading.current_thread() is threading.main_thread()  # signals reach this thread
+    sig = getattr(signal, signum)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def delivered(catcher, want):
+        deadline = time.monotonic() + 30  # a bound on a regression, not a timing
+        while catcher.signum != want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return catcher.signum == want
+
+    with pytest.raises(KeyboardInterrupt):
+        with _SignalCatcher() as catcher:
+            os.kill(os.getpid(), sig)
+            assert delivered(catcher, sig)
+            os.kill(os.getpid(), sig)
+            time.sleep(30)  # interrupted by the handler's KeyboardInterrupt
+    assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before

@@ -444,7 +444,8 @@ def test_train_py_defaults_the_workdir_to_the_configs_name(config, given, want, 
 
     monkeypatch.chdir(tmp_path)
     ran = []
-    monkeypatch.setattr(train, "train_and_evaluate", lambda config, workdir: ran.append(workdir))
+    monkeypatch.setattr(train, "train_and_evaluate",
+                        lambda config, workdir, **kw: ran.append(workdir))
     flags.FLAGS["workdir"].unparse()  # a fresh process's flag: not given
     argv = ["train.py", "--config", str(ROOT / config), "--config.data.seq_len=32"]
     if config.endswith("finetune.py"):

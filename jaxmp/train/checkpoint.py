@@ -78,7 +78,6 @@ import os
 import pathlib
 import re
 import stat
-import sys
 from typing import Any, Callable, Optional, Tuple
 
 import jax
@@ -96,7 +95,7 @@ from jaxmp.train.keys import DEFAULTS
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
            "state_checksums", "json_digest", "config_differences", "check_same_settings",
            "residual_adapter",
-           "reshard_residual", "quiet_orbax_tracebacks"]
+           "reshard_residual"]
 
 # 1: array checksums only; 2: also the digests of the JSON items and the health flag (and,
 # in newer ones, the step the checkpoint was saved at: a format-2 checkpoint without it is
@@ -174,21 +173,6 @@ def _os_cause(error: BaseException) -> str:
     return text[:300]
 
 
-class _DropOrbaxTracebacks(logging.Filter):
-    """Drops the tracebacks orbax (and asyncio, for orbax's tasks) log for a failed
-    write: :class:`Checkpointer` raises each failure as a :class:`CheckpointError` with
-    the cause in one line; and orbax's warning that a reader opened a directory
-    read-only, which is what the reader asked for."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if f"{os.sep}orbax{os.sep}" in record.pathname and str(record.msg).startswith(
-                "Given directory is read only"):
-            return False
-        if record.name == "asyncio":  # e.g. "Future exception was never retrieved"
-            return "orbax" not in record.getMessage() and not _raised_in_orbax(record.exc_info)
-        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
-
-
 class _ReadOnlyNotice(logging.Filter):
     """Drops orbax's warning that a manager was opened read-only (absl's logger)."""
 
@@ -207,65 +191,6 @@ class _without_read_only_notice:  # noqa: N801  (a context manager)
 
     def __exit__(self, *exc):
         logging.getLogger("absl").removeFilter(self._filter)
-
-
-def _raised_in_orbax(exc_info) -> bool:
-    """Whether an exception's traceback runs through orbax's files."""
-    tb = exc_info[2] if isinstance(exc_info, tuple) and len(exc_info) == 3 else None
-    while tb is not None:
-        if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _closed_loop_noise(unraisable) -> bool:
-    """After a failed write, tensorstore's pending callbacks find orbax's event loop
-    closed and report ``RuntimeError('Event loop is closed')`` as unraisable, dozens of
-    times; the failure itself is raised as a :class:`CheckpointError`."""
-    tb = unraisable.exc_traceback
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return (unraisable.exc_type is RuntimeError
-            and str(unraisable.exc_value) == "Event loop is closed"
-            and tb is not None
-            and tb.tb_frame.f_code.co_filename.endswith(os.path.join("asyncio", "base_events.py")))
-
-
-def quiet_orbax_tracebacks() -> Callable[[], None]:
-    """Drops orbax's tracebacks for a failed checkpoint write, process-wide; for entry points.
-
-    Adds a :class:`_DropOrbaxTracebacks` filter to the ``absl`` logger (orbax logs through
-    absl.logging) and the ``asyncio`` logger, and wraps ``sys.unraisablehook`` to drop
-    tensorstore's ``RuntimeError('Event loop is closed')`` after a failed write
-    (:func:`_closed_loop_noise`). :class:`Checkpointer` raises each failure as a
-    :class:`CheckpointError` with its cause in one line, so these are noise; but they are
-    process-wide settings, so library code never makes them: ``train.py`` and the
-    ``python -m jaxmp.export`` / ``jaxmp.sample`` commands call this once at start.
-
-    Returns:
-      A function that removes the two filters and puts back the ``sys.unraisablehook``
-      found, if the hook is still the one installed here.
-    """
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    added = _DropOrbaxTracebacks()
-    for logger in loggers:
-        logger.addFilter(added)
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not _closed_loop_noise(unraisable):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-
-    def restore() -> None:
-        for logger in loggers:
-            logger.removeFilter(added)
-        if sys.unraisablehook is hook:
-            sys.unraisablehook = previous
-
-    return restore
 
 
 _ODD1, _ODD2 = np.uint32(2654435761), np.uint32(2246822519)  # Knuth's multiplicative constants

@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 import grain
 import numpy as np
 
-from jaxmp._checks import Int, check, check_int, check_real
+from jaxmp._checks import check, check_int, check_real
 from jaxmp.train.corpus import (TOKEN_SUFFIXES, check_data_path, data_files,  # noqa: F401
                                 default_corpus_files, eval_score, load_documents,
                                 split_documents, token_files)

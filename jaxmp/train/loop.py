@@ -102,7 +102,11 @@ class Interrupted(Exception):
 
 
 class _SignalCatcher:
-    """Turns SIGINT/SIGTERM into a flag the loop polls; a second signal exits at once.
+    """Turns SIGINT/SIGTERM into a flag the loop polls; a second signal stops at once:
+    ``KeyboardInterrupt`` in a library call (a notebook's kernel survives a double
+    Ctrl-C), or with ``exit_on_second`` (train.py, the command-line entry point) the
+    process exits with ``128 + signum``. The handlers are installed on entering and the
+    previous ones put back on leaving.
 
     Once ``training`` is set (the loop runs), the first signal says that a checkpoint
     will be saved; before, it says nothing here: :class:`Interrupted` says what happened.
@@ -115,10 +119,11 @@ class _SignalCatcher:
     own would wait for the others in its checkpoint's collectives for ever).
     """
 
-    def __init__(self, sync: bool = False):
+    def __init__(self, sync: bool = False, exit_on_second: bool = False):
         self.signum: Optional[int] = None
         self.training = False
         self.sync = sync
+        self.exit_on_second = exit_on_second
         self._stopped = False
         self._previous = {}
 
@@ -136,10 +141,16 @@ class _SignalCatcher:
         return self._stopped
 
     def _handle(self, signum, frame):
-        if self.signum is not None:  # the second one: leave now, as the user asked twice
-            sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once\n")
+        if self.signum is not None:  # the second one: stop now, as the user asked twice
+            name = signal.Signals(signum).name
+            if self.exit_on_second:  # the command-line trainer: nothing of the caller's to keep
+                sys.stderr.write(f"\n{name} again: exiting at once\n")
+                sys.stderr.flush()
+                os._exit(128 + signum)
+            sys.stderr.write(f"\n{name} again: stopping at once (KeyboardInterrupt); the "
+                             f"complete checkpoints are kept\n")
             sys.stderr.flush()
-            os._exit(128 + signum)
+            raise KeyboardInterrupt
         self.signum = signum
         if self.sync:  # to JAX's preemption notifier: every process stops at one step
             os.kill(os.getpid(), signal.SIGTERM)
@@ -469,7 +480,8 @@ def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int, notes, lock
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       num_devices: Optional[int] = None) -> Dict[str, Any]:
+                       num_devices: Optional[int] = None, *,
+                       exit_on_second_signal: bool = False) -> Dict[str, Any]:
     """Trains the MoE Transformer described by ``config``, resuming from ``workdir``.
 
     Args:
@@ -478,6 +490,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       num_devices: devices of the mesh (split into ``data`` x ``expert`` as
         ``parallel.expert`` says; the batch is split over all of them);
         ``train.num_devices`` or all devices when None.
+      exit_on_second_signal: what a second SIGINT or SIGTERM does while the call runs
+        (the first stops the loop after its step and saves a checkpoint): False, raise
+        ``KeyboardInterrupt`` (a library call: the caller's process, e.g. a notebook's
+        kernel, goes on); True, exit the process at once with ``128 + signum`` (train.py,
+        the command-line entry point). The handlers are the caller's again when the call
+        returns or raises.
 
     Returns:
       A summary: ``step``, ``train_losses`` (one per logged step of this call, float),
@@ -519,7 +537,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         before = False
     workdir = prepare_workdir(workdir)
     try:
-        return _run(exp, workdir)
+        return _run(exp, workdir, exit_on_second_signal)
     except WorkdirInUse:  # what is there is the other trainer's, however new
         raise
     except BaseException:
@@ -568,7 +586,8 @@ def _remove_untrained(workdir: pathlib.Path, before: Optional[set] = None) -> No
             path.unlink(missing_ok=True)
 
 
-def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
+def _run(exp: Experiment, workdir: pathlib.Path,
+         exit_on_second_signal: bool = False) -> Dict[str, Any]:
     """:func:`train_and_evaluate` once the config, the data path and the workdir are
     checked."""
     exp.workdir = workdir  # where a bpe:VOCAB tokenizer is kept
@@ -577,7 +596,8 @@ def _run(exp: Experiment, workdir: pathlib.Path) -> Dict[str, Any]:
     config_dict = config_to_dict(exp.config)
 
     with contextlib.ExitStack() as stack:
-        catcher = stack.enter_context(_SignalCatcher(sync=preemption_sync()))
+        catcher = stack.enter_context(_SignalCatcher(sync=preemption_sync(),
+                                                     exit_on_second=exit_on_second_signal))
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
         _check_resume_settings(workdir, config_dict)  # before the corpus is read
         compilation = _Compilation(exp)  # in the background, while the data is read
