@@ -7,8 +7,13 @@ changes both and its returned function puts them back; leaving
 CPU lowering table and the interpret flag it changed; leaving
 ``benchmarks.fidelity.compilation_cache`` leaves JAX's compilation cache where it was;
 importing ``benchmarks._common`` leaves the cache on, and its ``uncached_compiles`` compiles
-inside and turns the cache back on after.
+inside and turns the cache back on after. Importing every jaxmp module changes no logger;
+``train_and_evaluate``'s signal handlers are the caller's again after it, and a second
+signal raises ``KeyboardInterrupt`` there; each scoped patch of ``jax._src`` (the Mosaic
+GPU interpreter's, ``jaxmp.target.compiling_for``'s and
+``jaxmp.models.attention.trace_cudnn_without_gpu``'s cuDNN checks) is undone on leaving.
 """
+import contextlib
 import logging
 import sys
 
@@ -256,3 +261,50 @@ def test_a_second_signal_in_a_library_call_raises_and_the_handlers_come_back(sig
             os.kill(os.getpid(), sig)
             time.sleep(30)  # interrupted by the handler's KeyboardInterrupt
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
+
+
+_CUDNN_CHECKS = ("check_cudnn_version", "check_compute_capability",
+                 "is_cuda_compute_capability_equal")
+
+
+@pytest.mark.parametrize("leave", ["return", "raise"])
+def test_compiling_for_a_deviceless_gpu_puts_back_jaxs_cudnn_checks(leave):
+    """jaxmp.target.compiling_for patches three jax._src cuDNN checks for a deviceless
+    NVIDIA target: inside they answer for the target, after (however the block ends) they
+    are JAX's own again."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    from jaxmp import target
+
+    before = {name: getattr(fused, name) for name in _CUDNN_CHECKS}
+    h200 = target.Target(platform="gpu", device_kind="NVIDIA H200", compute_capability=(9, 0),
+                         deviceless=True)
+    with pytest.raises(RuntimeError) if leave == "raise" else contextlib.nullcontext():
+        with target.compiling_for(h200):
+            assert fused.check_cudnn_version() == 90800
+            assert fused.check_compute_capability("9.0") and not fused.check_compute_capability(
+                "10.0")
+            assert all(getattr(fused, name) is not before[name] for name in _CUDNN_CHECKS)
+            if leave == "raise":
+                raise RuntimeError("a failed trace")
+    assert {name: getattr(fused, name) for name in _CUDNN_CHECKS} == before
+
+
+@pytest.mark.parametrize("leave", ["return", "raise"])
+def test_tracing_cudnn_without_a_gpu_puts_back_jaxs_version_check(leave):
+    """jaxmp.models.attention.trace_cudnn_without_gpu patches jax._src's cuDNN version
+    check (and sets its own trace-only flag) where there is no cuDNN; both are as they
+    were after the block, however it ends."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    from jaxmp.models import attention
+
+    before, flag = fused.check_cudnn_version, list(attention._TRACE_ONLY_CUDNN)
+    with pytest.raises(RuntimeError) if leave == "raise" else contextlib.nullcontext():
+        with attention.trace_cudnn_without_gpu():
+            assert attention._TRACE_ONLY_CUDNN[0] is True
+            if attention._cudnn_version() is None:  # no cuDNN here: the version is faked
+                assert fused.check_cudnn_version() == 90800
+            if leave == "raise":
+                raise RuntimeError("a failed trace")
+    assert fused.check_cudnn_version is before and list(attention._TRACE_ONLY_CUDNN) == flag
