@@ -109,8 +109,9 @@ __all__ = [
     "format_accounting",
 ]
 
-# The DeepSeek mixed-precision article's top-k fraction (section 2.3), also jaxmp.comm's default.
-TOPK_RATIO = 0.3
+# The top-k fraction of the topk modes: jaxmp.comm's default, the DeepSeek mixed-precision
+# article's (section 2.3).
+TOPK_RATIO = comm.TOPK_RATIO
 
 # One row per mode, every precision knob set, so that rows differ only where the table
 # says. Mixed modes keep the router and norms as float32 islands (DeepSeek-V3 report

@@ -48,6 +48,7 @@ from jaxmp.precision.loss_scale import LossScale
 from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
+    "TOPK_RATIO",
     "DATA_AXIS",
     "REDUCE_DTYPES",
     "COMPRESSIONS",
@@ -69,6 +70,12 @@ REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 COMPRESSIONS = ("none", "topk")
 
 
+
+# The fraction of each gradient leaf top-k compression sends per step: the DeepSeek
+# mixed-precision article's (section 2.3), declared once here (precision.topk_ratio's
+# default, jaxmp.train.step.GradExchange's, the accounting report's topk mode).
+TOPK_RATIO = 0.3
+
 def _reduce_dtype(value: Any) -> jnp.dtype:
     try:
         dtype = canonical_dtype(value)
@@ -81,7 +88,7 @@ def _reduce_dtype(value: Any) -> jnp.dtype:
 
 
 def check_comm_config(grad_reduce_dtype: Any = "float32", grad_compression: str = "none",
-                      topk_ratio: float = 0.3) -> jnp.dtype:
+                      topk_ratio: float = TOPK_RATIO) -> jnp.dtype:
     """Validates the communication settings before any work is done.
 
     Args:
@@ -335,7 +342,7 @@ def topk_allgather_mean(values: list, indices: list, like: Any, axis_name: str =
 
 def exchange_gradients(grads: Any, loss_scale: LossScale, comm_state: Optional[dict], *,
                        axis_name: str = DATA_AXIS, grad_reduce_dtype: Any = "float32",
-                       grad_compression: str = "none", topk_ratio: float = 0.3):
+                       grad_compression: str = "none", topk_ratio: float = TOPK_RATIO):
     """Per-device scaled gradients -> the float32 unscaled mean over ``axis_name``.
 
     Inside ``shard_map``. Dense: :func:`reduce_gradients` (every leaf all-reduced over

@@ -19,9 +19,11 @@ import numpy as np
 
 from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
 from jaxmp.models import ModelConfig
+from jaxmp.precision import comm
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.optimizer import SCHEDULES
+from jaxmp.train.step import DivergenceCheck
 from jaxmp.train.tokenizer import BPE_MIN_VOCAB
 
 __all__ = ["Key", "KEYS", "DEFAULTS", "help_text", "markdown"]
@@ -90,7 +92,8 @@ KEYS: Tuple[Key, ...] = (
                                                   "float32, bfloat16 or float16"),
     Key("precision.grad_compression", "none",
         "none | topk (top-k values + indices, error feedback)"),
-    Key("precision.topk_ratio", 0.3, "fraction of each leaf sent per step under topk, in (0, 1]"),
+    Key("precision.topk_ratio", comm.TOPK_RATIO,
+        "fraction of each leaf sent per step under topk, in (0, 1]"),
     # optim
     Key("optim.learning_rate", 3e-3, "peak learning rate",
         Real(0, F32_MAX, lo_open=True, text="a number > 0 that float32 can hold")),
@@ -151,10 +154,10 @@ KEYS: Tuple[Key, ...] = (
         "and the one of the lowest eval loss)", _COUNT),
     Key("train.max_consecutive_skips", 100, "stop when this many steps in a row were skipped",
         _STEPS),
-    Key("train.loss_spike_factor", 3.0, "a loss above this x its running mean looks divergent "
-                                        "(0 = off)", _SPIKE),
-    Key("train.grad_norm_spike_factor", 100.0, "a gradient norm above this x its running mean "
-                                               "looks divergent (0 = off)", _SPIKE),
+    Key("train.loss_spike_factor", DivergenceCheck().loss_spike_factor,
+        "a loss above this x its running mean looks divergent (0 = off)", _SPIKE),
+    Key("train.grad_norm_spike_factor", DivergenceCheck().grad_norm_spike_factor,
+        "a gradient norm above this x its running mean looks divergent (0 = off)", _SPIKE),
     Key("train.max_divergent_steps", 10, "stop after this many divergent-looking steps in a row",
         _STEPS),
     Key("train.sample_prompt", "", "prompt of the final sample ('' = the start of the first eval "

@@ -151,7 +151,7 @@ class GradExchange(NamedTuple):
     """
 
     compression: str = "none"
-    topk_ratio: float = 0.3
+    topk_ratio: float = comm.TOPK_RATIO
 
 
 class DivergenceCheck(NamedTuple):
