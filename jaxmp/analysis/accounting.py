@@ -337,7 +337,7 @@ def step_residuals(exp: Experiment) -> List[Residual]:
         return loss_fn(exp.graphdef, params, biases, rest, loss_scale, batch,
                        forward=forward)[0]
 
-    if exp.layout.strategy == "fsdp":
+    if exp.layout.declared.splits_compute:
         # The step's own plan (its FSDP gather and dispatch dtype), on one device.
         one_device = Mesh(np.array(jax.devices("cpu")[:1]), (sharding.DATA_AXIS,))
         plan = sharding.StepPlan(one_device, exp.layout, state.params, state.params,
@@ -440,8 +440,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     settings = exp.settings.comm
     # A device's gradient as it enters the reduction has the layout of ``dp``'s
     # parameters (whole, but for the expert-parallel split): every strategy reduces that.
-    grad_sh = sharding.state_shardings(
-        state.params, mesh, sharding.layout("dp", exp.layout.expert).on(mesh).compute_rules)
+    dp = sharding.layout(sharding.DP.name, exp.layout.expert)
+    grad_sh = sharding.state_shardings(state.params, mesh, dp.on(mesh).compute_rules)
     dense = []
     variables = jax.tree.leaves(state.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for var, s in zip(variables, jax.tree.leaves(grad_sh)):
@@ -467,7 +467,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     if jax.default_backend() != "cpu":
         if not on_cpu:
             out["xla_memory"] = _memory_analysis(compiled)
-        elif exp.layout.strategy == "dp" and exp.layout.expert == 1:
+        elif not exp.layout.declared.splits_state and exp.layout.expert == 1:
             # One device with its share of the batch: the same per-device program.
             one = Experiment.create(cfg, mesh=data_mesh(1))
             out["xla_memory"] = _memory_analysis(lower_train_step(one, t.batch_size // n).compile())

@@ -385,7 +385,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def runnable_modes(config, modes) -> tuple:
     """``(runnable, skipped)`` mode names: a mode with top-k gradient compression needs
     ``parallel.strategy='dp'`` and ``parallel.expert=1`` (as validate_config requires)."""
-    layout_ok = config.parallel.strategy == "dp" and config.parallel.expert == 1
+    from jaxmp import sharding
+
+    layout_ok = (config.parallel.strategy in sharding.STRATEGY
+                 and not sharding.STRATEGY[config.parallel.strategy].splits_state
+                 and config.parallel.expert == 1)
     run, skipped = [], []
     for name, overrides in modes.items():
         topk = overrides.get("precision.grad_compression") == "topk"

@@ -79,7 +79,7 @@ class StepPlan:
 
         self.compute_specs = specs(compute_params, layout.compute_rules)
         self.state_specs = specs(master_params, layout.state_rules)
-        fsdp = layout.strategy == "fsdp"
+        fsdp = layout.declared.splits_compute
 
         def leaf_reduce(compute_spec, state_spec):
             used_c = _spec_axes(compute_spec)

@@ -16,6 +16,11 @@ from jaxmp.precision.comm import DATA_AXIS
 
 __all__ = [
     "rule_table",
+    "Strategy",
+    "STRATEGY",
+    "DP",
+    "ZERO1",
+    "FSDP",
     "LOGICAL_AXES",
     "DATA_PARALLEL_RULES",
     "FSDP_RULES",
@@ -58,7 +63,37 @@ FSDP_RULES: Tuple[Tuple[str, Any], ...] = tuple(
 Rules = Union[Sequence[Tuple[str, Any]], Mapping[str, Any]]
 
 
-STRATEGIES = ("dp", "zero1", "fsdp")
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One ``parallel.strategy``: how the train state and the forward pass's parameters
+    are split over the ``"data"`` axis (the module docstring's table). Every other module
+    reads these fields, never the name, so a new strategy is one declaration here.
+
+    Attributes:
+      name: the ``parallel.strategy`` value.
+      splits_state: the master weights and the optimizer state are split over ``"data"``
+        at rest (ZeRO-1 and FSDP; Rajbhandari et al. 2020), each device holding 1/N.
+      splits_compute: the parameters the forward pass reads are split too and gathered
+        layer by layer (FSDP), so each gradient is reduce-scattered onto its split.
+      compute_copy: the state also keeps a whole compute-dtype copy of the parameters,
+        all-gathered after each update (ZeRO-1 as the DeepSeek article counts it).
+      description: what it holds where, for the trainer's banner.
+    """
+
+    name: str
+    splits_state: bool
+    splits_compute: bool
+    compute_copy: bool
+    description: str
+
+
+DP = Strategy("dp", False, False, False, "every device holds the whole state")
+ZERO1 = Strategy("zero1", True, False, True,
+                 "master weights and optimizer state split over 'data'")
+FSDP = Strategy("fsdp", True, True, False,
+                "parameters, gradients and optimizer state split over 'data'")
+STRATEGY = {s.name: s for s in (DP, ZERO1, FSDP)}  # parallel.strategy -> its declaration
+STRATEGIES = tuple(STRATEGY)
 DISPATCH_DTYPES = ("compute", "e4m3")
 
 
@@ -84,9 +119,14 @@ class Layout:
     dispatch_dtype: str = "compute"
 
     @property
+    def declared(self) -> Strategy:
+        """The :class:`Strategy` named by :attr:`strategy`."""
+        return STRATEGY[self.strategy]
+
+    @property
     def compute_copy(self) -> bool:
         """True when the state keeps a compute-dtype copy of the parameters (zero1)."""
-        return self.strategy == "zero1"
+        return self.declared.compute_copy
 
     def on(self, mesh: Mesh) -> "Layout":
         """This layout with the mesh axes ``mesh`` lacks dropped from its tables (a 1-D
@@ -112,7 +152,7 @@ class Layout:
                                                     if a in mesh.axis_names))
 
 
-def layout(strategy: str = "dp", expert: int = 1, dispatch_dtype: str = "compute") -> Layout:
+def layout(strategy: str = DP.name, expert: int = 1, dispatch_dtype: str = "compute") -> Layout:
     """The :class:`Layout` of ``parallel.strategy``, ``parallel.expert`` and
     ``parallel.dispatch_dtype``.
 
@@ -124,8 +164,8 @@ def layout(strategy: str = "dp", expert: int = 1, dispatch_dtype: str = "compute
     check_choice("parallel.dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
     base = dict(DATA_PARALLEL_RULES, batch=(DATA_AXIS, EXPERT_AXIS), expert=EXPERT_AXIS)
     split = dict(base, embed=DATA_AXIS)
-    state = base if strategy == "dp" else split
-    compute = split if strategy == "fsdp" else base
+    state = split if STRATEGY[strategy].splits_state else base
+    compute = split if STRATEGY[strategy].splits_compute else base
     return Layout(strategy, int(expert), tuple(state.items()), tuple(compute.items()),
                   dispatch_dtype=dispatch_dtype)
 

@@ -24,6 +24,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from jaxmp import sharding
 from jaxmp.models import MoETransformer, ModelConfig
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer, residual_adapter
 from jaxmp.train.config import complete_config, config_to_dict
@@ -116,7 +117,7 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
         config = complete_config(ml_collections.ConfigDict(saved_config))
         # one device, every array whole; checkpoints restore onto any layout
         if num_devices is None:
-            config.parallel.strategy, config.parallel.expert = "dp", 1
+            config.parallel.strategy, config.parallel.expert = sharding.DP.name, 1
             config.parallel.dispatch_dtype = "compute"
             (config.train.num_devices, config.train.batch_size,
              config.train.grad_accum_steps) = 1, 1, 1

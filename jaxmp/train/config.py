@@ -554,11 +554,11 @@ def _check_parallel(config, model: ModelConfig, num_devices: int):
             raise ValueError(f"parallel.expert={x}: expert parallelism exchanges fixed-size slots; "
                              "set model.capacity_factor > 0 (e.g. 2.0), or parallel.expert=1 for "
                              "dropless")
-    if layout.strategy != "dp" and model.d_model % data:
+    if layout.declared.splits_state and model.d_model % data:
         raise ValueError(f"parallel.strategy={layout.strategy!r} splits every parameter's d_model "
                          f"axis over the {data} devices of the data axis, which do not divide "
                          f"model.d_model={model.d_model}")
-    if config.precision.grad_compression == "topk" and (layout.strategy != "dp" or x > 1):
+    if config.precision.grad_compression == "topk" and (layout.declared.splits_state or x > 1):
         raise ValueError(f"precision.grad_compression='topk' runs with parallel.strategy='dp' and "
                          f"parallel.expert=1, not {layout.strategy!r} and {x}")
     return layout

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Tuple
 import numpy as np
 
 from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
+from jaxmp import sharding
 from jaxmp.models import ModelConfig
 from jaxmp.precision import comm
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
@@ -166,7 +167,8 @@ KEYS: Tuple[Key, ...] = (
     Key("train.sample_temperature", 0.8, "sampling temperature (0 = greedy)",
         Real(0, text="a finite number >= 0 (0 = greedy)")),
     # parallel
-    Key("parallel.strategy", "dp", "dp | zero1 | fsdp (how the state is split over 'data')"),
+    Key("parallel.strategy", sharding.DP.name,
+        f"{' | '.join(sharding.STRATEGIES)} (how the state is split over 'data')"),
     Key("parallel.expert", 1, "devices along 'expert' (expert parallelism; needs "
                               "capacity_factor > 0)"),
     Key("parallel.dispatch_dtype", "compute",

@@ -360,10 +360,7 @@ def banner(exp: Experiment, data) -> str:
     n = exp.mesh.devices.size
     state_bytes = _device_bytes(state)
     c = exp.settings.comm
-    strategy = {"dp": "dp (every device holds the whole state)",
-                "zero1": "zero1 (master weights and optimizer state split over 'data')",
-                "fsdp": "fsdp (parameters, gradients and optimizer state split over 'data')"}
-    layout = strategy.get(exp.layout.strategy, exp.layout.strategy)
+    layout = f"{exp.layout.strategy} ({exp.layout.declared.description})"
     if exp.layout.expert > 1:
         layout += f"; routed experts split over {exp.layout.expert} devices along 'expert'"
     docs = data.num_documents
