@@ -62,7 +62,8 @@ class StepPlan:
         transpose has reduce-scattered it already (``divided``).
       gather: ``gather(value, logical_axes, dtype)``, the FSDP all-gather of a parameter
         (:func:`jaxmp.comm.gather_param` along its first dimension split over ``data``);
-        None unless ``layout.strategy == "fsdp"``.
+        None unless the strategy splits the forward pass's parameters
+        (``Strategy.splits_compute``: fsdp).
     """
 
     def __init__(self, mesh: Mesh, layout: Layout, compute_params: Any, master_params: Any,
