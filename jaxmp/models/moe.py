@@ -50,7 +50,7 @@ from flax import nnx
 
 from jaxmp.models.layers import SwiGLU, add_fp8_states, make_param, matmul
 from jaxmp import target as compile_target
-from jaxmp.precision import fp8, grouped_gemm, ops
+from jaxmp.precision import comm, fp8, grouped_gemm, ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
 __all__ = [
@@ -310,7 +310,7 @@ def _dropless(experts, x, expert_ids, gates, grouped=None, operands=None):
 
 
 def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_axis=None,
-                   dispatch_dtype="compute", valid_length=None, capacities=None,
+                   dispatch_dtype=comm.DEFAULT_DISPATCH_DTYPE, valid_length=None, capacities=None,
                    operands=None):
     """GShard dispatch with ``capacity`` slots per expert and sequence.
 
@@ -433,7 +433,7 @@ class RoutedExperts(nnx.Module):
         self.num_sms = tgt.core_count or grouped_gemm.DEFAULT_NUM_SMS
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array, *,
-                 expert_axis: Optional[str] = None, dispatch_dtype: str = "compute",
+                 expert_axis: Optional[str] = None, dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
                  valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
         """Runs the experts.
 
@@ -568,7 +568,7 @@ class MoE(nnx.Module):
             if num_shared_experts > 0 else None)
 
     def __call__(self, x: jax.Array, *, expert_axis: Optional[str] = None,
-                 dispatch_dtype: str = "compute", valid_length: Optional[jax.Array] = None,
+                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE, valid_length: Optional[jax.Array] = None,
                  operands: Optional[dict] = None):
         """[B, T, d_model] -> ([B, T, d_model] in ``policy.output_dtype``, :class:`MoEStats`).
 

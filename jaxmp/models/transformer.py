@@ -117,6 +117,7 @@ from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, MLAtten
 from jaxmp.models.layers import (ROPE_LAYOUTS, ROPE_SCALINGS, Embed, Head, ParamKeys, RMSNorm,
                                  Rope, SwiGLU)
 from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS, MoE, MoEStats, RoutedExperts
+from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules, get_policy_rules, with_float32_islands, without_fp8
 from jaxmp.sharding import DISPATCH_DTYPES, constrain, fsdp_checkpoint_policy
 
@@ -513,7 +514,7 @@ class Block(nnx.Module):
                               init_std=std, out_std=out_std)
 
     def __call__(self, h: jax.Array, *, expert_axis: Optional[str] = None,
-                 dispatch_dtype: str = "compute", valid_length: Optional[jax.Array] = None,
+                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE, valid_length: Optional[jax.Array] = None,
                  operands: Optional[dict] = None):
         """One block; the keyword arguments are :meth:`MoETransformer.__call__`'s."""
         h = h + self.attn(self.attn_norm(h), operands=operands).astype(h.dtype)
@@ -689,7 +690,7 @@ class MoETransformer(nnx.Module):
         return out
 
     def __call__(self, tokens: jax.Array, *, param_gather: Optional[Callable] = None,
-                 expert_axis: Optional[str] = None, dispatch_dtype: str = "compute",
+                 expert_axis: Optional[str] = None, dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
                  valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
         """Forward pass.
 

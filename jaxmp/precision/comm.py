@@ -49,6 +49,8 @@ from jaxmp.precision.policy import canonical_dtype
 
 __all__ = [
     "TOPK_RATIO",
+    "DISPATCH_DTYPES",
+    "DEFAULT_DISPATCH_DTYPE",
     "DATA_AXIS",
     "REDUCE_DTYPES",
     "COMPRESSIONS",
@@ -75,6 +77,13 @@ COMPRESSIONS = ("none", "topk")
 # mixed-precision article's (section 2.3), declared once here (precision.topk_ratio's
 # default, jaxmp.train.step.GradExchange's, the accounting report's topk mode).
 TOPK_RATIO = 0.3
+
+# The dtype of the tokens the expert-parallel all-to-all sends (parallel.dispatch_dtype):
+# the compute dtype as it is (the default), or E4M3 with 1x128 tile scales
+# (:func:`fp8_all_to_all`). Declared here, with the collective; the models and the
+# layouts read it.
+DISPATCH_DTYPES = ("compute", "e4m3")
+DEFAULT_DISPATCH_DTYPE = DISPATCH_DTYPES[0]
 
 def _reduce_dtype(value: Any) -> jnp.dtype:
     try:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmp._checks import Int, check_choice, check_int
 from jaxmp.precision._vma import as_axes
 # The collectives' default axis (jaxmp.comm) is the data axis of every mesh here.
-from jaxmp.precision.comm import DATA_AXIS
+from jaxmp.precision.comm import DATA_AXIS, DEFAULT_DISPATCH_DTYPE, DISPATCH_DTYPES
 
 __all__ = [
     "rule_table",
@@ -28,6 +28,7 @@ __all__ = [
     "EXPERT_AXIS",
     "STRATEGIES",
     "DISPATCH_DTYPES",
+    "DEFAULT_DISPATCH_DTYPE",
     "Layout",
     "layout",
     "make_mesh",
@@ -94,7 +95,6 @@ FSDP = Strategy("fsdp", True, True, False,
                 "parameters, gradients and optimizer state split over 'data'")
 STRATEGY = {s.name: s for s in (DP, ZERO1, FSDP)}  # parallel.strategy -> its declaration
 STRATEGIES = tuple(STRATEGY)
-DISPATCH_DTYPES = ("compute", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,7 @@ class Layout:
     state_rules: Tuple[Tuple[str, Any], ...]
     compute_rules: Tuple[Tuple[str, Any], ...]
     batch_axes: Tuple[str, ...] = (DATA_AXIS, EXPERT_AXIS)
-    dispatch_dtype: str = "compute"
+    dispatch_dtype: str = DEFAULT_DISPATCH_DTYPE
 
     @property
     def declared(self) -> Strategy:
@@ -152,7 +152,8 @@ class Layout:
                                                     if a in mesh.axis_names))
 
 
-def layout(strategy: str = DP.name, expert: int = 1, dispatch_dtype: str = "compute") -> Layout:
+def layout(strategy: str = DP.name, expert: int = 1,
+           dispatch_dtype: str = DEFAULT_DISPATCH_DTYPE) -> Layout:
     """The :class:`Layout` of ``parallel.strategy``, ``parallel.expert`` and
     ``parallel.dispatch_dtype``.
 

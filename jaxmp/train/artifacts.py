@@ -118,7 +118,7 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
         # one device, every array whole; checkpoints restore onto any layout
         if num_devices is None:
             config.parallel.strategy, config.parallel.expert = sharding.DP.name, 1
-            config.parallel.dispatch_dtype = "compute"
+            config.parallel.dispatch_dtype = sharding.DEFAULT_DISPATCH_DTYPE
             (config.train.num_devices, config.train.batch_size,
              config.train.grad_accum_steps) = 1, 1, 1
         # The architecture is the saved config's and every weight the checkpoint's: the

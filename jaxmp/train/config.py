@@ -539,7 +539,7 @@ def _check_parallel(config, model: ModelConfig, num_devices: int):
         raise ValueError(
             f"parallel.expert={x} does not divide the {num_devices} devices; allowed: "
             f"{', '.join(str(d) for d in range(1, num_devices + 1) if num_devices % d == 0)}")
-    if layout.dispatch_dtype != "compute" and x == 1:
+    if layout.dispatch_dtype != comm.DEFAULT_DISPATCH_DTYPE and x == 1:
         raise ValueError(f"parallel.dispatch_dtype={layout.dispatch_dtype!r} sets the dtype of the "
                          f"expert-parallel all-to-all; it needs parallel.expert > 1")
     data = num_devices // x

@@ -171,8 +171,8 @@ KEYS: Tuple[Key, ...] = (
         f"{' | '.join(sharding.STRATEGIES)} (how the state is split over 'data')"),
     Key("parallel.expert", 1, "devices along 'expert' (expert parallelism; needs "
                               "capacity_factor > 0)"),
-    Key("parallel.dispatch_dtype", "compute",
-        "compute | e4m3: dtype of the expert-parallel all-to-all"),
+    Key("parallel.dispatch_dtype", comm.DEFAULT_DISPATCH_DTYPE,
+        f"{' | '.join(comm.DISPATCH_DTYPES)}: dtype of the expert-parallel all-to-all"),
 )
 
 # Each dotted key's default.
