@@ -9,6 +9,7 @@ No train step is compiled here: each test is a config, a file or a pipeline stat
 """
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -470,7 +471,7 @@ def test_an_empty_init_from_beside_finetune_py_is_refused(value):
 
 
 def test_a_refused_resume_leaves_the_runs_tokenizer_copy_as_it_was(base, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, capsys):
     """The run's copy of its tokenizer was replaced by the base's new one before restore
     refused the resume for that very tokenizer, so sample and export then refused the run
     too. The compile, the memory check and the restore are stood in for: what is tested
@@ -486,6 +487,8 @@ def test_a_refused_resume_leaves_the_runs_tokenizer_copy_as_it_was(base, tmp_pat
     before = (work / "tokenizer.json").read_bytes()
 
     class Compiled:
+        worker = threading.Thread()  # never started: not alive, the compile is done
+
         def __init__(self, exp):
             pass
 
@@ -508,6 +511,18 @@ def test_a_refused_resume_leaves_the_runs_tokenizer_copy_as_it_was(base, tmp_pat
     with pytest.raises(CheckpointError, match="another tokenizer"):
         loop.train_and_evaluate(config, str(work), num_devices=1)
     assert (work / "tokenizer.json").read_bytes() == before
+    # A compile still running once the data is read is said (it was silent: about 15 s
+    # for a 3-layer DeepSeek-V3 under fp8_blockwise on 2 cores); a finished one is not.
+    assert "compiling the train step" not in capsys.readouterr().out
+    running = threading.Event()
+    Compiled.worker = threading.Thread(target=running.wait, daemon=True)
+    Compiled.worker.start()
+    try:
+        with pytest.raises(CheckpointError, match="another tokenizer"):
+            loop.train_and_evaluate(config, str(work), num_devices=1)
+    finally:
+        running.set()
+    assert "compiling the train step ...\n" in capsys.readouterr().out
 
 
 def test_a_reader_refuses_a_fifo_where_the_runs_tokenizer_copy_belongs(tmp_path):

@@ -601,6 +601,8 @@ def _run(exp: Experiment, workdir: pathlib.Path,
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
         data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
         stack.callback(data.train_iter.close)  # grain's prefetch threads
+        if main_process and compilation.worker.is_alive():  # what the wait is (minutes for a
+            print("compiling the train step ...", flush=True)  # large model or FP8 kernels)
         step_fn = compilation.join(catcher)
         if step_fn is None:  # a signal during start-up: nothing to save
             raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(),
