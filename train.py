@@ -37,9 +37,8 @@ import pathlib  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxmp.train import CheckpointError, Interrupted, TrainingStalled, train_and_evaluate
-from jaxmp._entry import cpu_without_a_gpu
+from jaxmp._entry import cpu_without_a_gpu, quiet_orbax_tracebacks
 from jaxmp.train import distributed
-from jaxmp._entry import quiet_orbax_tracebacks
 from jaxmp.train.loop import compile_in_progress
 from jaxmp.train.workdir import WorkdirInUse
 from jaxmp.train.config import config_to_dict, load_config

@@ -113,8 +113,9 @@ def quiet_orbax_tracebacks() -> Callable[[], None]:
     tensorstore's ``RuntimeError('Event loop is closed')`` after a failed write
     (:func:`_closed_loop_noise`). :class:`~jaxmp.train.Checkpointer` raises each failure
     as a :class:`~jaxmp.train.CheckpointError` with its cause in one line, so these are
-    noise; but they are process-wide settings, so library code never makes them: ``train.py`` and the
-    ``python -m jaxmp.export`` / ``jaxmp.sample`` commands call this once at start.
+    noise; but they are process-wide settings, so library code never makes them:
+    ``train.py`` and the ``python -m jaxmp.export`` / ``jaxmp.sample`` commands call this
+    once at start.
 
     Returns:
       A function that removes the two filters and puts back the ``sys.unraisablehook``

@@ -1273,8 +1273,8 @@ def check_weights(path: str, config: ModelConfig, policy: Any = "fp32", *,
     the weights of ``config``: every tensor ``config`` needs and no other, each of the
     shape jaxmp expects and a floating dtype; with ``tie_word_embeddings`` a stored
     ``lm_head.weight`` equal to the embedding. No other weight is read (a few KiB per
-    file), so the trainer calls it before it reads its corpus; :func:`load_weights` runs the same
-    checks and then checks each slice finite as it reads it.
+    file), so the trainer calls it before it reads its corpus; :func:`load_weights` runs
+    the same checks and then checks each slice finite as it reads it.
 
     Args:
       path: the checkpoint directory (``config.json``, ``model.safetensors`` or shards
@@ -1465,8 +1465,9 @@ def _check_router_biases(model: MoETransformer, family: str) -> None:
 
 def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
     """``(tokenizer.json path, eos id)`` of a checkpoint directory, or None without a
-    ``tokenizer.json`` (or when ``path`` is a config.json file, :func:`read_config`). The id is that of ``tokenizer_config.json``'s ``eos_token``, looked
-    up in the tokenizer (None when there is no such file or token: the tokenizer's own
+    ``tokenizer.json`` (or when ``path`` is a config.json file, :func:`read_config`). The
+    id is that of ``tokenizer_config.json``'s ``eos_token``, looked up in the tokenizer
+    (None when there is no such file or token: the tokenizer's own
     choice, :data:`jaxmp.train.tokenizer.EOS_CANDIDATES`).
 
     Raises:

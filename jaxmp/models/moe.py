@@ -433,7 +433,8 @@ class RoutedExperts(nnx.Module):
         self.num_sms = tgt.core_count or grouped_gemm.DEFAULT_NUM_SMS
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array, *,
-                 expert_axis: Optional[str] = None, dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
+                 expert_axis: Optional[str] = None,
+                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
                  valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
         """Runs the experts.
 
@@ -568,7 +569,8 @@ class MoE(nnx.Module):
             if num_shared_experts > 0 else None)
 
     def __call__(self, x: jax.Array, *, expert_axis: Optional[str] = None,
-                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE, valid_length: Optional[jax.Array] = None,
+                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
+                 valid_length: Optional[jax.Array] = None,
                  operands: Optional[dict] = None):
         """[B, T, d_model] -> ([B, T, d_model] in ``policy.output_dtype``, :class:`MoEStats`).
 

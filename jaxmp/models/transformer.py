@@ -514,7 +514,8 @@ class Block(nnx.Module):
                               init_std=std, out_std=out_std)
 
     def __call__(self, h: jax.Array, *, expert_axis: Optional[str] = None,
-                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE, valid_length: Optional[jax.Array] = None,
+                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
+                 valid_length: Optional[jax.Array] = None,
                  operands: Optional[dict] = None):
         """One block; the keyword arguments are :meth:`MoETransformer.__call__`'s."""
         h = h + self.attn(self.attn_norm(h), operands=operands).astype(h.dtype)
@@ -690,7 +691,8 @@ class MoETransformer(nnx.Module):
         return out
 
     def __call__(self, tokens: jax.Array, *, param_gather: Optional[Callable] = None,
-                 expert_axis: Optional[str] = None, dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
+                 expert_axis: Optional[str] = None,
+                 dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
                  valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
         """Forward pass.
 

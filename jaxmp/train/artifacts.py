@@ -141,6 +141,8 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
     d = exp.config.data
     if d.tokenizer.startswith("bpe:") and not (workdir / "tokenizer.json").is_file():
         raise ValueError(f"data.tokenizer={d.tokenizer!r} but {workdir} holds no tokenizer.json")
+    recorded = (data_state.get("fingerprint") or {}).get("tokenizer") \
+        if isinstance(data_state, dict) else None
     kept = kept_tokenizer(workdir, d.tokenizer)  # the run's own copy of a tokenizer file
     copy = kept_tokenizer_path(workdir, d.tokenizer)
     if copy is not None and kept is None:  # a run's copy gone (or a run from before copies)
@@ -149,13 +151,9 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
                              f"data.tokenizer={d.tokenizer} is not there either")
         notes.append(f"the run's copy of its tokenizer ({copy}) is missing: read "
                      f"data.tokenizer={d.tokenizer} instead"
-                     + (", which has the SHA-256 its checkpoint recorded"
-                        if isinstance(data_state, dict) and (data_state.get("fingerprint") or {})
-                        .get("tokenizer") else ""))
+                     + (", which has the SHA-256 its checkpoint recorded" if recorded else ""))
     tokenizer = load_tokenizer(str(kept) if kept else d.tokenizer, workdir=workdir,
                                eod_id=d.eod_id, save=False)
-    recorded = (data_state.get("fingerprint") or {}).get("tokenizer") \
-        if isinstance(data_state, dict) else None
     if recorded is not None and recorded != tokenizer.digest():
         raise ValueError(f"the tokenizer {tokenizer.name} is not the one checkpoint step "
                          f"{read} of {workdir} was trained with (another SHA-256)")

@@ -236,8 +236,9 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = (),
     Raises:
       ValueError: the file does not exist, does not run (a syntax error, an exception),
         defines no ``get_config``, leaves ``model.init_from`` a placeholder (``None``, as
-        configs/finetune.py does) that no override fills or that one fills with ``''``, or its ``get_config()`` raises (an
-        exception or a ``KeyboardInterrupt`` the file's code raises) or returns something
+        configs/finetune.py does) that no override fills or that one fills with ``''``, or
+        its ``get_config()`` raises (an exception or a ``KeyboardInterrupt`` the file's
+        code raises) or returns something
         other than a ConfigDict or dict (each one line naming the file and the cause); an
         unknown key in it or in ``overrides``; a value of the wrong type.
     """

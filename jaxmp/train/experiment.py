@@ -335,14 +335,15 @@ class Experiment:
 
     def check_init_from(self) -> None:
         """The cheap checks of ``model.init_from``'s weights, before any document is read:
-        the tensors' names, shapes and dtypes from the safetensors headers
-        (:func:`jaxmp.models.hf.check_weights`), no weight read. Nothing without
-        ``model.init_from``.
+        the tensors' names, shapes and dtypes from the safetensors headers, and a tied
+        head against the embedding (:func:`jaxmp.models.hf.check_weights`); no other
+        weight is read. Nothing without ``model.init_from``.
 
         Raises:
           ValueError: ``model.init_from`` is not a checkpoint directory (a config.json
             file plans a run, it does not start one), or a tensor is missing, unused,
-            misshapen or not a float (one line naming the file and tensor).
+            misshapen or not a float, or a tied head differs from the embedding (one line
+            naming the file and tensor).
         """
         path = self.config.model.init_from
         if path:

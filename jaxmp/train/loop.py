@@ -613,7 +613,6 @@ def _run(exp: Experiment, workdir: pathlib.Path,
         if main_process:  # the run's own copy of a tokenizer file: its readers need no other.
             # After restore: a resume refused for another tokenizer leaves the copy as it was.
             keep_tokenizer(data.tokenizer, exp.config.data.tokenizer, workdir)
-        if main_process:
             _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)
         stack.push(lambda *exc: writer.close(raise_errors=exc[0] is None))  # the first error wins

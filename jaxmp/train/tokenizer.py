@@ -684,10 +684,9 @@ def keep_tokenizer(tokenizer, spec: str, workdir: str | os.PathLike) -> Optional
     nothing outside it, e.g. after a ``model.init_from`` base has moved. A copy with the
     same digest is left as it is. Returns the copy's path, or None for ``bytes`` and
     ``bpe:VOCAB`` (kept by :func:`load_tokenizer` itself)."""
-    suffix = os.path.splitext(spec.lower())[1]
-    if spec.startswith("bpe:") or suffix not in KEPT_FILES or not hasattr(tokenizer, "save"):
+    path = kept_tokenizer_path(workdir, spec)
+    if path is None or not hasattr(tokenizer, "save"):
         return None
-    path = pathlib.Path(workdir) / KEPT_FILES[suffix]
     if path.is_file():
         try:
             same = load_tokenizer(str(path), eod_id=tokenizer.eos_id).digest() == \
