@@ -31,7 +31,7 @@ def mesh_of(n):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(grad_reduce_dtype="float64"), r"'float64'.*float32, bfloat16, float16"),
     (dict(grad_reduce_dtype="fp17"), r"'fp17'"),
-    (dict(grad_compression="topq"), r"'topq'.*none, topk"),
+    (dict(grad_compression="topq"), r"'topq'.*none or topk"),
     (dict(topk_ratio=0.0), r"topk_ratio=0.0.*\(0, 1\]"),
     (dict(topk_ratio=1.5), r"topk_ratio=1.5"),
     (dict(topk_ratio=True), r"topk_ratio=True"),
@@ -52,7 +52,8 @@ def test_bad_settings_name_the_value_and_what_is_allowed(kwargs, match):
 def test_bad_precision_keys_fail_config_validation():
     config = small_config()
     config.precision.grad_reduce_dtype = "float64"
-    with pytest.raises(ValueError, match="precision: unknown grad_reduce_dtype 'float64'"):
+    with pytest.raises(ValueError, match="^precision.grad_reduce_dtype='float64' is not allowed; it must be float32, "
+                                             "bfloat16, float16"):
         validate_config(config, 8)
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp._checks import check_choice, check_float, check_int, check_real
+from jaxmp._checks import Choice, Kind, Real, check, check_choice, check_float, check_int
 from jaxmp.precision._fp8.quant import BLOCK, E4M3, quantize_blocks
 from jaxmp.precision._paths import leaf_names
 from jaxmp.precision._vma import as_axes
@@ -85,15 +85,25 @@ TOPK_RATIO = 0.3
 DISPATCH_DTYPES = ("compute", "e4m3")
 DEFAULT_DISPATCH_DTYPE = DISPATCH_DTYPES[0]
 
+
+def _is_reduce_dtype(value: Any) -> bool:
+    dtype = canonical_dtype(value)
+    return dtype is not None and dtype.name in REDUCE_DTYPES
+
+
+# The specs of the settings (jaxmp._checks), declared once with their tables: the checks
+# below, jaxmp.sharding.layout and the run-config table (jaxmp.train.keys) read them.
+REDUCE_DTYPE = Kind(_is_reduce_dtype, f"{', '.join(REDUCE_DTYPES)} (or a short form such as "
+                                      f"bf16)")
+COMPRESSION = Choice(COMPRESSIONS, " or ".join(COMPRESSIONS))
+TOPK_RATIO_RANGE = Real(0.0, 1.0, lo_open=True)
+DISPATCH_DTYPE = Choice(DISPATCH_DTYPES, " or ".join(DISPATCH_DTYPES))
+
+
 def _reduce_dtype(value: Any) -> jnp.dtype:
-    try:
-        dtype = canonical_dtype(value)
-    except ValueError:
-        dtype = None
-    if dtype is None or dtype.name not in REDUCE_DTYPES:
-        raise ValueError(f"unknown grad_reduce_dtype {value!r}; allowed: "
-                         f"{', '.join(REDUCE_DTYPES)}")
-    return dtype
+    if not REDUCE_DTYPE.ok(value):
+        raise ValueError(f"unknown grad_reduce_dtype {value!r}; allowed: {REDUCE_DTYPE.allowed}")
+    return canonical_dtype(value)
 
 
 def check_comm_config(grad_reduce_dtype: Any = "float32", grad_compression: str = "none",
@@ -115,10 +125,10 @@ def check_comm_config(grad_reduce_dtype: Any = "float32", grad_compression: str 
         the message names the bad value and what is allowed.
     """
     dtype = _reduce_dtype(grad_reduce_dtype)
-    if grad_compression not in COMPRESSIONS:
+    if not COMPRESSION.ok(grad_compression):
         raise ValueError(f"unknown grad_compression {grad_compression!r}; allowed: "
-                         f"{', '.join(COMPRESSIONS)}")
-    check_real("topk_ratio", topk_ratio, 0.0, 1.0, lo_open=True)
+                         f"{COMPRESSION.allowed}")
+    check("topk_ratio", topk_ratio, TOPK_RATIO_RANGE)
     return dtype
 
 

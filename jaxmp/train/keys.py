@@ -12,6 +12,7 @@ current), so none of them can disagree.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, NamedTuple, Tuple
 
@@ -21,6 +22,7 @@ from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
 from jaxmp import sharding
 from jaxmp.models import ModelConfig
 from jaxmp.precision import comm
+from jaxmp.precision.loss_scale import DynamicLossScale
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.optimizer import SCHEDULES
@@ -73,6 +75,9 @@ SEED = Int(0, 2**31 - 2, text="an integer in [0, 2**31 - 1)")
 # The dtypes of .bin token shards (jaxmp.train.shards reads them).
 TOKEN_DTYPES = ("uint16", "uint32")
 
+# DynamicLossScale's initial scale, as its signature declares it.
+_DYNAMIC_INIT = inspect.signature(DynamicLossScale).parameters["loss_scale"].default
+
 KEYS: Tuple[Key, ...] = (
     Key("seed", 0, "seed of the initialisation, the data order and the sample, in [0, 2**31 - 1)",
         SEED),
@@ -88,13 +93,14 @@ KEYS: Tuple[Key, ...] = (
         "a policy, then 'pattern: policy' rules; the first matching module path wins"),
     Key("precision.loss_scale", "none",
         "none | static:S | dynamic[:init=..,growth_interval=..,hysteresis=..,min=..] "
-        "(dynamic starts at 256)"),
-    Key("precision.grad_reduce_dtype", "float32", "dtype of the cross-device gradient sum: "
-                                                  "float32, bfloat16 or float16"),
+        f"(dynamic starts at {_DYNAMIC_INIT:g})"),
+    Key("precision.grad_reduce_dtype", "float32", f"dtype of the cross-device gradient sum: "
+                                          f"{comm.REDUCE_DTYPE.allowed}",
+        comm.REDUCE_DTYPE),
     Key("precision.grad_compression", "none",
-        "none | topk (top-k values + indices, error feedback)"),
-    Key("precision.topk_ratio", comm.TOPK_RATIO,
-        "fraction of each leaf sent per step under topk, in (0, 1]"),
+        "gradient compression (topk: top-k values + indices, error feedback)", comm.COMPRESSION),
+    Key("precision.topk_ratio", comm.TOPK_RATIO, "fraction of each leaf sent per step under topk",
+        comm.TOPK_RATIO_RANGE),
     # optim
     Key("optim.learning_rate", 3e-3, "peak learning rate",
         Real(0, F32_MAX, lo_open=True, text="a number > 0 that float32 can hold")),
@@ -167,16 +173,24 @@ KEYS: Tuple[Key, ...] = (
     Key("train.sample_temperature", 0.8, "sampling temperature (0 = greedy)",
         Real(0, text="a finite number >= 0 (0 = greedy)")),
     # parallel
-    Key("parallel.strategy", sharding.DP.name,
-        f"{' | '.join(sharding.STRATEGIES)} (how the state is split over 'data')"),
+    Key("parallel.strategy", sharding.DP.name, "how the state is split over 'data'",
+        Choice(sharding.STRATEGIES, " | ".join(sharding.STRATEGIES))),
     Key("parallel.expert", 1, "devices along 'expert' (expert parallelism; needs "
-                              "capacity_factor > 0)"),
+                              "capacity_factor > 0)", _COUNT),
     Key("parallel.dispatch_dtype", comm.DEFAULT_DISPATCH_DTYPE,
-        f"{' | '.join(comm.DISPATCH_DTYPES)}: dtype of the expert-parallel all-to-all"),
+        "dtype of the expert-parallel all-to-all", comm.DISPATCH_DTYPE),
 )
 
 # Each dotted key's default.
 DEFAULTS = {k.name: k.default for k in KEYS}
+
+
+def _meaning(k: Key) -> str:
+    """``k.meaning``, followed by the choices of a :class:`Choice` key whose meaning does
+    not list them (they are declared once, in the table the key reads)."""
+    if isinstance(k.allowed, Choice) and not all(str(c) in k.meaning for c in k.allowed.choices):
+        return f"{k.meaning}: {k.allowed.allowed}"
+    return k.meaning
 
 
 def help_text() -> str:
@@ -188,7 +202,7 @@ def help_text() -> str:
         if top != section:
             section = top
             lines.append(f"{section or 'top level'}:")
-        lines.append(f"  {f'--config.{k.name}={k.default!r}':<{width}}  {k.meaning}")
+        lines.append(f"  {f'--config.{k.name}={k.default!r}':<{width}}  {_meaning(k)}")
     return "\n".join(lines)
 
 
