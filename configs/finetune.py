@@ -3,8 +3,7 @@
     python train.py --config configs/finetune.py --config.model.init_from=DIR --workdir runs/ft
 
 DIR holds ``config.json`` and ``model.safetensors`` (or shards with their index) of a family
-that ``jaxmp.models.hf`` maps (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2,
-deepseek_v3, glm4_moe); its ``tokenizer.json`` (end-of-document id: ``tokenizer_config.json``'s
+that ``jaxmp.models.hf`` maps (``jaxmp.models.hf.FAMILIES``, the README's family table); its ``tokenizer.json`` (end-of-document id: ``tokenizer_config.json``'s
 ``eos_token``) is the data tokenizer unless ``data.tokenizer`` says otherwise. Every
 ``model.*`` key left unset here takes DIR's value; one set on the command line that
 contradicts DIR's config.json is a one-line error. Mixed bfloat16 with float32 routers and

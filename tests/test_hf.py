@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxmp import sharding  # noqa: E402
 from jaxmp.models import ModelConfig, MoETransformer, from_pretrained, save_pretrained  # noqa
 from jaxmp.models import hf  # noqa: E402
+from jaxmp.models.hf import load as hf_load  # noqa: E402
 
 VOCAB = 96
 BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -151,19 +152,19 @@ def test_loads_onto_an_fsdp_mesh_each_device_its_slice(checkpoint):
     family, path, ref, _ = checkpoint
     mesh = sharding.make_mesh(8)
     asked = []
-    original = hf._read
+    original = hf_load.read_tensor
 
     def spy(files, name, kind, shape, index):
         out = original(files, name, kind, shape, index)
         asked.append((name, out.size))
         return out
 
-    hf._read = spy
+    hf_load.read_tensor = spy
     try:
         model = from_pretrained(path, "fp32", attention="reference", mesh=mesh,
                                 rules=sharding.FSDP_RULES)
     finally:
-        hf._read = original
+        hf_load.read_tensor = original
     table = model.embed.table[...]
     assert table.sharding.shard_shape(table.shape) == (VOCAB, 32 // 8)
     embed_reads = [n for name, n in asked if name == "model.embed_tokens.weight"]

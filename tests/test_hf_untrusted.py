@@ -25,6 +25,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from _configs import ROOT  # noqa: E402
 from jaxmp.models import ModelConfig, from_pretrained, hf  # noqa: E402
+from jaxmp.models.hf import files as hf_files, spec as hf_spec  # noqa: E402
 
 V, D, L, H, KV, HD, FF = 16, 8, 2, 2, 1, 4, 12
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": V,
@@ -120,7 +121,7 @@ def _deadline(seconds):
         if os.path.exists(file) and not stat.S_ISREG(os.stat(file).st_mode):
             raise AssertionError(f"jaxmp.models.hf opened {file}, not a regular file")
 
-    real_safetensors = hf._safetensors()
+    real_safetensors = hf_files.safetensors_module()
 
     def guarded_open(file, *args, **kwargs):
         refuse(file)
@@ -130,10 +131,10 @@ def _deadline(seconds):
         refuse(file)
         return real_safetensors.safe_open(file, *args, **kwargs)
 
-    saved = hf._safetensors
-    hf.open = guarded_open  # the module's global open, ahead of the builtin
-    hf._safetensors = lambda: types.SimpleNamespace(safe_open=guarded_safe_open,
-                                                    numpy=real_safetensors.numpy)
+    saved = hf_files.safetensors_module
+    hf_files.open = guarded_open  # the module's global open, ahead of the builtin
+    hf_files.safetensors_module = lambda: types.SimpleNamespace(safe_open=guarded_safe_open,
+                                                                numpy=real_safetensors.numpy)
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -141,8 +142,8 @@ def _deadline(seconds):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        hf._safetensors = saved
-        del hf.open
+        hf_files.safetensors_module = saved
+        del hf_files.open
         for fd in _FIFOS.values():
             os.close(fd)
         _FIFOS.clear()
@@ -299,7 +300,7 @@ def test_defaults_are_transformers_own():
     for family, fam in hf.FAMILIES.items():
         theirs = _transformers_defaults(family)
         for key, spec in fam.specs.items():
-            if spec.default in (hf._NEEDED, hf._ABSENT) or key == "partial_rotary_factor":
+            if spec.default in (hf_spec.NEEDED, hf_spec.ABSENT) or key == "partial_rotary_factor":
                 continue
             if names.get(key, key) not in theirs:
                 continue  # transformers does not declare it (topk_method of V3, ...)
@@ -493,7 +494,7 @@ def test_index_naming_a_file_outside_the_directory_is_refused_unread(tmp_path, f
                                          r"weight_map\['model\.norm\.weight'\]=.* is not a file "
                                          r"inside the checkpoint directory; allowed: a plain "
                                          r"file name") as info:
-        hf._Files(str(path))  # only the index is read
+        hf_files.Files(str(path))  # only the index is read
     _one_line(info)
 
 

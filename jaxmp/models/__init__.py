@@ -9,8 +9,8 @@
   layers, per-block rematerialization);
 * :mod:`~jaxmp.models.sampling`: :func:`generate`;
 * :mod:`~jaxmp.models.hf`: :func:`from_pretrained` / :func:`save_pretrained`, Hugging Face
-  checkpoints of the families in :data:`jaxmp.models.hf.FAMILIES` (llama, mistral, qwen2,
-  qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3, glm4_moe).
+  checkpoints of the families in :data:`jaxmp.models.hf.FAMILIES` (one module each in
+  ``jaxmp/models/hf/families/``).
 """
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS, Attention, attention_core
 from jaxmp.models.layers import (

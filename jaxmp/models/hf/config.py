@@ -1,0 +1,319 @@
+"""``config.json`` to :class:`~jaxmp.models.ModelConfig` and back, read and written through
+each family's record (:data:`~jaxmp.models.hf.families.FAMILIES`).
+
+What the model computes is checked field by field: a field the family does not know, or a
+value jaxmp cannot represent exactly (a sliding window, an activation other than SiLU, FP8
+weights, ...) is a one-line ``ValueError`` naming the field; nothing is approximated.
+Fields that only concern training or generation in transformers are ignored
+(:data:`~jaxmp.models.hf.spec.IGNORED_FIELDS`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+from jaxmp._checks import Choice, Real
+from jaxmp.models.hf.families import FAMILIES
+from jaxmp.models.hf.spec import (ABSENT, COUNT, IGNORED_FIELDS, NEEDED, POSITIVE, STRING,
+                                  Field, field_name, fixed, inexact, missing, non_finite,
+                                  not_allowed, read_field, short)
+from jaxmp.models.transformer import ModelConfig
+
+__all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "RUNTIME_FIELDS"]
+
+# rope_scaling / rope_parameters keys: their types, and the rope_type(s) that read them.
+_ROPE_PARAMS: Dict[str, Field] = {
+    "factor": Field(POSITIVE),
+    "original_max_position_embeddings": Field(COUNT),
+    "low_freq_factor": Field(POSITIVE), "high_freq_factor": Field(POSITIVE),
+    "beta_fast": Field(POSITIVE, None, null=None),
+    "beta_slow": Field(POSITIVE, None, null=None),
+    "mscale": Field(Real(), None, null=None), "mscale_all_dim": Field(Real(), None, null=None),
+    "truncate": fixed(True),
+    "attention_factor": Field(Choice((), "unset (derived from factor and mscale)"), None,
+                              null=None, exact=True),
+}
+_ROPE_TYPES = {
+    "default": (),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+               "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate", "attention_factor"),
+}
+
+# The fields from_pretrained's overrides may set: how the model runs, not what it is.
+RUNTIME_FIELDS = ("max_len", "attention", "moe_kernel", "scan_layers", "remat",
+                  "capacity_factor", "aux_loss_weight", "bias_update_rate")
+
+
+def field_values(model_type: str, hf: Dict[str, Any]) -> Dict[str, Any]:
+    """``{field: checked value}`` for every field of the family's :attr:`Family.specs`
+    (defaults filled in); a missing, null or ill-typed field is a one-line ValueError."""
+    fam = FAMILIES[model_type]
+    vals = {}
+    for key, spec in fam.specs.items():
+        target = fam.fields.get(key)
+        present = key in hf
+        if not present and spec.default is NEEDED and target is not None and any(
+                k in hf for k, t in fam.fields.items() if t == target and k != key):
+            continue  # an alias (num_local_experts for num_experts, ...) says it
+        value = read_field(model_type, key, spec, present, hf.get(key))
+        if value is not ABSENT:
+            vals[key] = value
+    return vals
+
+
+def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
+                 out: Dict[str, Any]) -> None:
+    """The RoPE fields of ``out`` from the old (``rope_theta`` + ``rope_scaling``) or new
+    (``rope_parameters``) transformers layout, each key checked (:data:`_ROPE_PARAMS`)."""
+    specs = FAMILIES[model_type].specs
+    merged: Dict[str, Any] = {}
+    where: Dict[str, str] = {}  # key -> the dict it came from, for the messages
+    seen: Dict[str, Tuple[str, Any]] = {}  # key (type: rope_type) -> (source, value)
+    for source in ("rope_scaling", "rope_parameters"):  # both name the same parameters
+        for key, value in vals[source].items():
+            name = f"{source}.{key}"
+            if key in ("rope_type", "type"):
+                value = read_field(model_type, name, Field(STRING), True, value)
+            elif key in ("rope_theta", "partial_rotary_factor"):
+                value = read_field(model_type, name, specs[key], True, value)
+            elif key in _ROPE_PARAMS:
+                value = read_field(model_type, name, _ROPE_PARAMS[key], True, value)
+            same = "rope_type" if key == "type" else key
+            if same in seen and seen[same][0] != source and seen[same][1] != value:
+                # transformers reads one and jaxmp would read the other: neither is taken
+                raise not_allowed(model_type, name, value, f"{seen[same][0]}.{key}'s "
+                                  f"{seen[same][1]!r} (both are given)")
+            seen[same] = (source, value)
+            merged[key], where[key] = value, source
+    prefix = "rope_parameters" if vals["rope_parameters"] and not vals["rope_scaling"] \
+        else "rope_scaling"
+    theta = merged.pop("rope_theta", vals["rope_theta"])
+    if "rope_theta" in hf:  # the top-level field and rope_parameters' must agree
+        if "rope_theta" in where and theta != vals["rope_theta"]:
+            raise not_allowed(model_type, "rope_theta", vals["rope_theta"],
+                              f"{where['rope_theta']}.rope_theta's {theta!r} (both are given, and "
+                              f"transformers reads {where['rope_theta']})")
+        theta = vals["rope_theta"]
+    kind = merged.pop("rope_type", merged.pop("type", "default"))
+    # transformers' Glm4MoeConfig sets 0.5 where config.json gives no factor (the default).
+    partial = merged.pop("partial_rotary_factor", vals["partial_rotary_factor"])
+    out["rope_theta"] = float(theta)
+    if partial != 1.0:
+        if out.get("kv_lora_rank"):
+            raise inexact(model_type, "partial_rotary_factor", partial, "1.0 with MLA")
+        out["rope_dim"] = int(out["head_dim"] * partial)
+        if out["rope_dim"] != out["head_dim"] * partial:
+            raise inexact(model_type, "partial_rotary_factor", partial,
+                          "a factor giving a whole number of rotated dimensions")
+    merged = {k: v for k, v in merged.items()  # a known key's null: as if absent
+              if v is not None or k not in _ROPE_PARAMS}
+    if kind not in _ROPE_TYPES:
+        raise inexact(model_type, f"{where.get('rope_type', where.get('type', prefix))}.rope_type",
+                      kind, ", ".join(_ROPE_TYPES))
+    for key in sorted(merged):
+        if key not in _ROPE_TYPES[kind]:
+            raise inexact(model_type, f"{where[key]}.{key}", merged[key],
+                          f"the {kind} parameters" if _ROPE_TYPES[kind] else
+                          "no parameters for rope_type default")
+    if kind == "default":
+        return
+    for key in _ROPE_TYPES[kind]:
+        if key not in merged and _ROPE_PARAMS[key].default is NEEDED:
+            raise missing(model_type, f"{prefix}.{key}", _ROPE_PARAMS[key].allowed.allowed,
+                          f" (rope_type {kind} needs it)")
+    out["rope_scaling"] = kind
+    out["rope_original_max_len"] = int(merged["original_max_position_embeddings"])
+    out["rope_factor"] = float(merged["factor"])
+    names = ({"low_freq_factor": "rope_low_freq_factor",
+              "high_freq_factor": "rope_high_freq_factor"} if kind == "llama3" else
+             {"beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+              "mscale": "rope_mscale", "mscale_all_dim": "rope_mscale_all_dim"})
+    for key, field in names.items():
+        if key in merged:
+            out[field] = float(merged[key])
+    if kind == "llama3" and not merged["high_freq_factor"] > merged["low_freq_factor"]:
+        raise not_allowed(model_type, f"{where['high_freq_factor']}.high_freq_factor",
+                          merged["high_freq_factor"],
+                          f"a number > low_freq_factor={merged['low_freq_factor']}")
+
+
+def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """ModelConfig fields for a transformers ``config.json``.
+
+    Every field is read through the family's table (:attr:`Family.specs`): the fields
+    transformers has no default for, and the shape fields (``vocab_size``,
+    ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``intermediate_size``, the expert counts and sizes, the MLA ranks), are required; the
+    others take transformers' default for the family when left out (``rms_norm_eps``,
+    ``rope_theta``, ``max_position_embeddings``, ...). Integers must be integers (not
+    bools) in range, reals finite and in range, bools bools; no number anywhere in the
+    file may be NaN or infinite.
+
+    Args:
+      hf: the parsed ``config.json``.
+
+    Returns:
+      ``{ModelConfig field: value}`` (every architecture field; runtime fields such as
+      ``attention`` are left to the caller).
+
+    Raises:
+      ValueError: one line naming the field and what is allowed: ``hf`` not a JSON object,
+        an unknown ``model_type``, an unknown field, a required field missing, a field
+        null, ill-typed or out of range, a non-finite number anywhere, or a value that
+        cannot be represented exactly.
+    """
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json: {short(hf)} is not a JSON object of fields "
+                         f"({type(hf).__name__}); allowed: an object {{...}}")
+    bad = non_finite(hf)
+    if bad is not None:
+        raise ValueError(f"config.json: {bad[0]}={bad[1]!r} is not a finite number; "
+                         f"allowed: finite numbers only")
+    model_type = hf.get("model_type")
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ValueError(f"config.json: model_type={short(model_type)} is not supported; "
+                         f"allowed: {', '.join(FAMILIES)}")
+    fam = FAMILIES[model_type]
+    for key in hf:
+        if key not in fam.specs and key not in IGNORED_FIELDS:
+            raise inexact(model_type, field_name(key), hf[key],
+                          "the fields jaxmp.models.hf implements (unknown field)")
+    vals = field_values(model_type, hf)
+    if vals["sliding_window"] is not None and vals.get("use_sliding_window") is not False:
+        raise inexact(model_type, "sliding_window", vals["sliding_window"],
+                      "None" + ("" if "sliding_window" in hf else
+                      f" (absent: transformers' {model_type} default)"))
+    if any(t != "full_attention" for t in vals["layer_types"]):
+        raise inexact(model_type, "layer_types", hf["layer_types"], "only full_attention")
+    if vals["layer_types"] and len(vals["layer_types"]) != vals["num_hidden_layers"]:
+        raise not_allowed(model_type, "layer_types", hf["layer_types"],
+                          f"one entry per layer ({vals['num_hidden_layers']}, "
+                          f"num_hidden_layers; transformers refuses another length)")
+    out: Dict[str, Any] = {"num_experts": 0}
+    said: Dict[str, str] = {}  # ModelConfig field -> the config.json field that set it
+    for key, field in fam.fields.items():
+        if key not in vals:
+            continue
+        if field in said and vals[said[field]] != vals[key]:
+            raise not_allowed(model_type, key, vals[key], f"{said[field]}'s value "
+                              f"{vals[said[field]]!r} (both name "
+                              f"{field})")
+        out[field], said[field] = vals[key], key
+    out.update(fam.fixed)
+    if fam.read is not None:
+        fam.read(vals, hf, out)
+    if "quantization_config" in hf:
+        raise inexact(model_type, "quantization_config", hf["quantization_config"], "absent")
+    out.setdefault("head_dim", 0)
+    if not out.get("kv_lora_rank"):
+        out["head_dim"] = out["head_dim"] or out["d_model"] // out["num_heads"]
+    _rope_fields(model_type, hf, vals, out)
+    if out["num_experts"]:
+        out.setdefault("d_ff", 0)
+        out["bias_update_rate"] = 0.0
+        out["aux_loss_weight"] = 0.0
+        out["capacity_factor"] = None
+    return out
+
+
+def config_to_hf(config: ModelConfig, family: Optional[str] = None,
+                 dtype: str = "float32") -> Dict[str, Any]:
+    """The ``config.json`` of ``config`` as ``family`` (default: :func:`family_of`).
+
+    Raises:
+      ValueError: a field that ``family`` cannot express (named), or no family maps.
+    """
+    family = family or family_of(config)
+    fam = FAMILIES[family]
+    c = dataclasses.asdict(config)
+    hf: Dict[str, Any] = {"architectures": [fam.architecture], "model_type": family,
+                          "torch_dtype": dtype, "hidden_act": "silu"}
+    written = set()
+    for key, field in fam.fields.items():
+        if field in written or (config.is_mla and key in ("head_dim", "num_key_value_heads")):
+            continue
+        written.add(field)
+        value = c[field]
+        hf[key] = list(value) if isinstance(value, tuple) else value
+    if fam.write is not None:
+        fam.write(config, hf)
+    hf["rope_theta"] = config.rope_theta
+    partial = (config.rope_dim or config.head_dim) / config.head_dim
+    if partial != 1.0 or fam.specs["partial_rotary_factor"].default != 1.0:
+        hf["partial_rotary_factor"] = partial  # said whenever the family's default is not 1
+    if config.rope_scaling != "none":
+        scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor,
+                   "original_max_position_embeddings": config.rope_original_max_len}
+        if config.rope_scaling == "llama3":
+            scaling.update(low_freq_factor=config.rope_low_freq_factor,
+                           high_freq_factor=config.rope_high_freq_factor)
+        else:
+            scaling.update(beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow)
+            if config.rope_mscale:
+                scaling["mscale"] = config.rope_mscale
+            if config.rope_mscale_all_dim:
+                scaling["mscale_all_dim"] = config.rope_mscale_all_dim
+        hf["rope_scaling"] = scaling
+    back = config_from_hf(hf)  # what the file says must be exactly this model
+    rebuilt = ModelConfig(**{**{k: v for k, v in back.items() if k not in RUNTIME_FIELDS},
+                             **{f: getattr(config, f) for f in RUNTIME_FIELDS}})
+    for field in _relevant_fields(config):
+        mine, theirs = getattr(config, field), getattr(rebuilt, field)
+        if mine != theirs and not (isinstance(mine, float) and math.isclose(mine, theirs)):
+            raise ValueError(f"model.{field}={mine!r} does not map to {family} (its "
+                             f"config.json would say {theirs!r})")
+    return hf
+
+
+_MOE_FIELDS = ("num_shared_experts", "top_k", "d_expert", "first_dense_layers", "score_fn",
+               "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
+               "group_score", "mlp_only_layers")
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim")
+
+
+def _relevant_fields(config: ModelConfig) -> List[str]:
+    """The architecture fields that change what ``config``'s model computes."""
+    skip = set(RUNTIME_FIELDS)
+    if not config.num_experts:
+        skip |= set(_MOE_FIELDS)
+    if config.topk_group == config.n_group:  # routing not group-limited
+        skip.add("group_score")
+    if config.num_dense_layers == 0:
+        skip.add("d_ff")
+    if config.is_mla:
+        skip |= {"head_dim", "num_kv_heads", "qk_norm", "qkv_bias", "rope_dim"}
+    else:
+        skip |= set(_MLA_FIELDS)
+    if config.rope_scaling == "none":
+        skip |= {f.name for f in dataclasses.fields(config)
+                 if f.name.startswith("rope_") and f.name not in ("rope_theta", "rope_dim",
+                                                                  "rope_layout", "rope_scaling")}
+    elif config.rope_scaling == "llama3":
+        skip |= {"rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"}
+    else:
+        skip |= {"rope_low_freq_factor", "rope_high_freq_factor"}
+    return [f.name for f in dataclasses.fields(config) if f.name not in skip]
+
+
+def family_of(config: ModelConfig) -> str:
+    """The family whose architecture is ``config``'s: the one whose :attr:`Family.maps`
+    holds (at most one does).
+
+    Raises:
+      ValueError: none maps (one line, naming the first field in the way).
+    """
+    found = [name for name, fam in FAMILIES.items() if fam.maps is not None and fam.maps(config)]
+    assert len(found) <= 1, f"families {found} all map one architecture"
+    if found:
+        return found[0]
+    if config.num_experts and config.num_shared_experts and not config.is_mla:
+        raise ValueError(f"model.num_shared_experts={config.num_shared_experts} with "
+                         f"softmax routing and standard attention maps to no family "
+                         f"(deepseek_v2 needs MLA: kv_lora_rank > 0; glm4_moe "
+                         f"score_fn='sigmoid')")
+    raise ValueError(f"model: this architecture maps to no family of "
+                     f"{', '.join(FAMILIES)}")

@@ -1,0 +1,316 @@
+"""A checkpoint directory's files, checked, not trusted: ``config.json``, the safetensors
+index and weight files, the tokenizer's ``eos_token``.
+
+Every file must be a regular file (checked with ``os.stat`` before it is opened: a FIFO, a
+device or a directory is refused unread); the index's ``weight_map`` must name plain file
+names inside the directory; a damaged safetensors file (truncated, bad header, offsets past
+the end) is named; every slice read is checked finite. Each fault is a one-line
+``ValueError`` naming the file (and the tensor or field).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from jaxmp.models.hf.spec import non_finite, short
+
+__all__ = ["Files", "read_config", "check_directory", "tokenizer_eos", "safetensors_module",
+           "regular_file", "read_json", "all_finite", "is_config_file", "one_line",
+           "first_names", "INDEX", "SINGLE", "FLOAT_DTYPES", "SKIPPED"]
+
+
+def safetensors_module():
+    """The ``safetensors`` package (in the ``train`` extra, not in jaxmp's core install).
+
+    Raises:
+      ImportError: it is not installed (one line naming the extra).
+    """
+    try:
+        import safetensors
+        import safetensors.numpy  # noqa: F401
+    except ImportError:
+        raise ImportError("Hugging Face checkpoints (jaxmp.models.from_pretrained, "
+                          "save_pretrained) need safetensors: pip install 'jaxmp[train]' "
+                          "(or pip install safetensors)") from None
+    return safetensors
+
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# The dtypes a weight may be stored in (safetensors' names): floating point, not FP8
+# (FP8 checkpoints come with a quantization_config, which jaxmp does not read).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+# Tensors a checkpoint may hold that jaxmp does not read, on purpose: RoPE's inverse
+# frequencies, a buffer older transformers saved (jaxmp computes them from rope_theta).
+SKIPPED = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def first_names(names: List[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def regular_file(file: str, what: str, missing_ok: bool = False) -> bool:
+    """Whether ``file`` is a regular file (after symbolic links), checked with ``os.stat``
+    alone: a FIFO, a device or a directory is refused without being opened (opening a
+    FIFO for reading blocks). False when nothing is there and ``missing_ok``.
+
+    Raises:
+      ValueError: ``file`` is not a regular file, is missing (unless ``missing_ok``) or a
+        broken symbolic link (one line naming it and ``what`` it should be).
+    """
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        if os.path.islink(file):
+            raise ValueError(f"{file}: a broken symbolic link; the checkpoint's {what} must "
+                             f"be a regular file") from None
+        if missing_ok:
+            return False
+        raise ValueError(f"{file}: no such file; the checkpoint's {what} must be a regular "
+                         f"file") from None
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read the checkpoint's {what} "
+                         f"({one_line(e)})") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a character device" if stat.S_ISCHR(mode) else "a block device"
+                if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special")
+        raise ValueError(f"{file}: {kind}, not a regular file; the checkpoint's {what} must "
+                         f"be a regular file (refused unread)")
+    return True
+
+
+def json_kind(data: Any) -> str:
+    return ("null" if data is None else "a JSON array" if isinstance(data, list) else
+            "a string" if isinstance(data, str) else "a boolean" if isinstance(data, bool)
+            else f"the number {data!r}" if isinstance(data, (int, float)) else
+            type(data).__name__)
+
+
+def read_json(file: str, what: str, finite: bool = True) -> Dict[str, Any]:
+    """The JSON object in regular file ``file`` (the checkpoint's ``what``).
+
+    Raises:
+      ValueError: not a regular file, not JSON, not an object, or (``finite``) a
+        non-finite number anywhere (one line naming the file and, for a number, the key).
+    """
+    regular_file(file, what)
+    try:
+        with open(file, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8
+        raise ValueError(f"{file}: cannot read the checkpoint's {what} "
+                         f"({one_line(e)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: the checkpoint's {what} is {json_kind(data)}; allowed: a "
+                         f"JSON object {{...}}")
+    bad = non_finite(data) if finite else None
+    if bad is not None:
+        raise ValueError(f"{file}: {bad[0]}={bad[1]!r} is not a finite number; allowed: "
+                         f"finite numbers only")
+    return data
+
+
+def plain_name(directory: str, name: Any) -> bool:
+    """``name`` is a plain file name inside ``directory``: no path separator, not ``..``,
+    not absolute, lexically inside the directory once joined."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\x00" in name:
+        return False
+    if any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep)):
+        return False
+    if os.path.isabs(name):
+        return False
+    joined = os.path.abspath(os.path.join(directory, name))
+    return os.path.dirname(joined) == os.path.abspath(directory)
+
+
+class Files:
+    """The checkpoint's tensors by name over its (possibly sharded) safetensors files.
+
+    Nothing is taken on trust: the index must map tensor names to plain file names inside
+    the directory, every file must be a regular file (checked before it is opened) and a
+    readable safetensors file, a shard must hold only the tensors the index maps to it,
+    and every slice read must be finite. Each fault is a one-line ``ValueError`` naming
+    the file (and the tensor).
+    """
+
+    def __init__(self, path: str):
+        self.path, self._safe_open = path, safetensors_module().safe_open
+        self._headers: Dict[str, Dict[str, Tuple[Tuple[int, ...], str]]] = {}
+        index = os.path.join(path, INDEX)
+        if regular_file(index, INDEX, missing_ok=True):
+            weight_map = read_json(index, INDEX).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: weight_map={short(weight_map)} is not allowed; "
+                                 f"allowed: a JSON object {{tensor name: file name}}")
+            for name, file in weight_map.items():
+                if not plain_name(path, file):
+                    raise ValueError(f"{index}: weight_map[{name!r}]={short(file)} is not a "
+                                     f"file inside the checkpoint directory; allowed: a plain "
+                                     f"file name (no path separator, not '..')")
+            self.indexed, self.weight_map = True, weight_map
+        elif regular_file(os.path.join(path, SINGLE), SINGLE, missing_ok=True):
+            self.indexed, self.weight_map = False, {}
+            self.weight_map = dict.fromkeys(self._header(SINGLE), SINGLE)
+        else:
+            raise ValueError(f"{path}: neither model.safetensors nor "
+                             f"model.safetensors.index.json found")
+
+    def _header(self, file: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+        """``{tensor: (shape, dtype)}`` of weight file ``file`` (its header, read once)."""
+        if file not in self._headers:
+            full = os.path.join(self.path, file)
+            regular_file(full, "weight file")
+            try:
+                header = {}
+                with self._safe_open(full, "np") as f:
+                    for k in f.keys():
+                        sl = f.get_slice(k)
+                        header[k] = (tuple(sl.get_shape()), sl.get_dtype())
+            except Exception as e:  # noqa: BLE001  SafetensorError, OSError: damaged
+                raise ValueError(f"{full}: not a readable safetensors file "
+                                 f"({one_line(e)})") from None
+            if self.indexed:
+                extra = sorted(k for k in header if self.weight_map.get(k) != file)
+                if extra:
+                    raise ValueError(f"{full}: holds {len(extra)} tensor(s) that {INDEX} "
+                                     f"does not map to it: {first_names(extra)}")
+            self._headers[file] = header
+        return self._headers[file]
+
+    def info(self, name: str) -> Tuple[Tuple[int, ...], str]:
+        """The tensor's ``(shape, dtype)``, from its file's header."""
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        file = self.weight_map[name]
+        header = self._header(file)
+        if name not in header:
+            raise ValueError(f"{self.path}: {file} has no tensor {name!r} (the index says "
+                             f"it has)")
+        return header[name]
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The tensor's shape, from its file's header (each file's header is read once)."""
+        return self.info(name)[0]
+
+    def read(self, name: str, index) -> np.ndarray:
+        """``tensor[index]`` read from a mapping of its file opened for this read only
+        (when it closes the file is unmapped, so the pages read do not stay in the
+        process's resident memory: a cached handle kept the whole checkpoint's pages
+        resident, benchmarks/hf_load_memory.py).
+
+        Raises:
+          ValueError: the read fails, or the slice holds a NaN or an infinity (naming the
+            tensor and its file).
+        """
+        if name not in self.weight_map:
+            raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        file = os.path.join(self.path, self.weight_map[name])
+        try:
+            with self._safe_open(file, "np") as f:
+                x = np.asarray(f.get_slice(name)[index])
+        except Exception as e:  # noqa: BLE001  SafetensorError, OSError
+            raise ValueError(f"{file}: cannot read tensor {name} ({one_line(e)})") from None
+        if not all_finite(x):
+            raise ValueError(f"{file}: tensor {name} holds non-finite values (NaN or "
+                             f"infinity); allowed: finite weights")
+        return x
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """No NaN or infinity in ``x``, without an array of its size in memory: the float64
+    sum of finite float16/bfloat16/float32 values is finite; only a non-finite sum (or a
+    float64 sum that overflows) is looked at element by element."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if x.size == 0 or math.isfinite(float(x.sum(dtype=np.float64))):
+            return True
+    return bool(np.isfinite(x).all())
+
+
+
+
+def read_config(path: str) -> Dict[str, Any]:
+    """The parsed ``config.json`` of checkpoint directory ``path`` (its fields are
+    checked by :func:`config_from_hf`). ``path`` may also name the ``.json`` file itself
+    (a released model's config.json alone, as in ``configs/hf/``): enough to plan a run
+    (``python -m jaxmp.report``), not to load weights (:func:`check_weights` refuses it).
+
+    Raises:
+      ValueError: one line naming the file: no ``config.json`` there, or not a regular
+        file (a FIFO, a device or a directory: refused without being opened), not JSON,
+        not a JSON object, or holding a non-finite number (NaN, Infinity; the key named).
+    """
+    file = path if is_config_file(path) else os.path.join(path, "config.json")
+    return read_json(file, "config.json")
+
+
+def is_config_file(path: str) -> bool:
+    """``path`` names a config.json file rather than a checkpoint directory: it is not a
+    directory and its name ends in ``.json``."""
+    return str(path).endswith(".json") and not os.path.isdir(path)
+
+
+def check_directory(path: str) -> None:
+    """Refuses a ``path`` that is not a directory, e.g. a config.json file, which
+    :func:`read_config` reads to plan a run but which holds no weights.
+
+    Raises:
+      ValueError: one line naming ``path``.
+    """
+    if is_config_file(path) or not os.path.isdir(path):
+        raise ValueError(f"{path}: not a checkpoint directory; a config.json alone plans a run "
+                         f"(python -m jaxmp.report) but loading needs the directory with its "
+                         f"config.json and safetensors weights")
+
+
+def tokenizer_eos(path: str) -> Optional[Tuple[str, int]]:
+    """``(tokenizer.json path, eos id)`` of a checkpoint directory, or None without a
+    ``tokenizer.json`` (or when ``path`` is a config.json file, :func:`read_config`). The
+    id is that of ``tokenizer_config.json``'s ``eos_token``, looked up in the tokenizer
+    (None when there is no such file or token: the tokenizer's own
+    choice, :data:`jaxmp.train.tokenizer.EOS_CANDIDATES`).
+
+    Raises:
+      ValueError: an ``eos_token`` that the tokenizer does not have, or either file not a
+        regular file (refused unopened), a ``tokenizer.json`` that does not load, or a
+        ``tokenizer_config.json`` that is not a JSON object or whose ``eos_token`` is
+        neither null, a non-empty string nor ``{"content": non-empty string}`` (one line
+        naming the file).
+    """
+    if not os.path.isdir(path):  # a config.json file alone (read_config): no tokenizer
+        return None
+    file = os.path.join(path, "tokenizer.json")
+    if not regular_file(file, "tokenizer.json", missing_ok=True):
+        return None
+    eos = None
+    config = os.path.join(path, "tokenizer_config.json")
+    if regular_file(config, "tokenizer_config.json", missing_ok=True):
+        eos = read_json(config, "tokenizer_config.json", finite=False).get("eos_token")
+    if eos is None:  # absent or null: the tokenizer's own choice
+        return file, None
+    text = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"{config}: eos_token={short(eos)} is not allowed; allowed: a "
+                         f"non-empty string or {{\"content\": non-empty string}}, or null")
+    eos = text
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception
+        raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({one_line(e)})") from None
+    eos_id = tokenizer.token_to_id(eos)
+    if eos_id is None:
+        raise ValueError(f"{config}: eos_token={eos!r} is not in {file}")
+    return file, int(eos_id)

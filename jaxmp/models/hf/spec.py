@@ -1,0 +1,235 @@
+"""The language of a family's record: how a ``config.json`` field is read (:class:`Field`),
+what a family is (:class:`Family`), the specs fields share, and the one-line messages.
+
+Each family module in :mod:`jaxmp.models.hf.families` builds its :class:`Family` from these;
+:mod:`jaxmp.models.hf.config` reads a ``config.json`` through it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from jaxmp._checks import BOOL, Choice, Int, Kind, Real, is_int
+
+__all__ = ["Field", "Family", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
+           "common_specs", "COMMON_FIELDS", "COUNT", "COUNT0", "POSITIVE", "OBJECT", "STRING",
+           "NAMES", "INDICES", "short", "field_name", "inexact", "not_allowed", "missing",
+           "non_finite", "read_field"]
+
+# Fields that do not change what the model computes in jaxmp (training or generation
+# settings of transformers, metadata).
+IGNORED_FIELDS = frozenset({
+    "architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "output_router_logits", "router_aux_loss_coef", "aux_loss_alpha", "seq_aux",
+    "_name_or_path", "tokenizer_class", "auto_map", "ep_size",
+    "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder",
+    "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "max_window_layers", "qk_head_dim", "head_dim_for_mla",
+})
+
+
+NEEDED = type("_Needed", (), {"__repr__": lambda self: "NEEDED"})()
+ABSENT = type("_Absent", (), {"__repr__": lambda self: "ABSENT"})()
+REFUSED = type("_Refused", (), {"__repr__": lambda self: "REFUSED"})()
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """How one ``config.json`` field is read (an entry of :attr:`Family.specs`).
+
+    Attributes:
+      allowed: the values it may hold, a :mod:`jaxmp._checks` spec (``Int``, ``Real``,
+        ``Choice``, ``Kind``, ``BOOL``): integers are never bools, reals are finite.
+      default: its value when config.json leaves it out, transformers' default for the
+        family (None: as if ``null``); ``NEEDED``: required (transformers has no default,
+        or it is a shape field); ``ABSENT``: not read when left out (an alias).
+      null: what a JSON ``null`` stands for (``REFUSED``: null is not allowed).
+      exact: ``allowed`` lists the only values jaxmp computes exactly (a value outside it
+        "cannot be represented exactly" rather than being ill-typed).
+    """
+
+    allowed: Any
+    default: Any = NEEDED
+    null: Any = REFUSED
+    exact: bool = False
+
+
+_MAX_INT = 2 ** 31 - 1  # every count and size is an int32 array dimension or position
+COUNT = Int(1, _MAX_INT)
+COUNT0 = Int(0, _MAX_INT)
+POSITIVE = Real(0.0, lo_open=True)
+OBJECT = Kind(lambda v: isinstance(v, dict), "a JSON object {...} or null")
+STRING = Kind(lambda v: isinstance(v, str), "a string")
+NAMES = Kind(lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+              "a list of strings or null")
+INDICES = Kind(lambda v: isinstance(v, list) and all(is_int(i) and 0 <= i <= _MAX_INT
+                                                     for i in v),
+                "a list of layer indices (integers >= 0) or null")
+
+
+def fixed(*values: Any, text: Optional[str] = None) -> Field:
+    """A field with the only value(s) jaxmp computes; absent means the first."""
+    return Field(Choice(values, text or " or ".join(map(repr, values))), values[0],
+                 exact=True)
+
+
+def common_specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
+           eps: float = 1e-6, theta: float = 10000.0, partial: float = 1.0,
+           d_ff: Any = COUNT, window: Optional[int] = None, window_switch: Any = ABSENT,
+           mtp: int = 0, **extra: Field) -> Dict[str, Field]:
+    """A family's :attr:`Family.specs`: the fields every family reads, with the
+    family's transformers defaults (``max_len``: ``max_position_embeddings``, ``eps``:
+    ``rms_norm_eps``, ``window``: ``sliding_window``, ``window_switch``:
+    ``use_sliding_window``, ``mtp``: ``num_nextn_predict_layers``), and ``extra``."""
+    specs = {
+        "vocab_size": Field(COUNT), "hidden_size": Field(COUNT),
+        "num_hidden_layers": Field(COUNT), "num_attention_heads": Field(COUNT),
+        "num_key_value_heads": Field(COUNT, kv_heads, null=0),  # 0: num_attention_heads
+        "head_dim": Field(COUNT, head_dim, null=0),  # 0: hidden_size / num_attention_heads
+        "intermediate_size": Field(d_ff),
+        "max_position_embeddings": Field(COUNT, max_len),
+        "rms_norm_eps": Field(POSITIVE, eps),
+        "tie_word_embeddings": Field(BOOL, False),
+        "rope_theta": Field(POSITIVE, theta),
+        "partial_rotary_factor": Field(Real(0.0, 1.0, lo_open=True), partial),
+        "rope_scaling": Field(OBJECT, None, null={}),
+        "rope_parameters": Field(OBJECT, None, null={}),
+        "layer_types": Field(NAMES, None, null=[]),
+        # MTP layers (DeepSeek-V3, GLM-4.5) are not read; their tensors are skipped.
+        "num_nextn_predict_layers": Field(COUNT0, mtp, null=0),
+        "hidden_act": fixed("silu"), "attention_dropout": fixed(0.0, 0),
+        "mlp_bias": fixed(False), "pretraining_tp": fixed(1),
+        "router_jitter_noise": fixed(0.0, 0),
+        "sliding_window": Field(COUNT, window, null=None),
+        "use_sliding_window": Field(Choice((False,), "False"), window_switch, exact=True),
+    }
+    specs.update(extra)
+    return specs
+
+
+# The config.json fields every family maps to ModelConfig fields of the same meaning.
+COMMON_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "d_model",
+                 "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+                 "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+                 "intermediate_size": "d_ff", "max_position_embeddings": "max_len",
+                 "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One ``model_type``: the record a family module declares, all that is its own.
+
+    The shared reader and writer (:mod:`jaxmp.models.hf.config`, :mod:`~jaxmp.models.hf.load`,
+    :mod:`~jaxmp.models.hf.save`) read every family through these attributes alone; the
+    tensor names of attention, dense MLPs and norms are transformers' common ones
+    (:mod:`jaxmp.models.hf.layout`), and ``moe`` names the rest.
+
+    Attributes:
+      model_type: ``config.json``'s ``model_type`` (the key of :data:`FAMILIES`).
+      architecture: the ``architectures`` entry written (``LlamaForCausalLM``, ...).
+      summary: one line for the docs: the models and features the family covers.
+      fields: ``{config.json field: ModelConfig field}`` read as they are.
+      fixed: ModelConfig fields the family always has (``qk_norm=True`` for Qwen3).
+      moe: the MoE tensor names ``{"block": ..., "experts": (gate, up, down), "router": ...,
+        "bias": ..., "shared": ...}`` (None: a dense family); ``"bias"`` present means the
+        family stores a router bias (DeepSeek-V3's ``e_score_correction_bias``).
+      specs: ``{config.json field: Field}``, every field the family reads (``fields`` and
+        those its hooks read): its type, range and default. A field neither here nor in
+        :data:`IGNORED_FIELDS` is refused.
+      read: ``read(vals, hf, out)``: the family's own reading, after the shared one has
+        mapped ``fields`` and ``fixed`` into ``out`` (``vals``: the checked fields with
+        their defaults, ``hf``: the file as given); edits ``out`` in place or raises a
+        one-line ``ValueError``. None: nothing more.
+      write: ``write(config, hf)``: the fields the family writes beyond ``fields`` (edits
+        ``hf`` in place). None: nothing more.
+      maps: ``maps(config) -> bool``: whether ``config``'s architecture is this family's
+        (:func:`jaxmp.models.hf.family_of`; exactly one family maps any architecture that
+        one can hold). None: never chosen by itself (a family that writes the same files
+        as another, as Mistral's those of Llama).
+    """
+
+    model_type: str
+    architecture: str
+    summary: str
+    fields: Dict[str, str]
+    fixed: Dict[str, Any]
+    moe: Optional[Dict[str, Any]] = None
+    specs: Dict[str, Field] = dataclasses.field(default_factory=dict)
+    read: Optional[Callable[[Dict[str, Any], Dict[str, Any], Dict[str, Any]], None]] = None
+    write: Optional[Callable[[Any, Dict[str, Any]], None]] = None
+    maps: Optional[Callable[[Any], bool]] = None
+
+    def __post_init__(self):
+        extra = set(self.fields) - set(self.specs)  # every field a family maps is in its table
+        if extra:
+            raise ValueError(f"family {self.model_type}: fields {sorted(extra)} have no spec")
+
+
+# ---- reading a field, and the one-line messages ------------------------------------------
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` on one line, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def field_name(key: Any) -> str:
+    """A field's name for a one-line message (``repr`` when it is not printable text)."""
+    return key if isinstance(key, str) and key.isprintable() else repr(key)
+
+
+def inexact(model_type: str, field: str, value: Any, allowed: str) -> ValueError:
+    """The one line of a value jaxmp cannot compute exactly (a sliding window, ...)."""
+    return ValueError(f"config.json ({model_type}): {field}={short(value)} cannot be "
+                      f"represented exactly; allowed: {allowed}")
+
+
+def not_allowed(model_type: str, field: str, value: Any, allowed: str) -> ValueError:
+    """The one line of an ill-typed, null or out-of-range value."""
+    return ValueError(f"config.json ({model_type}): {field}={short(value)} is not allowed; "
+                      f"allowed: {allowed}")
+
+
+def missing(model_type: str, field: str, allowed: str, why: str = "") -> ValueError:
+    """The one line of a required field left out."""
+    return ValueError(f"config.json ({model_type}): {field} is missing{why}; it is required "
+                      f"(allowed: {allowed})")
+
+
+def non_finite(data: Any) -> Optional[Tuple[str, Any]]:
+    """``(path, value)`` of the first non-finite number (NaN, Infinity) anywhere in parsed
+    JSON ``data`` (``rope_scaling.factor``, ``mlp_only_layers[2]``), else None."""
+    stack = [("", data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            return path or "(the whole file)", x
+        if isinstance(x, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in
+                         reversed(list(x.items())))
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(x))))
+    return None
+
+
+def read_field(model_type: str, name: str, spec: Field, present: bool, value: Any) -> Any:
+    """The checked value of one field (``present``: config.json gives ``value``), its
+    default when absent, what null stands for when null; ``ABSENT`` when not read."""
+    if not present:
+        if spec.default is NEEDED:
+            raise missing(model_type, name, spec.allowed.allowed)
+        if spec.default is ABSENT:
+            return ABSENT
+        value = spec.default
+    if value is None:
+        if spec.null is REFUSED:
+            raise not_allowed(model_type, name, None, spec.allowed.allowed)
+        return spec.null
+    if not spec.allowed.ok(value):
+        raise (inexact if spec.exact else not_allowed)(model_type, name, value,
+                                                       spec.allowed.allowed)
+    return value
+
