@@ -29,7 +29,7 @@ import jax  # noqa: E402
 from absl import app  # noqa: E402
 
 import train  # noqa: E402  (train.py: its flags, _parse_flags and main)
-from jaxmp.train import loop  # noqa: E402
+from jaxmp.train import loop, signals  # noqa: E402
 
 OVERRIDES = ["model.num_layers=1", "model.first_dense_layers=0", "model.d_model=32", "model.d_ff=64",
              "model.d_expert=32", "model.num_heads=2", "data.seq_len=16", "data.max_tokens=20000",
@@ -59,18 +59,18 @@ def _child(kind: str, workdir: pathlib.Path) -> None:
             *(f"--config.{o}" for o in OVERRIDES), f"--config.data.path={_data_path(kind, workdir / 'data')}"]
     if kind == "sigint":
         handled = threading.Event()
-        handle, compile_ = loop._SignalCatcher._handle, jax.stages.Lowered.compile
+        handle, compile_ = signals.SignalCatcher._handle, jax.stages.Lowered.compile
 
         def handle_and_tell(self, signum, frame):
             handle(self, signum, frame)
             handled.set()
 
         def compile_once_signalled(self, *args, **kwargs):
-            if threading.current_thread().name == loop._COMPILE_THREAD:
+            if threading.current_thread().name == signals._COMPILE_THREAD:
                 handled.wait(300)  # the trainer's handler has run: the signal came mid-compile
             return compile_(self, *args, **kwargs)
 
-        loop._SignalCatcher._handle = handle_and_tell
+        signals.SignalCatcher._handle = handle_and_tell
         jax.stages.Lowered.compile = compile_once_signalled
 
         def interrupt():

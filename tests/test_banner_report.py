@@ -8,7 +8,7 @@ from jaxmp.analysis.accounting import MODES
 from jaxmp.analysis.report import runnable_modes
 from jaxmp.train.config import load_config
 from jaxmp.train.experiment import Experiment
-from jaxmp.train.loop import banner
+from jaxmp.train.preflight import banner
 
 
 @pytest.mark.parametrize("strategy, devices", [("dp", 1), ("dp", 8), ("fsdp", 8), ("zero1", 8)])
@@ -37,7 +37,7 @@ def test_a_dense_model_has_a_dense_banner_and_no_warning_about_the_default_route
     """Issue 45: a dense model (the default config) was announced as '0 routed + 0 shared
     experts, top-2' and warned that the default policy's 'router' rule matches no module,
     a rule the user never wrote. A rule the user writes is still checked."""
-    from jaxmp.train.loop import _precision_warnings
+    from jaxmp.train.preflight import precision_warnings
 
     dense = Experiment.create(load_config("configs/tiny_moe.py", ["model.num_experts=0",
                                                                   "model.num_shared_experts=0"]),
@@ -47,11 +47,11 @@ def test_a_dense_model_has_a_dense_banner_and_no_warning_about_the_default_route
     line = next(l for l in banner(dense, data).splitlines() if "model       :" in l)
     assert line.endswith(f"4 heads, dense (feed-forward width {dense.settings.model.d_ff})")
     assert "routed" not in line
-    assert _precision_warnings(dense) == []
+    assert precision_warnings(dense) == []
     typo = Experiment.create(load_config("configs/tiny_moe.py", [
         "model.num_experts=0", "model.num_shared_experts=0",
         "precision.policy=mixed_bf16; rooter: fp32; norm: fp32"]), num_devices=1)
-    assert [w.split(";")[0] for w in _precision_warnings(typo)] == [
+    assert [w.split(";")[0] for w in precision_warnings(typo)] == [
         "precision.policy rule 'rooter' matches no module of this model"]
     moe = Experiment.create(load_config("configs/tiny_moe.py"), num_devices=1)
     assert "4 routed + 1 shared experts, top-2" in banner(moe, data)

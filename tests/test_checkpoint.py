@@ -154,7 +154,7 @@ def test_a_reader_lists_the_steps_again_when_a_live_trainer_changes_them(tmp_pat
     calls.clear()
     with pytest.raises(ckpt_module.CheckpointError, match="cannot read the checkpoints in"):
         Checkpointer(tmp_path, read_only=True)
-    assert len(calls) == ckpt_module._READER_ATTEMPTS == 5
+    assert len(calls) == ckpt_module.READER_ATTEMPTS == 5
     calls.clear()
     with pytest.raises(ckpt_module.CheckpointError, match="cannot create the checkpoint directory"):
         Checkpointer(tmp_path)

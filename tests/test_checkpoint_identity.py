@@ -289,9 +289,9 @@ def test_read_config_reads_the_newest_when_rotation_deletes_the_one_it_reads(tmp
 
 
 def test_a_reader_that_rotation_outruns_fails_in_one_line(tmp_path, monkeypatch):
-    """Every step read is deleted under the reader: after ``_ROTATION_ATTEMPTS`` reads, one
+    """Every step read is deleted under the reader: after ``ROTATION_ATTEMPTS`` reads, one
     line; a step asked for by number that is deleted is one line at once."""
-    monkeypatch.setattr(ckpt_module, "_ROTATION_ATTEMPTS", 3)
+    monkeypatch.setattr(ckpt_module, "ROTATION_ATTEMPTS", 3)
     rotation = _Rotation(tmp_path, {"all"})
     with rotation.writer, rotation.patch(Checkpointer(tmp_path, read_only=True)) as reader:
         with pytest.raises(CheckpointError, match="deleted while they were read 3 times over") as e:

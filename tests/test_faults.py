@@ -408,7 +408,8 @@ def test_a_batch_that_cannot_fit_is_refused_before_training(tmp_path, monkeypatc
     tokens on 8 devices are 2**17 x 257 x 2 B = 64.25 MiB, so the step cannot fit; the
     configured batch of 16 fits."""
     from jaxmp.train import loop
-    monkeypatch.setattr(loop, "_device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
+    from jaxmp.train import preflight
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
     big = _config(2, batch_size=2**16)
     big.data.seq_len = 16
     with pytest.raises(ValueError, match=r"the train step needs about [\d.]+ GiB per device .* but a device "

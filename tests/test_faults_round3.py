@@ -364,7 +364,7 @@ def test_checkpoints_as_a_file_is_refused_before_any_work(tmp_path, where, monke
     (workdir / where).parent.mkdir(parents=True, exist_ok=True)
     (workdir / where).write_text("not a directory")
     compiles = []
-    monkeypatch.setattr(loop, "_Compilation", lambda exp: compiles.append(exp))
+    monkeypatch.setattr(loop, "Compilation", lambda exp: compiles.append(exp))
     with pytest.raises(ValueError, match=rf"{workdir / where} is a file, where the run keeps "
                                          r"its .*checkpoints; move it away"):
         train_and_evaluate(small_config(), str(workdir), num_devices=1)

@@ -47,7 +47,7 @@ def test_a_sample_prompt_that_is_not_text_is_refused_before_any_work():
     (``jaxmp.train.keys``), checked with the config before any work."""
     from _configs import small_config
     from jaxmp.train.experiment import Experiment
-    from jaxmp.train.loop import check_sample_memory
+    from jaxmp.train.preflight import check_sample_memory
 
     with pytest.raises(ValueError, match=r"train\.sample_prompt='def \\udcff\(' is not "
                                          r"allowed") as e:

@@ -242,7 +242,7 @@ def test_a_second_signal_in_a_library_call_raises_and_the_handlers_come_back(sig
     import threading
     import time
 
-    from jaxmp.train.loop import _SignalCatcher
+    from jaxmp.train.signals import SignalCatcher
 
     assert threading.current_thread() is threading.main_thread()  # signals reach this thread
     sig = getattr(signal, signum)
@@ -255,7 +255,7 @@ def test_a_second_signal_in_a_library_call_raises_and_the_handlers_come_back(sig
         return catcher.signum == want
 
     with pytest.raises(KeyboardInterrupt):
-        with _SignalCatcher() as catcher:
+        with SignalCatcher() as catcher:
             os.kill(os.getpid(), sig)
             assert delivered(catcher, sig)
             os.kill(os.getpid(), sig)

@@ -400,8 +400,9 @@ def test_a_model_whose_parameters_cannot_fit_is_refused_before_it_is_built(tmp_p
     """model.num_layers=100000 gave no answer in 10 minutes: refused in a second, naming
     the size, and nothing is built or written."""
     from jaxmp.train import loop
+    from jaxmp.train import preflight
 
-    monkeypatch.setattr(loop, "_device_memory", lambda device: (20 * 2**30, "a 20 GiB device"))
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (20 * 2**30, "a 20 GiB device"))
     config = load_config("configs/tiny_moe.py", ["model.num_layers=100000"])
     with pytest.raises(ValueError, match=r"^the model \(model.num_layers=100000.*has 29.1 GiB of "
                                          r"parameters.*a device has 20.00 GiB \(a 20 GiB device\)"):
@@ -501,7 +502,7 @@ def test_a_refused_resume_leaves_the_runs_tokenizer_copy_as_it_was(base, tmp_pat
     def refuse(*args):
         raise CheckpointError("checkpoint step 2 was trained with another tokenizer")
 
-    monkeypatch.setattr(loop, "_Compilation", Compiled)
+    monkeypatch.setattr(loop, "Compilation", Compiled)
     monkeypatch.setattr(loop, "check_memory", lambda *a: None)
     monkeypatch.setattr(loop, "_restore_or_init", refuse)
     monkeypatch.setattr(loop.Experiment, "check_init_from", lambda self: None)

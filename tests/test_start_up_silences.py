@@ -198,7 +198,7 @@ def test_a_vocabulary_too_large_is_refused_before_the_workdir_and_the_compile(
     config = small_config()
     config.data.tokenizer = spec
     compiles = []
-    monkeypatch.setattr(loop, "_Compilation", lambda exp: compiles.append(exp))
+    monkeypatch.setattr(loop, "Compilation", lambda exp: compiles.append(exp))
     with pytest.raises(ValueError, match=r"model.vocab_size=257 is smaller"):
         train_and_evaluate(config, str(tmp_path / "run"), num_devices=1)
     assert compiles == [] and not (tmp_path / "run").exists()

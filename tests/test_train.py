@@ -244,7 +244,7 @@ def test_corrupt_or_incompatible_checkpoint_is_an_error_not_a_fresh_start(tmp_pa
         raise AssertionError("the corpus was read before the settings were compared")
 
     with mock.patch.object(experiment.Experiment, "data", property(never)), \
-            mock.patch.object(loop, "_Compilation", side_effect=AssertionError("compiled")):
+            mock.patch.object(loop, "Compilation", side_effect=AssertionError("compiled")):
         with pytest.raises(CheckpointError, match=r"model\.d_model: saved 32, now 64"):
             train_and_evaluate(other, str(tmp_path))
     # Damage every file of the saved state.
@@ -401,7 +401,8 @@ def test_a_max_len_whose_sample_cannot_fit_is_refused_before_any_work(tmp_path, 
     on CPU (model.attention=auto is the reference path, which materializes its scores),
     2 heads x (2**17)**2 x 4 B = 128 GiB of one layer's float32 scores."""
     from jaxmp.train import loop
-    monkeypatch.setattr(loop, "_device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
+    from jaxmp.train import preflight
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (64 << 20, "a 64 MiB test device"))
     config = small_config()
     config.model.max_len = 2**17
     need = (2**17 * (4 + 2 * 257) + 2 * (2**17) ** 2 * 4) / 2**30
@@ -424,7 +425,7 @@ def test_bad_input_fails_before_the_step_compiles_or_the_workdir_is_made(
     def no_compile(*args, **kwargs):
         raise AssertionError("the step started compiling")
 
-    monkeypatch.setattr(loop, "_Compilation", no_compile)
+    monkeypatch.setattr(loop, "Compilation", no_compile)
     workdir = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         train_and_evaluate(load_config("tiny_moe", [f"--config.{override}"]), str(workdir))

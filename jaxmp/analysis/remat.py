@@ -19,7 +19,7 @@ from jaxmp.analysis.accounting import (MODES, data_mesh, lower_train_step, micro
                                        mode_config, state_bytes, step_residuals)
 from jaxmp.analysis.residuals import saved_residuals
 from jaxmp.models.attention import Attention, cudnn_support, trace_cudnn_without_gpu
-from jaxmp.models.transformer import REMAT_POLICIES
+from jaxmp.models.config import REMAT_POLICIES
 from jaxmp.train.experiment import Experiment
 
 __all__ = ["SETTING_ATTENTIONS", "activation_settings", "format_settings"]

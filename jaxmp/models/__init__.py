@@ -5,8 +5,10 @@
   :class:`FP8State` of delayed scaling;
 * :mod:`~jaxmp.models.attention`: causal self-attention on the reference, XLA or cuDNN path;
 * :mod:`~jaxmp.models.moe`: router, routed and shared experts, auxiliary-loss-free biases;
-* :mod:`~jaxmp.models.transformer`: :class:`ModelConfig` and :class:`MoETransformer` (scanned
-  layers, per-block rematerialization);
+* :mod:`~jaxmp.models.config`: :class:`ModelConfig`, each field declared once (the run
+  config's ``model.*`` keys);
+* :mod:`~jaxmp.models.transformer`: :class:`MoETransformer` (scanned layers, per-block
+  rematerialization);
 * :mod:`~jaxmp.models.sampling`: :func:`generate`;
 * :mod:`~jaxmp.models.hf`: :func:`from_pretrained` / :func:`save_pretrained`, Hugging Face
   checkpoints of the families in :data:`jaxmp.models.hf.FAMILIES` (one module each in
@@ -36,12 +38,11 @@ from jaxmp.models.moe import (
 )
 from jaxmp.models.hf import from_pretrained, save_pretrained
 from jaxmp.models.sampling import generate
+from jaxmp.models.config import REMAT_POLICIES, ModelConfig
 from jaxmp.models.transformer import (
     FLOAT32_ISLANDS,
     FP8_EXCLUDED,
-    REMAT_POLICIES,
     Block,
-    ModelConfig,
     MoETransformer,
     count_params,
     layer_stacks,

@@ -70,7 +70,7 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
       CheckpointError: no checkpoint reads and verifies (``step`` given: that one); the
         checkpoint ``step`` was deleted while it was read; with ``step=None``, a trainer's
         rotation deleted each newest checkpoint while it was read, every time it was read
-        again (``jaxmp.train.checkpoint._ROTATION_ATTEMPTS`` times).
+        again (``jaxmp.train.orbax_items.ROTATION_ATTEMPTS`` times).
     """
     model, tokenizer, config, _, notes = read_run(workdir, step, num_devices)
     for note in notes:

@@ -71,95 +71,30 @@ complete, so the earlier ones stay.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import pathlib
 import re
-import stat
 from typing import Any, Callable, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax.traverse_util import flatten_dict
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmp._checks import check_int
-from jaxmp.precision._paths import leaf_names
 from jaxmp.precision.loss_scale import all_finite
-from jaxmp.train.keys import DEFAULTS
+from jaxmp.train.integrity import (FORMAT, CheckpointError, Corrupt, check_digests, damage,
+                                   json_digest, not_its_step, state_checksums, step_counter)
+from jaxmp.train.orbax_items import (READER_ATTEMPTS, ROTATION_ATTEMPTS, StepNames,
+                                     handler_registry)
+from jaxmp.train.resume import (INCOMPATIBLE_KEYS, MAY_CHANGE_KEYS, check_same_settings,
+                                config_differences, reshard_residual, residual_adapter)
 
+# The checks of a checkpoint (jaxmp.train.integrity) and of a resume (jaxmp.train.resume)
+# are named here too: they are what a Checkpointer's user meets.
 __all__ = ["CheckpointError", "Checkpointer", "INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS",
            "state_checksums", "json_digest", "config_differences", "check_same_settings",
-           "residual_adapter",
-           "reshard_residual"]
-
-# 1: array checksums only; 2: also the digests of the JSON items and the health flag (and,
-# in newer ones, the step the checkpoint was saved at: a format-2 checkpoint without it is
-# an older one, checked by its state's step counter where it has one).
-_FORMAT = 2
-
-# Config sections that must match between a checkpoint and the run resuming it; the
-# rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
-INCOMPATIBLE_KEYS = ("model", "precision", "optim", "data.seq_len", "data.path", "data.tokenizer",
-                     "data.token_dtype", "data.eod_id",
-                     "data.max_tokens", "train.batch_size", "train.grad_accum_steps", "seed")
-# Keys inside those sections that may still change on resume: the decay horizon, so a
-# run can be extended on a schedule the user chooses; the base checkpoint's directory
-# (model.init_from, read at step 0 only: a resumed run's weights are its checkpoint's, and
-# its architecture is compared key by key), which a run stores absolute since 2026-12-04.
-MAY_CHANGE_KEYS = ("optim.decay_steps", "model.init_from")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or incompatible with the current run."""
-
-
-def _lookup(config: dict, dotted: str):
-    node = config
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node
-
-
-def config_differences(saved: dict, current: dict) -> list:
-    """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
-    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`. A key the saved config
-    does not have (added to jaxmp after it was written, e.g. ``optim.update_rounding``)
-    differs only when the current value is not that key's default."""
-    diffs = []
-    for section in INCOMPATIBLE_KEYS:
-        a, b = (flatten_dict({section: _lookup(c, section)}, sep=".") for c in (saved, current))
-        for key in sorted(set(a) | set(b)):
-            if key not in a and key in DEFAULTS and b.get(key) == DEFAULTS[key]:
-                continue  # a newer key at its default: the checkpoint ran with that behaviour
-            if (key not in MAY_CHANGE_KEYS
-                and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):
-                diffs.append((key, a.get(key), b.get(key)))
-    return diffs
-
-
-def check_same_settings(saved: dict, current: dict, step: int, directory) -> None:
-    """Refuses to resume checkpoint ``step`` of ``directory`` (saved with config ``saved``)
-    under ``current``.
-
-    Raises:
-      CheckpointError: a key of :data:`INCOMPATIBLE_KEYS` differs
-        (:func:`config_differences`); the line names up to 8 with both values.
-    """
-    diffs = config_differences(saved, current)
-    if diffs:
-        listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
-        raise CheckpointError(
-            f"checkpoint step {step} in {directory} was written with different settings "
-            f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
-            f"use a new --workdir")
-
+           "residual_adapter", "reshard_residual"]
 
 def _os_cause(error: BaseException) -> str:
     """The operating system's word for a failed write (``No space left on device``), else
@@ -193,183 +128,6 @@ class _without_read_only_notice:  # noqa: N801  (a context manager)
         logging.getLogger("absl").removeFilter(self._filter)
 
 
-_ODD1, _ODD2 = np.uint32(2654435761), np.uint32(2246822519)  # Knuth's multiplicative constants
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-
-
-def _leaf_hash(x: jax.Array) -> jax.Array:
-    """Two 32-bit position-weighted sums of the bits of ``x``: uint32 [2].
-
-    Every weight is odd, so flipping any one bit (``+-2**k`` at one position) changes
-    each sum modulo 2**32; integer sums wrap, so the value does not depend on how the
-    array is sharded or in which order the devices add.
-    """
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    elif x.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    else:
-        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
-    bits = bits.reshape(-1)
-    i = jnp.arange(bits.size, dtype=jnp.uint32)
-    h1 = jnp.sum(bits * (i * _ODD1 | 1), dtype=jnp.uint32)
-    h2 = jnp.sum((bits ^ (bits >> 13)) * ((i + np.uint32(0x9E3779B9)) * _ODD2 | 1),
-                 dtype=jnp.uint32)
-    return jnp.stack([h1, h2])
-
-
-_hash_leaves = jax.jit(lambda leaves: [_leaf_hash(jnp.asarray(x)) for x in leaves])
-
-
-def state_checksums(state: Any) -> dict:
-    """``{"INDEX:leaf name": 16 hex digits}``: a 64-bit checksum of each array of ``state``.
-
-    Computed on the devices in one jitted pass (no copy of the state to the host); leaf
-    names as :func:`jaxmp.precision._paths.leaf_names`. Any single flipped bit changes the
-    checksum of its leaf; other damage goes unseen with a probability of about 2**-64.
-    """
-    names = leaf_names(state)
-    leaves = jax.tree.leaves(state)
-    hashes = jax.device_get(_hash_leaves(leaves)) if leaves else []
-    return {f"{i}:{n}": f"{int(h[0]):08x}{int(h[1]):08x}"
-            for i, (n, h) in enumerate(zip(names, hashes))}
-
-
-def json_digest(item: Any) -> str:
-    """SHA-256 (hex) of a JSON item in canonical form (sorted keys, no spaces), as it
-    reads back from disk: tuples and lists alike, so the digest at save time equals the
-    one of the restored item."""
-    text = json.dumps(json.loads(json.dumps(item)), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-class _Corrupt(Exception):
-    """A checkpoint that cannot be read or does not verify (internal).
-
-    Args:
-      why: what is wrong with it, in words.
-      unread: True when orbax (or listing its directory) failed to read it: it may have
-        been deleted while it was read, by a trainer's rotation (:meth:`Checkpointer.restore`).
-    """
-
-    def __init__(self, why: str, unread: bool = False):
-        super().__init__(why)
-        self.unread = unread
-
-
-def _kind(mode: int) -> str:
-    """What a file that is neither a regular file nor a directory is, in words."""
-    for test, name in ((stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISLNK, "symbolic link"),
-                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _damage(step_dir: pathlib.Path) -> Optional[str]:
-    """Why a step directory cannot be read safely, found without opening any of its files;
-    None when it is a real directory holding only regular files and directories.
-
-    A step directory that is a symbolic link (to another step's files, say) is refused, as
-    is one holding anything but regular files and directories: a named pipe hangs the
-    reader that opens it (orbax reads ``_CHECKPOINT_METADATA`` as it lists the steps), and
-    orbax writes neither links nor pipes.
-
-    Raises:
-      FileNotFoundError: the directory (or one inside it) vanished while it was looked at
-        (a trainer's rotation deleting it).
-      OSError: it cannot be listed.
-    """
-    mode = os.lstat(step_dir).st_mode
-    if stat.S_ISLNK(mode):
-        return (f"its directory is a symbolic link (to {os.readlink(step_dir)}), not a "
-                f"directory of its own")
-    if not stat.S_ISDIR(mode):
-        return f"it is a {_kind(mode)}, not a directory"
-    pending = [str(step_dir)]
-    while pending:
-        with os.scandir(pending.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-                elif not entry.is_file(follow_symlinks=False):
-                    name = os.path.relpath(entry.path, step_dir)
-                    kind = _kind(entry.stat(follow_symlinks=False).st_mode)
-                    return f"its file {name} is a {kind}, not a regular file"
-    return None
-
-
-def _step_counter(state: Any) -> Optional[int]:
-    """The step counter of a restored state (``TrainState.step``), or None where it has
-    no integer scalar ``step``."""
-    counter = getattr(state, "step", None)
-    if counter is None or np.ndim(counter) != 0 or not np.issubdtype(
-            np.asarray(jax.device_get(counter)).dtype, np.integer):
-        return None
-    return int(jax.device_get(counter))
-
-
-def _not_its_step(step: int, own: int, source: str) -> str:
-    return (f"it is the checkpoint of step {own} ({source}), not of step {step}: a copy, a "
-            f"link or a renamed directory of another step")
-
-
-class _StepNames:
-    """orbax's standard step names (``checkpoints/STEP``), listing only the step
-    directories that are safe to read.
-
-    orbax reads each listed step's ``_CHECKPOINT_METADATA`` as it lists them, so a named
-    pipe there would hang every Checkpointer: :meth:`find_all` leaves out of orbax's sight
-    each step directory that :func:`_damage` finds fault with, and keeps it in
-    :attr:`refused` (``{step: why}``) for :meth:`Checkpointer.restore` to report and set
-    aside. A step deleted while it is listed (a trainer's rotation) is left out, and the
-    steps are listed again: the newer step that replaced it, still a temporary directory
-    when the steps were first listed, is complete by then.
-    """
-
-    def __init__(self):
-        self._standard = ocp.step.standard_name_format()
-        self.refused: dict = {}
-
-    def build_name(self, step: int) -> str:
-        return self._standard.build_name(step)
-
-    def find_all(self, base_path):
-        for _ in range(_READER_ATTEMPTS):
-            found, refused, vanished = [], {}, False
-            for metadata in self._standard.find_all(base_path):
-                try:
-                    why = _damage(pathlib.Path(str(metadata.path)))
-                except FileNotFoundError:  # being deleted
-                    vanished = True
-                    continue
-                except OSError as e:
-                    why = f"its directory cannot be listed ({e.strerror or e})"
-                if why is None:
-                    found.append(metadata)
-                else:
-                    refused[metadata.step] = why
-            if not vanished:
-                break
-        self.refused = refused
-        return iter(found)
-
-    def find_step(self, base_path, step: int):
-        """The step's directory; :class:`_StepGone` when there is none. (orbax, without a
-        name format of the caller's, only builds the path: a step deleted after it was
-        listed then fails as a missing file, which the callers retry on.)"""
-        path = ocp.step.build_step_path(base_path, self, step)
-        if not path.exists():
-            raise _StepGone(f"checkpoint step {step} is not in {base_path}")
-        return ocp.step.Metadata(step=step, path=path)
-
-
-class _StepGone(FileNotFoundError, ValueError):
-    """No directory for a step: a missing file to the readers that list the steps again
-    on one, a ValueError to orbax's deleter, as orbax's ``find_step`` raises."""
-
-
 def _one_line(error: BaseException) -> str:
     """An error's text on one line, at most 300 characters. Where the text holds a
     pybind11 object's repr instead of a message (orbax's "See full TensorStore details:
@@ -380,74 +138,6 @@ def _one_line(error: BaseException) -> str:
     while "<bound method" in text and cause is not None:
         text, cause = f"{type(cause).__name__}: {cause}", cause.__cause__ or cause.__context__
     return " ".join(text.split())[:300]
-
-
-def _check_digests(meta: dict) -> Optional[dict]:
-    """The JSON items' digests of a format-2 ``verify`` item after checking ``verify``
-    itself against its own digest; None for a format-1 checkpoint (arrays only).
-
-    Raises:
-      _Corrupt: the digests are missing or ``verify`` was altered.
-    """
-    if meta.get("format") == 1 and "digest" not in meta:
-        return None
-    rest = {k: v for k, v in meta.items() if k != "digest"}
-    items = meta.get("items")
-    if (meta.get("format") != _FORMAT or not isinstance(meta.get("digest"), str)
-            or json_digest(rest) != meta["digest"] or not isinstance(items, dict)
-            or not {"data", "config"} <= set(items)):
-        raise _Corrupt("its checksums item (verify) was altered or is incomplete")
-    return items
-
-
-def _handler_registry():
-    """orbax's handlers for a checkpoint's four items: ``state`` (the arrays,
-    :class:`_StateHandler`) and three JSON items (``data``, ``config``, ``verify``)."""
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    state = _StateHandler()
-    registry.add("state", ocp.args.StandardSave, state)
-    registry.add("state", ocp.args.StandardRestore, state)
-    for name in ("data", "config", "verify"):
-        handler = ocp.JsonCheckpointHandler()
-        registry.add(name, ocp.args.JsonSave, handler)
-        registry.add(name, ocp.args.JsonRestore, handler)
-    return registry
-
-
-class _StateHandler(ocp.StandardCheckpointHandler):
-    """orbax's ``StandardCheckpointHandler``; on the CPU backend its arrays are written
-    without replica parallelism.
-
-    orbax splits the write of a replicated array among its replicas
-    (``ArrayHandler(use_replica_parallel=...)``), by default everywhere but where
-    ``JAX_PLATFORMS`` names a GPU. On CPU devices, which share one host's memory and disk,
-    that only adds a slicing program per array and shard: a dp save of tiny_moe on 8 CPU
-    devices took 6.8 CPU-seconds the first time with it and 3.0 without (0.8 and 0.5 after).
-    The files are the same format; only who writes which bytes differs. Elsewhere this is
-    orbax's handler unchanged.
-    """
-
-    def __init__(self):
-        super().__init__()
-        if jax.default_backend() == "cpu" and hasattr(self, "_impl"):
-            th = ocp.type_handlers
-            scalar = th.ScalarHandler()
-            arrays = th.ArrayHandler(use_replica_parallel=False, array_metadata_store=getattr(
-                th.get_type_handler(jax.Array), "_array_metadata_store", None))
-            self._impl = ocp.PyTreeCheckpointHandler(
-                type_handler_registry=th.create_type_handler_registry(
-                    (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
-                    (np.ndarray, th.NumpyHandler()), (jax.Array, arrays),
-                    (str, th.StringHandler())))
-
-
-# Attempts of a read-only Checkpointer to list the steps while a live trainer changes them
-# (each attempt lists them once; a trainer removes or completes one step per save).
-_READER_ATTEMPTS = 5
-# Attempts to read the newest checkpoint while a trainer's rotation deletes the ones being
-# read (train.checkpoint_every=1 with train.keep_checkpoints=1 deletes each step one save
-# after it is complete): each attempt lists the steps again and reads the newest.
-_ROTATION_ATTEMPTS = 10
 
 
 class Checkpointer:
@@ -466,7 +156,7 @@ class Checkpointer:
       ValueError: ``keep`` < 1.
       CheckpointError: the directory cannot be created (e.g. a read-only workdir); with
         ``read_only``, it does not exist, or its steps cannot be listed (a live trainer's
-        changes to them are listed again, up to ``_READER_ATTEMPTS`` times).
+        changes to them are listed again, up to ``READER_ATTEMPTS`` times).
 
     A step directory that is a symbolic link or holds anything but regular files and
     directories (a named pipe would hang the reader) is left out of orbax's listing from
@@ -486,7 +176,7 @@ class Checkpointer:
         self._meta: dict = {}  # step -> {"healthy": bool or None, "eval_loss": float or None}
         if self.read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory} is not a directory of checkpoints")
-        self._names = _StepNames()  # orbax lists the steps through it, leaving out damaged ones
+        self._names = StepNames()  # orbax lists the steps through it, leaving out damaged ones
         # A trainer removes the temporary directories of saves a killed run left; a reader
         # must not: one of them may be the save a live trainer is writing.
         # save_interval_steps=0: what orbax sets for a reader anyway, given so that it
@@ -499,20 +189,20 @@ class Checkpointer:
                    ocp.CheckpointManagerOptions(max_to_keep=None, create=True,
                                                 cleanup_tmp_directories=True,
                                                 step_name_format=self._names))
-        for attempt in range(_READER_ATTEMPTS):
+        for attempt in range(READER_ATTEMPTS):
             try:
                 # max_to_keep=None: orbax keeps every step and _prune deletes, so that the
                 # newest healthy checkpoint is kept outside the rotation.
                 with _without_read_only_notice():
                     self.manager = ocp.CheckpointManager(
-                        self.directory, options=options, handler_registry=_handler_registry())
+                        self.directory, options=options, handler_registry=handler_registry())
                 break
             except FileNotFoundError as e:
                 # A reader beside a live trainer: orbax lists the steps, then reads each
                 # one's metadata, and the trainer may prune or finish a step in between.
                 # The listing is read again; the directory itself must still be there.
                 if (self.read_only and self.directory.is_dir()
-                        and attempt + 1 < _READER_ATTEMPTS):
+                        and attempt + 1 < READER_ATTEMPTS):
                     continue
                 raise CheckpointError(self._unreadable(e)) from None
             except OSError as e:
@@ -556,20 +246,20 @@ class Checkpointer:
         """Lists the steps again (a live trainer completes and deletes them meanwhile).
 
         Raises:
-          CheckpointError: they cannot be listed (``_READER_ATTEMPTS`` tries).
+          CheckpointError: they cannot be listed (``READER_ATTEMPTS`` tries).
         """
-        for attempt in range(_READER_ATTEMPTS):
+        for attempt in range(READER_ATTEMPTS):
             try:
                 self.manager.reload()
                 return
             except FileNotFoundError as e:  # a step deleted between orbax's listing and reading
-                if self.directory.is_dir() and attempt + 1 < _READER_ATTEMPTS:
+                if self.directory.is_dir() and attempt + 1 < READER_ATTEMPTS:
                     continue
                 raise CheckpointError(f"cannot list the checkpoints in {self.directory}: "
                                       f"{e.strerror or e}") from None
 
     def _read_json(self, step: int, what: str, *names: str) -> dict:
-        """The JSON items ``names`` of checkpoint ``step``, read once :func:`_damage` finds
+        """The JSON items ``names`` of checkpoint ``step``, read once :func:`~jaxmp.train.integrity.damage` finds
         its directory safe to read (nothing in it is opened before).
 
         Args:
@@ -578,22 +268,22 @@ class Checkpointer:
           *names: the items (``"config"``, ``"verify"``, ``"data"``).
 
         Raises:
-          _Corrupt: the directory is damaged, gone or unreadable (``unread`` but for damage).
+          Corrupt: the directory is damaged, gone or unreadable (``unread`` but for damage).
         """
         try:
-            why = _damage(self.directory / str(step))
+            why = damage(self.directory / str(step))
         except FileNotFoundError:
-            raise _Corrupt("its directory is gone", unread=True) from None
+            raise Corrupt("its directory is gone", unread=True) from None
         except OSError as e:
-            raise _Corrupt(f"its directory cannot be listed ({e.strerror or e})",
+            raise Corrupt(f"its directory cannot be listed ({e.strerror or e})",
                            unread=True) from None
         if why is not None:
-            raise _Corrupt(why)
+            raise Corrupt(why)
         try:
             return self.manager.restore(step, args=ocp.args.Composite(
                 **{name: ocp.args.JsonRestore() for name in names}))
         except Exception as e:  # orbax raises many types for a damaged directory
-            raise _Corrupt(f"{what} are unreadable ({type(e).__name__}: {_one_line(e)})",
+            raise Corrupt(f"{what} are unreadable ({type(e).__name__}: {_one_line(e)})",
                            unread=True) from None
 
     def _moved_on(self, step: int, listing: list) -> bool:
@@ -617,20 +307,20 @@ class Checkpointer:
         """``(step, config)``: the config saved with checkpoint ``step``, or with the newest
         checkpoint whose config reads when ``step`` is None. Steps a trainer deletes while
         they are read (its rotation) are listed again and the newest is read, up to
-        ``_ROTATION_ATTEMPTS`` times. The checkpoint is not verified: :meth:`restore` does.
+        ``ROTATION_ATTEMPTS`` times. The checkpoint is not verified: :meth:`restore` does.
 
         Raises:
           CheckpointError: no checkpoint's config reads (each is named with its fault);
             ``step`` was deleted while it was read; the checkpoints were deleted while read
-            ``_ROTATION_ATTEMPTS`` times over.
+            ``ROTATION_ATTEMPTS`` times over.
         """
-        for _ in range(_ROTATION_ATTEMPTS):
+        for _ in range(ROTATION_ATTEMPTS):
             listing = self._listing()
             faults = []
             for s in ([step] if step is not None else listing):
                 try:
                     return s, self._read_json(s, "its config", "config")["config"]
-                except _Corrupt as e:
+                except Corrupt as e:
                     if e.unread and self._moved_on(s, listing):
                         break
                     faults.append(f"step {s}: {e}")
@@ -650,7 +340,7 @@ class Checkpointer:
     def _rotated_out(self) -> CheckpointError:
         return CheckpointError(
             f"the checkpoints in {self.directory} were deleted while they were read "
-            f"{_ROTATION_ATTEMPTS} times over (a trainer saving and rotating them faster "
+            f"{ROTATION_ATTEMPTS} times over (a trainer saving and rotating them faster "
             f"than they read: train.checkpoint_every, train.keep_checkpoints); read again, or "
             f"keep more checkpoints")
 
@@ -661,7 +351,7 @@ class Checkpointer:
         if step not in self._meta:
             try:
                 meta = self._read_json(step, "its checksums", "verify")["verify"]
-            except _Corrupt:  # a damaged checkpoint: restore() says what is wrong with it
+            except Corrupt:  # a damaged checkpoint: restore() says what is wrong with it
                 meta = None
             meta = meta if isinstance(meta, dict) else {}
             if meta.get("step", step) != step:  # a copy of another step: nothing is known
@@ -748,7 +438,7 @@ class Checkpointer:
         self.wait()
         loss = (float(eval_loss) if eval_loss is not None and np.isfinite(float(eval_loss))
                 else None)
-        verify = {**(meta or {}), "format": _FORMAT, "step": int(step),
+        verify = {**(meta or {}), "format": FORMAT, "step": int(step),
                   "checksums": state_checksums(state),
                   "healthy": bool(healthy), "eval_loss": loss,
                   "items": {"data": json_digest(data_state), "config": json_digest(config)}}
@@ -793,7 +483,7 @@ class Checkpointer:
         :attr:`warnings`, and the next older one is tried. Nothing is moved unless a good
         checkpoint is found. A checkpoint that fails to read because it was deleted
         meanwhile (a trainer's rotation, beside which a reader reads) is not corrupt: the
-        steps are listed again and the newest is read, up to ``_ROTATION_ATTEMPTS`` times.
+        steps are listed again and the newest is read, up to ``ROTATION_ATTEMPTS`` times.
 
         Args:
           template: a state pytree of arrays (or ``jax.ShapeDtypeStruct`` with
@@ -815,9 +505,9 @@ class Checkpointer:
           CheckpointError: no checkpoint; one whose saved config differs from ``config``
             in any of :data:`INCOMPATIBLE_KEYS`; no checkpoint that reads and verifies
             (each is named with its fault); ``step`` was deleted while it was read; the
-            checkpoints were deleted while read ``_ROTATION_ATTEMPTS`` times over.
+            checkpoints were deleted while read ``ROTATION_ATTEMPTS`` times over.
         """
-        for _ in range(_ROTATION_ATTEMPTS):
+        for _ in range(ROTATION_ATTEMPTS):
             listing = self._listing()
             steps = [step] if step is not None else listing
             if not steps:
@@ -826,7 +516,7 @@ class Checkpointer:
             for s in steps:
                 try:
                     out = self._restore_one(s, template, config, adapt, check_data)
-                except _Corrupt as e:
+                except Corrupt as e:
                     if e.unread and self._moved_on(s, listing):
                         break  # deleted while read: list again, read the newest
                     faults.append((s, str(e)))
@@ -847,17 +537,17 @@ class Checkpointer:
         saved = self._read_json(step, "its config or checksums", "config", "verify")
         saved_config, meta = saved["config"], saved["verify"]
         if not isinstance(meta, dict) or not isinstance(meta.get("checksums"), dict):
-            raise _Corrupt("it holds no checksums")
-        digests = _check_digests(meta)
+            raise Corrupt("it holds no checksums")
+        digests = check_digests(meta)
         if "step" in meta:  # the step it was saved at, covered by the digest of verify
             own = meta["step"]
             if not isinstance(own, int) or isinstance(own, bool):
-                raise _Corrupt(f"the step in its checksums item (verify) is not an integer "
+                raise Corrupt(f"the step in its checksums item (verify) is not an integer "
                                f"({own!r})")
             if own != step:
-                raise _Corrupt(_not_its_step(step, own, "its checksums item (verify) says so"))
+                raise Corrupt(not_its_step(step, own, "its checksums item (verify) says so"))
         if digests and json_digest(saved_config) != digests["config"]:
-            raise _Corrupt("its config item does not match its checksum")
+            raise Corrupt("its config item does not match its checksum")
         check_same_settings(saved_config, config, step, self.directory)
         if adapt is not None:
             template = adapt(meta, template)
@@ -868,29 +558,29 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         except Exception as e:
-            raise _Corrupt(f"it does not read as this model's state ({type(e).__name__}: "
+            raise Corrupt(f"it does not read as this model's state ({type(e).__name__}: "
                            f"{_one_line(e)})", unread=True) from None
         state, data_state = restored["state"], restored["data"]
         if digests and json_digest(data_state) != digests["data"]:
-            raise _Corrupt("its data-iterator state does not match its checksum")
+            raise Corrupt("its data-iterator state does not match its checksum")
         if check_data is not None:
             try:
                 check_data(data_state)
             except ValueError as e:
-                raise _Corrupt(f"its data-iterator state does not fit this run's data "
+                raise Corrupt(f"its data-iterator state does not fit this run's data "
                                f"({e})") from None
         sums = state_checksums(state)
         bad = [k.split(":", 1)[1] for k in sums if meta["checksums"].get(k) != sums[k]]
         if bad or set(sums) != set(meta["checksums"]):
-            raise _Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was "
+            raise Corrupt(f"the checksums of {len(bad) or 'its'} arrays do not match what was "
                            f"saved ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
-        counter = _step_counter(state) if "step" not in meta else None
+        counter = step_counter(state) if "step" not in meta else None
         if counter is not None and counter != step:  # saved before verify named its step
-            raise _Corrupt(_not_its_step(step, counter, "its state's step counter says so"))
+            raise Corrupt(not_its_step(step, counter, "its state's step counter says so"))
         # One jitted program: eager per-leaf reductions over a sharded state are dozens of
         # small collective programs in flight at once, which XLA:CPU can deadlock on.
         if not bool(jax.device_get(jax.jit(all_finite)(state))):
-            raise _Corrupt("it holds NaN or inf values")
+            raise Corrupt("it holds NaN or inf values")
         self.saved_config, self.saved_meta = saved_config, meta
         if not digests:
             self.warnings.append(f"checkpoint step {step} in {self.directory} predates checksums "
@@ -942,43 +632,3 @@ class Checkpointer:
             except Exception:  # a failed save can make closing fail too; the error is raised above
                 pass
 
-
-def residual_adapter(num_devices: int, mesh) -> Callable[[dict, Any], Any]:
-    """An ``adapt`` for :meth:`Checkpointer.restore`: a top-k residual (``comm_state``,
-    one row per device, ``[saved_n, ...]``) saved for another device count is restored
-    in its saved shape, replicated on ``mesh``, for :func:`reshard_residual`."""
-    def adapt(meta: dict, template):
-        saved_n = meta.get("num_devices")
-        if template.comm_state is None or saved_n in (None, num_devices):
-            return template
-        replicated = NamedSharding(mesh, PartitionSpec())
-        comm = jax.tree.map(lambda x: jax.ShapeDtypeStruct((int(saved_n),) + tuple(x.shape[1:]),
-                                                           x.dtype, sharding=replicated),
-                            template.comm_state)
-        return template.replace(comm_state=comm)
-    return adapt
-
-
-def reshard_residual(state, saved_n: Optional[int], num_devices: int, shardings):
-    """``(state, note)``: the top-k residual of ``saved_n`` devices given to ``num_devices``
-    devices, laid out by ``shardings`` (the train state's ``comm_state`` shardings); the
-    state unchanged and None when the counts agree or there is no residual.
-
-    Each device's residual is what it has not yet delivered of its own gradients; the
-    exchange sends the mean over devices, so the undelivered part of the mean gradient is
-    ``mean_i residual_i``. Giving every new device that mean keeps it exactly:
-    ``mean_j new_j = mean_i old_i``.
-    """
-    if state.comm_state is None or saved_n in (None, num_devices):
-        return state, None
-    n = num_devices
-
-    def spread(r, sharding):  # the mean in float64, rounded once to float32
-        mean = np.asarray(jax.device_get(r), np.float64).mean(0, keepdims=True).astype(np.float32)
-        return jax.device_put(np.broadcast_to(mean, (n,) + r.shape[1:]), sharding)
-
-    comm = jax.tree.map(spread, state.comm_state, shardings)
-    note = (f"the top-k residual was saved for {saved_n} devices and this mesh has {n}: each "
-            f"device now holds the mean of the saved rows, which keeps the gradient not yet "
-            f"delivered")
-    return state.replace(comm_state=comm), note

@@ -28,383 +28,33 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import signal
-import sys
-import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import jax
 import ml_collections
-from jax.experimental import multihost_utils
-import numpy as np
 from tqdm import tqdm
 
-from jaxmp._checks import F32_MAX
 from jaxmp.models import generate
-from jaxmp.precision.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from jaxmp.precision.policy import get_policy_rules
 from jaxmp.train.checkpoint import (CheckpointError, Checkpointer, check_same_settings,
                                     reshard_residual, residual_adapter)
-from jaxmp.train.config import Settings, config_to_dict, validate_config
+from jaxmp.train.config import config_to_dict, validate_config
 from jaxmp.train.data import check_data_path
 from jaxmp.train.distributed import preemption_sync
-from jaxmp.train.experiment import Experiment, parameter_bytes, unmatched_rules
+from jaxmp.train.experiment import Experiment
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
                                steps_text)
-from jaxmp.train.keys import DEFAULTS
 from jaxmp.train.metrics import MetricsWriter
+from jaxmp.train.preflight import (banner, check_memory, check_parameter_memory,
+                                   check_sample_memory, describe_loss_scale, precision_warnings)
+from jaxmp.train.signals import Compilation, Interrupted, SignalCatcher, compile_in_progress
 from jaxmp.train.tokenizer import keep_tokenizer
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
+# Interrupted, WorkdirInUse and the training errors are what train_and_evaluate raises;
+# compile_in_progress is what train.py asks after it.
 __all__ = ["train_and_evaluate", "Interrupted", "TrainingStalled", "TrainingDiverged",
-           "WorkdirInUse",
-           "describe_loss_scale", "banner", "check_memory", "check_sample_memory",
-           "compile_in_progress"]
-
-_COMPILE_THREAD = "jaxmp-compile"
-
-
-def compile_in_progress() -> bool:
-    """True while a train step of :func:`train_and_evaluate` still compiles in its
-    background thread (left behind by a signal during start-up)."""
-    return any(t.name == _COMPILE_THREAD and t.is_alive() for t in threading.enumerate())
-
-
-class Interrupted(Exception):
-    """Training stopped on SIGINT or SIGTERM.
-
-    Attributes:
-      signum: the signal.
-      step: the step reached.
-      saved: True when a checkpoint at ``step`` was written.
-      directory: the checkpoint directory.
-      startup: the signal came before training began (reading the data, compiling).
-    """
-
-    def __init__(self, signum: int, step: int, saved: bool, directory: pathlib.Path,
-                 startup: bool = False):
-        self.signum, self.step, self.saved, self.directory = signum, step, saved, directory
-        self.startup = startup
-        name = signal.Signals(signum).name
-        if startup:
-            resumable = directory.is_dir() and any(p.name.isdigit() for p in directory.iterdir())
-            what = (f"{name} during start-up: stopped before training; nothing was trained or "
-                    "saved in this run; rerun the same command to "
-                    f"{'resume' if resumable else 'start'}")
-        elif saved:
-            what = (f"{name} at step {step}: checkpoint saved in {directory}; rerun the same "
-                    "command to resume")
-        else:
-            what = (f"{name} before the first step finished: nothing was trained or saved in this "
-                    f"run; rerun the same command to {'resume' if step else 'start'}")
-        super().__init__(what)
-
-
-class _SignalCatcher:
-    """Turns SIGINT/SIGTERM into a flag the loop polls; a second signal stops at once:
-    ``KeyboardInterrupt`` in a library call (a notebook's kernel survives a double
-    Ctrl-C), or with ``exit_on_second`` (train.py, the command-line entry point) the
-    process exits with ``128 + signum``. The handlers are installed on entering and the
-    previous ones put back on leaving.
-
-    Once ``training`` is set (the loop runs), the first signal says that a checkpoint
-    will be saved; before, it says nothing here: :class:`Interrupted` says what happened.
-
-    With ``sync`` (a multi-process run with JAX's preemption sync manager,
-    :func:`jaxmp.train.distributed.preemption_sync`), SIGTERM is left to JAX's own handler
-    and SIGINT is passed on to it (as a SIGTERM to this process): :meth:`stop` is then
-    :func:`jax.experimental.multihost_utils.reached_preemption_sync_point`, the step at
-    which every process stops, so that all save the same step (a process stopping on its
-    own would wait for the others in its checkpoint's collectives for ever).
-    """
-
-    def __init__(self, sync: bool = False, exit_on_second: bool = False):
-        self.signum: Optional[int] = None
-        self.training = False
-        self.sync = sync
-        self.exit_on_second = exit_on_second
-        self._stopped = False
-        self._previous = {}
-
-    def stop(self, step: int) -> bool:
-        """Whether the loop stops after ``step`` (every process agrees under ``sync``)."""
-        if not self.sync:
-            return self.signum is not None
-        if not self._stopped and multihost_utils.reached_preemption_sync_point(step):
-            self._stopped = True
-            if self.signum is None:  # the notice came to another process (or to JAX's handler)
-                self.signum = signal.SIGTERM
-                sys.stderr.write(f"\nSIGTERM (a preemption notice) at step {step}: every process "
-                                 "stops at this step and saves a checkpoint\n")
-                sys.stderr.flush()
-        return self._stopped
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:  # the second one: stop now, as the user asked twice
-            name = signal.Signals(signum).name
-            if self.exit_on_second:  # the command-line trainer: nothing of the caller's to keep
-                sys.stderr.write(f"\n{name} again: exiting at once\n")
-                sys.stderr.flush()
-                os._exit(128 + signum)
-            sys.stderr.write(f"\n{name} again: stopping at once (KeyboardInterrupt); the "
-                             f"complete checkpoints are kept\n")
-            sys.stderr.flush()
-            raise KeyboardInterrupt
-        self.signum = signum
-        if self.sync:  # to JAX's preemption notifier: every process stops at one step
-            os.kill(os.getpid(), signal.SIGTERM)
-        if self.training:
-            sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and "
-                             "saving a checkpoint (send it again to exit at once)\n")
-            sys.stderr.flush()
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT,) if self.sync else (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-class _Compilation:
-    """Compiles the train step in a worker thread while the main thread reads the data,
-    and so that a signal during the compilation is seen at once."""
-
-    def __init__(self, exp: Experiment):
-        self.result: Dict[str, Any] = {}
-
-        def work():
-            try:
-                self.result["step"] = exp.train_step.lower(exp.abstract_state,
-                                                           exp.abstract_batch()).compile()
-            except BaseException as e:  # re-raised in the main thread
-                self.result["error"] = e
-
-        self.worker = threading.Thread(target=work, name=_COMPILE_THREAD, daemon=True)
-        self.worker.start()
-
-    def finish(self, catcher: "_SignalCatcher") -> None:
-        """Waits for the worker (its result is dropped), unless a signal came: then it
-        is left to finish on its own (see :func:`compile_in_progress`)."""
-        while self.worker.is_alive() and catcher.signum is None:
-            self.worker.join(0.1)
-
-    def join(self, catcher: "_SignalCatcher"):
-        """The compiled step, or None when a signal came first (the compilation is then
-        abandoned with the process)."""
-        while self.worker.is_alive() and catcher.signum is None:
-            self.worker.join(0.1)
-        if catcher.signum is not None:  # also one that came as the compilation finished
-            return None
-        if "error" in self.result:
-            raise self.result["error"]
-        return self.result["step"]
-
-
-def _device_memory(device) -> Tuple[Optional[int], str]:
-    """``(bytes one device can hold, where that figure comes from)``; None when unknown.
-
-    Accelerators report their limit (``memory_stats()["bytes_limit"]``). CPU devices
-    share the host's memory: its available memory (``MemAvailable`` of /proc/meminfo)
-    divided by the local CPU devices.
-    """
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{device.device_kind} memory limit"
-    if device.platform == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                info = {line.split(":")[0]: line.split()[1] for line in f if ":" in line}
-            available = int(info["MemAvailable"]) * 1024
-        except (OSError, KeyError, ValueError):
-            return None, "unknown"
-        n = max(1, len([d for d in jax.local_devices() if d.platform == "cpu"]))
-        return available // n, f"the host's available memory shared by {n} CPU device(s)"
-    return None, "unknown"
-
-
-def check_parameter_memory(settings: Settings) -> None:
-    """Refuses a model whose parameters alone cannot fit on the devices, before it is built
-    (building 100,000 layers, even abstractly, takes many minutes, and compiling them
-    longer): their bytes (:func:`~jaxmp.train.experiment.parameter_bytes`) split over every
-    device of the mesh, the most any ``parallel.strategy`` splits them, against a device's
-    memory (:func:`_device_memory`). The optimizer state, gradients and activations come on
-    top: :func:`check_memory` checks the compiled step.
-
-    Raises:
-      ValueError: the parameters need more than a device holds; the line gives both.
-    """
-    device = jax.local_devices()[0]
-    have, source = _device_memory(device)
-    if have is None:
-        return
-    need = parameter_bytes(settings.model, settings.rules)
-    n = settings.num_devices
-    if need / n > have:
-        m = settings.model
-        raise ValueError(
-            f"the model (model.num_layers={m.num_layers}, d_model {m.d_model}, "
-            f"{m.num_experts} routed experts) has {need / 2**30:,.1f} GiB of parameters: at "
-            f"least {need / n / 2**30:,.2f} GiB per device over the {n} devices however they are "
-            f"split, before optimizer state and activations, but a device has "
-            f"{have / 2**30:,.2f} GiB ({source}); use a smaller model or more devices")
-
-
-def check_memory(compiled, exp: Experiment) -> None:
-    """Refuses a step that cannot fit on a device, before it runs.
-
-    The estimate is XLA's memory analysis of the compiled step, per device: arguments +
-    outputs - aliased (donated) buffers + temporaries.
-
-    Raises:
-      ValueError: the estimate exceeds the device's memory; the message gives both and
-        what to change.
-    """
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        return
-    need = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
-    device = next(d for d in exp.mesh.devices.flat if d.process_index == jax.process_index())
-    have, source = _device_memory(device)
-    if have is not None and need > have:
-        t = exp.config.train
-        raise ValueError(
-            f"the train step needs about {need / 2**30:.2f} GiB per device (XLA's memory analysis "
-            f"of the compiled step: arguments {analysis.argument_size_in_bytes / 2**30:.2f} GiB, "
-            f"temporaries {analysis.temp_size_in_bytes / 2**30:.2f} GiB) but a device has "
-            f"{have / 2**30:.2f} GiB ({source}); lower train.batch_size (now {t.batch_size}), "
-            f"raise train.grad_accum_steps (now {t.grad_accum_steps}) or use more devices")
-
-
-def check_sample_memory(exp: Experiment) -> None:
-    """Refuses a ``model.max_len`` whose closing sample cannot fit, before any work.
-
-    :func:`jaxmp.models.generate` runs the model over a context of ``model.max_len``
-    tokens (dropless MoE pads it to that length; capacity dispatch runs
-    ``len(prompt) + train.sample_tokens`` tokens at most). That needs at least the int32
-    context (4 bytes a token) and its logits (``vocab_size`` values a token, 2 bytes
-    each at the narrowest, bfloat16): ``tokens * (4 + 2 * vocab_size)`` bytes; and, where
-    the attention materializes its scores (``reference`` and ``xla``; ``auto`` off GPU),
-    one layer's float32 scores, ``num_heads * tokens**2 * 4`` bytes. A lower bound, held
-    on one device.
-
-    Raises:
-      ValueError: the lower bound exceeds the memory of the device sampling runs on
-        (:func:`_device_memory`); the message gives both and what to change.
-    """
-    t, m = exp.config.train, exp.model_config
-    if not t.sample_tokens:
-        return
-    pad = m.num_moe_layers == 0 or not m.capacity_factor
-    tokens = (m.max_len if pad else min(m.max_len,
-                                        len(t.sample_prompt.encode("utf-8")) + t.sample_tokens))
-    need, what = tokens * (4 + 2 * m.vocab_size), "the int32 context and its logits"
-    platform = jax.local_devices()[0].platform
-    if m.attention in ("reference", "xla") or (m.attention == "auto" and platform != "gpu"):
-        need += m.num_heads * tokens * tokens * 4  # one layer's float32 scores [H, T, T]
-        what = "the int32 context, its logits and one layer's float32 attention scores"
-    have, source = _device_memory(jax.local_devices()[0])
-    if have is not None and need > have:
-        raise ValueError(
-            f"model.max_len={m.max_len}: the closing sample runs the model over {tokens} tokens, "
-            f"which needs at least {need / 2**30:.2f} GiB ({what}) but a device has "
-            f"{have / 2**30:.2f} GiB ({source}); "
-            f"lower model.max_len or set train.sample_tokens=0")
-
-
-def describe_loss_scale(loss_scale) -> str:
-    """A one-line description of a loss scale for people (float32 max written so)."""
-    def num(x):
-        v = float(jax.device_get(x))
-        return "float32 max" if v == F32_MAX else f"{v:g}"
-    if isinstance(loss_scale, NoOpLossScale):
-        return "none"
-    if isinstance(loss_scale, StaticLossScale):
-        return f"static {num(loss_scale.loss_scale)}"
-    if isinstance(loss_scale, DynamicLossScale):
-        ls = loss_scale
-        return (f"dynamic, now {num(ls.loss_scale)}; x{num(ls.growth_factor)} after "
-                f"{int(ls.growth_interval)} finite steps, x{num(ls.backoff_factor)} on overflow "
-                f"(hysteresis {int(ls.hysteresis)}); min {num(ls.min_loss_scale)}, max "
-                f"{num(ls.max_loss_scale)}")
-    return repr(loss_scale)
-
-
-def _device_bytes(tree) -> int:
-    """Bytes one device holds of ``tree``'s arrays: each leaf's shard shape under its
-    sharding (the whole leaf where it has none), as ``python -m jaxmp.report`` counts."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        if not hasattr(x, "dtype"):
-            continue
-        s = getattr(x, "sharding", None)
-        shape = s.shard_shape(tuple(x.shape)) if s is not None else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    return total
-
-
-def banner(exp: Experiment, data) -> str:
-    """What the run is: devices, layout, model, precision, communication, memory, data.
-
-    The memory line is per device under the run's ``parallel.strategy``: each array of
-    the train state counted by its shard shape (:func:`_device_bytes`), gradients laid out
-    like the master weights (split under zero1 and fsdp after the reduce-scatter).
-    """
-    cfg, m, state = exp.config, exp.model_config, exp.abstract_state
-    total, active = exp.param_counts
-    n = exp.mesh.devices.size
-    state_bytes = _device_bytes(state)
-    c = exp.settings.comm
-    layout = f"{exp.layout.strategy} ({exp.layout.declared.description})"
-    if exp.layout.expert > 1:
-        layout += f"; routed experts split over {exp.layout.expert} devices along 'expert'"
-    docs = data.num_documents
-    lines = [
-        "jaxmp trainer",
-        f"  devices     : {n} x {exp.mesh.devices.flat[0].platform} ({jax.process_count()} "
-        f"process{'es' if jax.process_count() > 1 else ''}); mesh {dict(exp.mesh.shape)}",
-        f"  parallel    : {layout}",
-        f"  model       : {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, " + (
-            f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}"
-            if m.num_experts else f"dense (feed-forward width {m.d_ff})"),
-        f"  parameters  : {total:,} total, {active:,} active per token",
-        *([f"  weights     : from model.init_from={cfg.model.init_from} (at step 0; a resumed "
-           f"run's are its checkpoint's)"] if cfg.model.get("init_from") else []),
-        f"  policy      : {exp.rules}",
-        f"  loss scale  : {describe_loss_scale(exp.settings.loss_scale)}",
-        f"  grad comm   : {c['grad_reduce_dtype']} reduce" + (
-            f", top-k {c['topk_ratio']:g} with error feedback"
-            if c["grad_compression"] == "topk" else ""),
-        f"  memory/dev  : train state {state_bytes / 2**20:.2f} MiB + gradients "
-        f"{_device_bytes(state.params) / 2**20:.2f} MiB under {exp.layout.strategy} "
-        f"(activations not included; see python -m jaxmp.report)",
-        f"  data        : {docs} document{'' if docs == 1 else 's'}, {data.train_tokens:,} train / "
-        f"{data.eval_tokens:,} eval tokens (tokenizer {data.tokenizer.name}), seq_len "
-        f"{cfg.data.seq_len}, global batch {cfg.train.batch_size}",
-    ]
-    return "\n".join(lines)
-
-
-def _precision_warnings(exp: Experiment) -> list:
-    """Risky precision settings that are allowed but rarely meant."""
-    rules = exp.rules
-    policies = [rules.default] + [p for _, p in rules.rules]
-    lines = []
-    if (any(p.needs_loss_scale for p in policies)
-        and isinstance(exp.settings.loss_scale, NoOpLossScale)):
-        lines.append("float16 compute without a loss scale: gradients below 2**-24 flush to zero "
-                     "and large ones overflow (Micikevicius et al. 2018, section 3.2); set "
-                     "precision.loss_scale=dynamic")
-    # The default policy's own float32 islands (router, norm) are not the user's words: a
-    # dense model has no router, and no warning is due for it.
-    default = {pattern for pattern, _ in get_policy_rules(DEFAULTS["precision.policy"]).rules}
-    return lines + unmatched_rules(exp.settings.rules, exp.module_paths, quiet=default)
-
+           "WorkdirInUse", "compile_in_progress"]
 
 def _resume_warnings(saved: Optional[dict], config, start: int) -> list:
     """What changed on resume that the user may not expect."""
@@ -458,7 +108,7 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dic
 
 def _announce(exp: Experiment, data, ckpt: Checkpointer, start: int, notes, lock) -> None:
     print(banner(exp, data))
-    for line in _precision_warnings(exp):
+    for line in precision_warnings(exp):
         print(f"warning: {line}")
     for line in data.warnings:
         print(f"warning: {line}")
@@ -593,11 +243,11 @@ def _run(exp: Experiment, workdir: pathlib.Path,
     config_dict = config_to_dict(exp.config)
 
     with contextlib.ExitStack() as stack:
-        catcher = stack.enter_context(_SignalCatcher(sync=preemption_sync(),
+        catcher = stack.enter_context(SignalCatcher(sync=preemption_sync(),
                                                      exit_on_second=exit_on_second_signal))
         lock = stack.enter_context(WorkdirLock(workdir)) if main_process else None
         _check_resume_settings(workdir, config_dict)  # before the corpus is read
-        compilation = _Compilation(exp)  # in the background, while the data is read
+        compilation = Compilation(exp)  # in the background, while the data is read
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
         data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
         stack.callback(data.train_iter.close)  # grain's prefetch threads

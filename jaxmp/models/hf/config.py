@@ -18,7 +18,7 @@ from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.spec import (ABSENT, COUNT, IGNORED_FIELDS, NEEDED, POSITIVE, STRING,
                                   Field, field_name, fixed, inexact, missing, non_finite,
                                   not_allowed, read_field, short)
-from jaxmp.models.transformer import ModelConfig
+from jaxmp.models.config import ModelConfig
 
 __all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "RUNTIME_FIELDS"]
 

@@ -16,7 +16,8 @@ from flax import nnx
 
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import Files
-from jaxmp.models.transformer import ModelConfig, MoETransformer
+from jaxmp.models.config import ModelConfig
+from jaxmp.models.transformer import MoETransformer
 
 __all__ = ["read_tensor", "layer_table", "global_table", "param_sources", "norm_index"]
 

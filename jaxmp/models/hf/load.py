@@ -30,7 +30,8 @@ from jaxmp.models.hf.layout import (global_table, layer_table, norm_index, param
                                     read_tensor)
 from jaxmp.models.layers import FP8State
 from jaxmp.models.moe import RouterBias
-from jaxmp.models.transformer import ModelConfig, MoETransformer
+from jaxmp.models.config import ModelConfig
+from jaxmp.models.transformer import MoETransformer
 from jaxmp.precision import fp8 as fp8_lib
 
 __all__ = ["from_pretrained", "load_weights", "check_weights", "owner"]

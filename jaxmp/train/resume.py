@@ -1,0 +1,114 @@
+"""What a resumed run must share with its checkpoint (:func:`check_same_settings`), and
+what is adapted when it may differ: a top-k residual saved for another number of devices
+(:func:`residual_adapter`, :func:`reshard_residual`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmp.train.integrity import CheckpointError
+from jaxmp.train.keys import DEFAULTS
+
+__all__ = ["INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS", "config_differences", "check_same_settings",
+           "residual_adapter", "reshard_residual"]
+
+# Config sections that must match between a checkpoint and the run resuming it; the
+# rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
+INCOMPATIBLE_KEYS = ("model", "precision", "optim", "data.seq_len", "data.path", "data.tokenizer",
+                     "data.token_dtype", "data.eod_id",
+                     "data.max_tokens", "train.batch_size", "train.grad_accum_steps", "seed")
+# Keys inside those sections that may still change on resume: the decay horizon, so a
+# run can be extended on a schedule the user chooses; the base checkpoint's directory
+# (model.init_from, read at step 0 only: a resumed run's weights are its checkpoint's, and
+# its architecture is compared key by key), which a run stores absolute since 2026-12-04.
+MAY_CHANGE_KEYS = ("optim.decay_steps", "model.init_from")
+
+
+def _lookup(config: dict, dotted: str):
+    node = config
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def config_differences(saved: dict, current: dict) -> list:
+    """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
+    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`. A key the saved config
+    does not have (added to jaxmp after it was written, e.g. ``optim.update_rounding``)
+    differs only when the current value is not that key's default."""
+    diffs = []
+    for section in INCOMPATIBLE_KEYS:
+        a, b = (flatten_dict({section: _lookup(c, section)}, sep=".") for c in (saved, current))
+        for key in sorted(set(a) | set(b)):
+            if key not in a and key in DEFAULTS and b.get(key) == DEFAULTS[key]:
+                continue  # a newer key at its default: the checkpoint ran with that behaviour
+            if (key not in MAY_CHANGE_KEYS
+                and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):
+                diffs.append((key, a.get(key), b.get(key)))
+    return diffs
+
+
+def check_same_settings(saved: dict, current: dict, step: int, directory) -> None:
+    """Refuses to resume checkpoint ``step`` of ``directory`` (saved with config ``saved``)
+    under ``current``.
+
+    Raises:
+      CheckpointError: a key of :data:`INCOMPATIBLE_KEYS` differs
+        (:func:`config_differences`); the line names up to 8 with both values.
+    """
+    diffs = config_differences(saved, current)
+    if diffs:
+        listed = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, a, b in diffs[:8])
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory} was written with different settings "
+            f"({listed}{'; ...' if len(diffs) > 8 else ''}); resume with the same settings or "
+            f"use a new --workdir")
+
+
+def residual_adapter(num_devices: int, mesh) -> Callable[[dict, Any], Any]:
+    """An ``adapt`` for :meth:`jaxmp.train.checkpoint.Checkpointer.restore`: a top-k residual (``comm_state``,
+    one row per device, ``[saved_n, ...]``) saved for another device count is restored
+    in its saved shape, replicated on ``mesh``, for :func:`reshard_residual`."""
+    def adapt(meta: dict, template):
+        saved_n = meta.get("num_devices")
+        if template.comm_state is None or saved_n in (None, num_devices):
+            return template
+        replicated = NamedSharding(mesh, PartitionSpec())
+        comm = jax.tree.map(lambda x: jax.ShapeDtypeStruct((int(saved_n),) + tuple(x.shape[1:]),
+                                                           x.dtype, sharding=replicated),
+                            template.comm_state)
+        return template.replace(comm_state=comm)
+    return adapt
+
+
+def reshard_residual(state, saved_n: Optional[int], num_devices: int, shardings):
+    """``(state, note)``: the top-k residual of ``saved_n`` devices given to ``num_devices``
+    devices, laid out by ``shardings`` (the train state's ``comm_state`` shardings); the
+    state unchanged and None when the counts agree or there is no residual.
+
+    Each device's residual is what it has not yet delivered of its own gradients; the
+    exchange sends the mean over devices, so the undelivered part of the mean gradient is
+    ``mean_i residual_i``. Giving every new device that mean keeps it exactly:
+    ``mean_j new_j = mean_i old_i``.
+    """
+    if state.comm_state is None or saved_n in (None, num_devices):
+        return state, None
+    n = num_devices
+
+    def spread(r, sharding):  # the mean in float64, rounded once to float32
+        mean = np.asarray(jax.device_get(r), np.float64).mean(0, keepdims=True).astype(np.float32)
+        return jax.device_put(np.broadcast_to(mean, (n,) + r.shape[1:]), sharding)
+
+    comm = jax.tree.map(spread, state.comm_state, shardings)
+    note = (f"the top-k residual was saved for {saved_n} devices and this mesh has {n}: each "
+            f"device now holds the mean of the saved rows, which keeps the gradient not yet "
+            f"delivered")
+    return state.replace(comm_state=comm), note
