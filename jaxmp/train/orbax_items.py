@@ -105,7 +105,7 @@ class StateHandler(ocp.StandardCheckpointHandler):
             arrays = th.ArrayHandler(use_replica_parallel=False, array_metadata_store=getattr(
                 th.get_type_handler(jax.Array), "_array_metadata_store", None))
             self._impl = ocp.PyTreeCheckpointHandler(
-                type_handler_registry=th.create_typehandler_registry(
+                type_handler_registry=th.create_type_handler_registry(
                     (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
                     (np.ndarray, th.NumpyHandler()), (jax.Array, arrays),
                     (str, th.StringHandler())))
