@@ -224,8 +224,9 @@ def test_expert_parallel_tokens_travel_by_all_to_all_in_the_compute_dtype():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.strategy=zero2", "parallel.strategy='zero2' is not allowed; allowed: dp, zero1, fsdp"),
-    ("parallel.expert=0", "parallel.expert=0 must be an integer >= 1"),
+    ("parallel.strategy=zero2", "parallel.strategy='zero2' is not allowed; it must be dp | zero1 | "
+                                "fsdp"),
+    ("parallel.expert=0", "parallel.expert=0 is not allowed; it must be an integer >= 1"),
     ("parallel.expert=3", "parallel.expert=3 does not divide the 8 devices; allowed: 1, 2, 4, 8"),
 ])
 def test_parallel_overrides_reach_a_config_file_that_predates_them(override, message, capsys):
