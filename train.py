@@ -130,7 +130,8 @@ def main(argv):
     try:
         # Before anything touches the devices; the workdir, for the line of a lost peer.
         distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                               _HEARTBEAT.value, workdir, _STARTUP.value)
+                               _HEARTBEAT.value, workdir, _STARTUP.value,
+                               exit_process=True)  # the entry point: a lost peer ends it
         watchdog = distributed.start_watchdog(workdir)  # a peer that dies stops this one
         # Before any collective: processes with different configs would meet in mismatched ones.
         distributed.check_same_config(config_to_dict(_LOADED["config"]), _STARTUP.value,

@@ -35,7 +35,8 @@ HEARTBEAT_TIMEOUT_S = 10
 
 address, n, pid, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
-distributed.initialize(address, n, pid, heartbeat_timeout=HEARTBEAT_TIMEOUT_S, workdir=workdir)
+distributed.initialize(address, n, pid, heartbeat_timeout=HEARTBEAT_TIMEOUT_S, workdir=workdir,
+                       exit_process=True)  # as train.py
 if pause:
     (pathlib.Path(workdir) / f"paused.{pid}").touch()
     time.sleep(pause)

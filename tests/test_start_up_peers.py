@@ -35,12 +35,18 @@ class Client:
 
 state.global_state.client, state.global_state.num_processes = Client(), 2
 state.global_state.process_id = me
-distributed._RUN.update(num_processes=2, process_id=me, describe=lambda: "WHERE")
-if sys.argv[3] == "watchdog":
-    distributed.PeerWatchdog(me, 2, "127.0.0.1", lambda: "WHERE",
-                             (Client().key_value_set, Client().blocking_key_value_get), 5.0)
-else:
-    distributed.check_same_config({"seed": 0}, timeout_s=1)
+distributed._RUN.update(num_processes=2, process_id=me, describe=lambda: "WHERE",
+                        exit_process=sys.argv[4] == "exit")
+try:
+    if sys.argv[3] == "watchdog":
+        distributed.PeerWatchdog(me, 2, "127.0.0.1", lambda: "WHERE",
+                                 (Client().key_value_set, Client().blocking_key_value_get), 5.0)
+    else:
+        distributed.check_same_config({"seed": 0}, timeout_s=1)
+except distributed.PeerLost as e:  # a library caller's process goes on, told why
+    print(f"PeerLost: {e}")
+    state.global_state.client = None  # the fake client has nothing for JAX's shutdown
+    sys.exit(3)
 print("went on")
 """
 
@@ -56,14 +62,22 @@ def _run_fake(*args):
     ("UNAVAILABLE: Socket closed", 1, "config", 0),
     ("DEADLINE_EXCEEDED: GetKeyValue() timed out with key: jaxmp/config/1", 0, "config", 1),
 ])
-def test_a_failed_start_up_exchange_is_one_line_naming_the_lost_process(error, me, where, lost):
-    rc, out, err = _run_fake(error, str(me), where)
-    assert rc == 1 and "went on" not in out, err
+@pytest.mark.parametrize("caller", ["exit", "library"])
+def test_a_failed_start_up_exchange_is_one_line_naming_the_lost_process(error, me, where, lost,
+                                                                        caller):
+    """The entry point (initialize(exit_process=True)) exits with status 1; a library
+    caller's process is not ended: PeerLost carries the same line."""
+    rc, out, err = _run_fake(error, str(me), where, caller)
     what = ("before its watchdog was reached" if where == "watchdog" else
             "before the processes compared their configs")
     detail = " ".join(error.split()[:6]).rstrip(":")
-    assert err == [f"train.py: error: process {lost} of 2 was lost {what} (JaxRuntimeError: "
-                   f"{detail}); process {me} stops too. WHERE; rerun all 2 processes to resume"]
+    line = (f"train.py: error: process {lost} of 2 was lost {what} (JaxRuntimeError: "
+            f"{detail}); process {me} stops too. WHERE; rerun all 2 processes to resume")
+    assert err == [line] and "went on" not in out, err
+    if caller == "exit":
+        assert rc == 1, err
+    else:
+        assert rc == 3 and out.splitlines() == [f"PeerLost: {line}"], (rc, out, err)
 
 
 _PAIR = """
@@ -73,7 +87,8 @@ spec = importlib.util.spec_from_file_location("jaxmp_train_distributed", path)
 distributed = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(distributed)
 address, pid, workdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-distributed.initialize(address, 2, pid, heartbeat_timeout=20, workdir=workdir)
+distributed.initialize(address, 2, pid, heartbeat_timeout=20, workdir=workdir,
+                       exit_process=True)  # as train.py
 if pid == 0:
     time.sleep(1.0)
     os._exit(3)  # dies before its watchdog runs and before any config is published
@@ -130,3 +145,34 @@ def test_a_failed_two_process_start_leaves_no_workdir(tmp_path):
         assert len(_lines(err)) == 1 and _lines(err)[0].startswith("train.py: error: "), \
             err[-3000:]
     assert not workdir.exists(), sorted(p.name for p in workdir.rglob("*"))
+
+
+_WATCHDOG_THREAD = """
+import sys, threading, time
+from jaxmp.train import distributed
+distributed._RUN.update(num_processes=2, process_id=1, describe=lambda: "WHERE",
+                        exit_process=sys.argv[1] == "exit")
+# what a watchdog thread does when process 0's connection closes without a word
+threading.Thread(target=distributed._stop, args=(0, "exited without a word")).start()
+try:
+    time.sleep(60)
+    print("slept")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+@pytest.mark.parametrize("caller", ["exit", "library"])
+def test_a_watchdog_thread_ends_only_the_entry_points_process(caller):
+    """From a watchdog's thread, a lost peer ends the process of the entry point
+    (os._exit, status 1) and only interrupts a library caller's main thread
+    (KeyboardInterrupt, which the caller may catch: its process goes on)."""
+    p = subprocess.run([sys.executable, "-c", _WATCHDOG_THREAD, caller], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=LIMIT_S)
+    err = [line for line in p.stderr.splitlines() if line.strip()]
+    assert err == ["train.py: error: process 0 of 2 exited without a word; process 1 stops too. "
+                   "WHERE; rerun all 2 processes to resume"], p.stderr
+    if caller == "exit":
+        assert p.returncode == 1 and p.stdout == "", p.stdout
+    else:
+        assert p.returncode == 0 and p.stdout.split() == ["interrupted"], p.stdout

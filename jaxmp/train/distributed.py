@@ -25,9 +25,14 @@ cross-process reductions on CPU; on GPUs NCCL does.
 A process that dies is noticed at once by the :class:`PeerWatchdog` (:func:`start_watchdog`):
 each process holds a TCP connection to process 0's watchdog, and the kernel closes a
 dead process's connections. The survivors print one line naming the lost process and the
-checkpoint to resume from, and leave with status :data:`PEER_LOST_EXIT` without running
-the interpreter's shutdown (``os._exit``: their main thread may be blocked in a collective
-that can never finish).
+checkpoint to resume from. Where the caller is the command-line entry point
+(:func:`initialize` with ``exit_process=True``: ``train.py``), they then leave with status
+:data:`PEER_LOST_EXIT` without running the interpreter's shutdown (``os._exit``: their
+main thread may be blocked in a collective that can never finish). A library caller's
+process is not ended by jaxmp: :class:`PeerLost` is raised in the thread that waits on the
+run (``KeyboardInterrupt`` in the main thread, through ``_thread.interrupt_main``, where a
+watchdog thread notices), and a main thread blocked in a collective stays blocked until
+JAX's own heartbeat check ends the process.
 
 Nothing of this module sits in JAX's coordination path: every process reaches process 0's
 coordination service directly, and the watchdog is a connection of its own beside it. So
@@ -74,7 +79,7 @@ import jax
 from jaxmp._checks import check_int
 
 __all__ = ["initialize", "CLUSTER_ENV_VARS", "PeerWatchdog", "start_watchdog", "last_checkpoint",
-           "PEER_LOST_EXIT", "check_same_config", "preemption_sync"]
+           "PEER_LOST_EXIT", "PeerLost", "check_same_config", "preemption_sync"]
 
 PEER_LOST_EXIT = 1  # the status of a process whose peer was lost (as for any other error)
 _SAY_WAITING_S = 30.0  # a start-up still connecting after this long says what it waits for
@@ -86,17 +91,38 @@ CLUSTER_ENV_VARS = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAME
                     "CLOUD_TPU_TASK_ID", "JOBSET_NAME")
 
 # This process's run, as initialize() set it up: what the line of a lost peer says.
+# exit_process: the caller is the command-line entry point, which lets jaxmp end the process.
 _RUN = {"process_id": 0, "num_processes": 1, "address": None, "describe": None,
-        "heartbeat_timeout": 30}
+        "heartbeat_timeout": 30, "exit_process": False}
 _LEAVING = threading.Event()  # this process leaves deliberately: closed connections are expected
 _LOST = threading.Event()  # a peer was lost: this process is exiting
 _STOP_LOCK = threading.Lock()
 _WATCHDOG: Optional["PeerWatchdog"] = None
 
 
+class PeerLost(RuntimeError):
+    """Another process of a multi-process run was lost (a library caller's process; the
+    command-line trainer exits with :data:`PEER_LOST_EXIT` instead). The message is the
+    line written to stderr: the lost process and the checkpoint to resume from."""
+
+
+def _leave(line: str) -> None:
+    """What a process does once the line of a lost peer or a failed start-up is written:
+    ends at once with :data:`PEER_LOST_EXIT` when the caller is the command-line entry point
+    (``exit_process``); else, called from another thread, interrupts the main thread
+    (``KeyboardInterrupt`` once it runs Python again) and returns, and called from the
+    main thread, raises :class:`PeerLost`."""
+    if _RUN["exit_process"]:
+        os._exit(PEER_LOST_EXIT)
+    if threading.current_thread() is threading.main_thread():
+        raise PeerLost(line.strip())
+    import _thread
+    _thread.interrupt_main()
+
+
 def _stop(peer: int, how: str) -> None:
-    """Writes the one line for a lost ``peer`` and exits with :data:`PEER_LOST_EXIT`;
-    returns at once if this process is leaving by itself, or already stopping."""
+    """Writes the one line for a lost ``peer`` and leaves (:func:`_leave`); returns at once
+    if this process is leaving by itself, or already stopping."""
     with _STOP_LOCK:
         if _LEAVING.is_set() or _LOST.is_set():
             return
@@ -114,25 +140,34 @@ def _stop(peer: int, how: str) -> None:
         except Exception:
             pass
     os.write(2, line.encode())
-    os._exit(PEER_LOST_EXIT)
+    _RUN["lost"] = line.strip()
+    _leave(line)
 
 
 def _lost_in_start_up(peer: int, what: str, error: BaseException) -> None:
     """A key-value exchange of the start-up failed (JAX's client raises once the
     coordination service, hosted by process 0, is gone, or a peer never wrote its key):
     gives the watchdog, where one runs, a moment to name the lost process, then writes
-    one line naming ``peer`` and exits with :data:`PEER_LOST_EXIT` (:func:`_stop`); never
-    a traceback."""
+    one line naming ``peer`` and leaves (:func:`_stop`: :data:`PEER_LOST_EXIT`, or
+    :class:`PeerLost` for a library caller); never a traceback from the entry point."""
     if _WATCHDOG is not None:
         _WATCHDOG.settle(PeerWatchdog.ECHO_S)
     detail = " ".join(str(error).split()[:6]).rstrip(":")
     _stop(peer, f"was lost {what} ({type(error).__name__}: {detail})")
-    threading.Event().wait()  # _stop returned: the watchdog's thread is exiting the process
+    _wait_for_the_exit()
+
+
+def _wait_for_the_exit() -> None:
+    """After another thread stopped the process for a lost peer: waits for its exit (the
+    entry point's), or raises :class:`PeerLost` (a library caller's)."""
+    if _RUN["exit_process"]:
+        threading.Event().wait()  # the watchdog's thread is exiting the process
+    raise PeerLost(_RUN.get("lost", "a peer of this multi-process run was lost"))
 
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, heartbeat_timeout: int = 30,
-               workdir=None, startup_timeout: int = 300) -> str:
+               workdir=None, startup_timeout: int = 300, *, exit_process: bool = False) -> str:
     """Starts JAX's multi-controller runtime when asked to, or when a cluster is detected.
 
     Must run before anything touches JAX's devices. With explicit arguments, process 0
@@ -151,6 +186,10 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
       workdir: the run's directory, whose last checkpoint the line of a lost peer names.
       startup_timeout: seconds to wait for every process to connect (>= 1; JAX's
         ``initialization_timeout`` defaults to 300).
+      exit_process: the caller is the command-line entry point (``train.py``): a lost peer
+        or a start-up past ``startup_timeout`` ends the process with
+        :data:`PEER_LOST_EXIT` (``os._exit``). False (a library call): jaxmp never ends
+        the process; :class:`PeerLost` is raised (module docstring).
 
     Returns:
       A line saying what was done (``"single process"``, or the process and count).
@@ -170,6 +209,7 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                          "give all three (or none, to run one process or let a cluster's "
                          "environment say)")
     _RUN["heartbeat_timeout"] = heartbeat_timeout
+    _RUN["exit_process"] = bool(exit_process)
     if workdir is not None:
         _RUN["describe"] = lambda: last_checkpoint(workdir)
     if all(given):
@@ -260,7 +300,7 @@ def _startup_timed_out(process_id: int, num_processes: int, address: str, second
             f"within {seconds} s (--startup_timeout); start all {num_processes} processes with "
             f"the same --coordinator_address and --num_processes\n")
     os.write(2, line.encode())
-    os._exit(PEER_LOST_EXIT)
+    _leave(line)
 
 
 def check_same_config(config_dict: dict, timeout_s: int = 300,
@@ -386,7 +426,9 @@ class PeerWatchdog:
     is. A process that leaves deliberately says so first (:meth:`leave`); a connection
     that closes without that means the process died (SIGKILL, a crash). Process 0 tells
     the others which process was lost; each survivor writes one line to stderr and
-    leaves with :data:`PEER_LOST_EXIT` through ``os._exit``. Each end sends ``ping``
+    leaves with :data:`PEER_LOST_EXIT` through ``os._exit`` where :func:`initialize` was
+    given ``exit_process=True`` (the entry point), else its main thread is interrupted
+    (module docstring). Each end sends ``ping``
     five times per ``silence_s``; a process that sends nothing for ``silence_s``
     seconds (stopped, hung, or on a machine that vanished without closing its
     connections) is lost too, and so is one that has not connected ``silence_s``
@@ -517,13 +559,14 @@ class PeerWatchdog:
         """Gives the watchdog ``seconds`` to notice a lost peer (an error in this process
         may be the echo of one: a collective whose peer vanished), and on process 0, while
         a peer has not connected yet, until a second after the hello deadline; when it
-        does, the process exits from the watchdog's thread and this never returns."""
+        does, the process exits from the watchdog's thread and this never returns (the
+        entry point's), or :class:`PeerLost` is raised (a library caller's)."""
         with self._lock:
             waiting = self.process_id == 0 and len(self._peers) < self.num_processes - 1
         if waiting:  # a peer not yet connected is lost only at the hello deadline
             seconds = max(seconds, self._hello_deadline + 1.0 - time.monotonic())
         if _LOST.wait(seconds):
-            threading.Event().wait()  # the watchdog is exiting the process
+            _wait_for_the_exit()
 
     def leave(self, ok: bool = True) -> None:
         """Says that this process leaves deliberately, so that its closed connection is
