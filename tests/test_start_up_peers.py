@@ -152,9 +152,8 @@ import sys, threading, time
 from jaxmp.train import distributed
 distributed._RUN.update(num_processes=2, process_id=1, describe=lambda: "WHERE",
                         exit_process=sys.argv[1] == "exit")
-# what a watchdog thread does when process 0's connection closes without a word
-threading.Thread(target=distributed._stop, args=(0, "exited without a word")).start()
-try:
+try:  # what a watchdog thread does when process 0's connection closes without a word
+    threading.Thread(target=distributed._stop, args=(0, "exited without a word")).start()
     time.sleep(60)
     print("slept")
 except KeyboardInterrupt:

@@ -30,7 +30,7 @@ checkpoint to resume from. Where the caller is the command-line entry point
 :data:`PEER_LOST_EXIT` without running the interpreter's shutdown (``os._exit``: their
 main thread may be blocked in a collective that can never finish). A library caller's
 process is not ended by jaxmp: :class:`PeerLost` is raised in the thread that waits on the
-run (``KeyboardInterrupt`` in the main thread, through ``_thread.interrupt_main``, where a
+run (a SIGINT to the main thread, ``KeyboardInterrupt`` under Python's own handler, where a
 watchdog thread notices), and a main thread blocked in a collective stays blocked until
 JAX's own heartbeat check ends the process.
 
@@ -68,6 +68,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import sys
 import threading
@@ -109,15 +110,17 @@ class PeerLost(RuntimeError):
 def _leave(line: str) -> None:
     """What a process does once the line of a lost peer or a failed start-up is written:
     ends at once with :data:`PEER_LOST_EXIT` when the caller is the command-line entry point
-    (``exit_process``); else, called from another thread, interrupts the main thread
-    (``KeyboardInterrupt`` once it runs Python again) and returns, and called from the
-    main thread, raises :class:`PeerLost`."""
+    (``exit_process``); else, called from another thread, sends the main thread a SIGINT
+    (``KeyboardInterrupt``, as a Ctrl-C) and returns, and called from the main thread,
+    raises :class:`PeerLost`."""
     if _RUN["exit_process"]:
         os._exit(PEER_LOST_EXIT)
     if threading.current_thread() is threading.main_thread():
         raise PeerLost(line.strip())
-    import _thread
-    _thread.interrupt_main()
+    # A SIGINT to the main thread, as a Ctrl-C: it wakes a sleep or a wait there (where
+    # _thread.interrupt_main would only set a flag), and Python's handler raises
+    # KeyboardInterrupt; one the caller installed decides for itself.
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def _stop(peer: int, how: str) -> None:
