@@ -89,6 +89,12 @@ def checkpoint(request, tmp_path_factory):
     return family, path, _hf_logits(model), from_pretrained(path, "fp32", attention="reference")
 
 
+def test_every_family_is_compared_with_transformers():
+    """A family added to jaxmp.models.hf.FAMILIES gets its parameters here, so that its
+    logits are compared with transformers' (the fixture above is parametrized by them)."""
+    assert set(FAMILIES) == set(hf.FAMILIES)
+
+
 def test_from_pretrained_logits_match_transformers(checkpoint):
     family, _, ref, model = checkpoint
     logits, aux = jax.jit(lambda t: model(t))(jnp.asarray(TOKENS))

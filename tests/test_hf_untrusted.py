@@ -269,6 +269,8 @@ def _transformers_defaults(family):
         pytest.skip("transformers is not installed")
     file = os.path.join(spec.submodule_search_locations[0], "models", family,
                         f"configuration_{family}.py")
+    assert os.path.isfile(file), (f"transformers has no model_type {family!r} ({file}): a "
+                                  f"family's module is named after transformers' model_type")
     tree = ast.parse(open(file).read())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
                and n.name.endswith("Config"))
@@ -335,7 +337,7 @@ def test_defaults_filled_in_are_transformers_not_jaxmps():
 
 
 def _expected(c):
-    """The ModelConfig of released config.json ``c``, from its numbers (not hf.py's)."""
+    """The ModelConfig of released config.json ``c``, from its numbers (not jaxmp.models.hf's)."""
     e = dict(vocab_size=c["vocab_size"], d_model=c["hidden_size"],
              num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
              max_len=c["max_position_embeddings"], norm_eps=c["rms_norm_eps"],

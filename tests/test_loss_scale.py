@@ -1,4 +1,4 @@
-"""Tests of jaxmp.loss_scale: cases LS-1..LS-5 and LS-9, parity with jmp, a Megatron model."""
+"""Tests of jaxmp.precision.loss_scale: cases LS-1..LS-5 and LS-9, parity with jmp, a Megatron model."""
 import json
 import os
 import pathlib

@@ -529,7 +529,7 @@ def test_bad_axis_or_dtype(call, match):
 
 def computed_residuals(fn, *args, argnums=0):
     """(shape, dtype) of the arrays ``fn``'s forward pass keeps for its backward pass,
-    arguments excluded (jaxmp.accounting's definition of activation memory)."""
+    arguments excluded (jaxmp.analysis.accounting's definition of activation memory)."""
     res = residuals.saved_residuals(fn, *args, argnums=argnums)
     return sorted((r.shape, r.dtype) for r in res if r.kind == "computed")
 

@@ -1,4 +1,4 @@
-"""Tests of jaxmp.policy: Policy, get_policy (jmp grammar + presets), PolicyRules."""
+"""Tests of jaxmp.precision.policy: Policy, get_policy (jmp grammar + presets), PolicyRules."""
 import dataclasses
 import itertools
 

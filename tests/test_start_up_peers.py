@@ -71,7 +71,8 @@ def test_a_failed_start_up_exchange_is_one_line_naming_the_lost_process(error, m
     what = ("before its watchdog was reached" if where == "watchdog" else
             "before the processes compared their configs")
     detail = " ".join(error.split()[:6]).rstrip(":")
-    line = (f"train.py: error: process {lost} of 2 was lost {what} (JaxRuntimeError: "
+    voice = "train.py" if caller == "exit" else "jaxmp"  # the entry point's, or the library's
+    line = (f"{voice}: error: process {lost} of 2 was lost {what} (JaxRuntimeError: "
             f"{detail}); process {me} stops too. WHERE; rerun all 2 processes to resume")
     assert err == [line] and "went on" not in out, err
     if caller == "exit":
@@ -169,7 +170,8 @@ def test_a_watchdog_thread_ends_only_the_entry_points_process(caller):
     p = subprocess.run([sys.executable, "-c", _WATCHDOG_THREAD, caller], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=LIMIT_S)
     err = [line for line in p.stderr.splitlines() if line.strip()]
-    assert err == ["train.py: error: process 0 of 2 exited without a word; process 1 stops too. "
+    voice = "train.py" if caller == "exit" else "jaxmp"
+    assert err == [f"{voice}: error: process 0 of 2 exited without a word; process 1 stops too. "
                    "WHERE; rerun all 2 processes to resume"], p.stderr
     if caller == "exit":
         assert p.returncode == 1 and p.stdout == "", p.stdout

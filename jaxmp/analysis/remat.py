@@ -2,7 +2,7 @@
 
 ``python -m jaxmp.report --config C --settings [--flops]``: the train step's loss traced
 for every pair of ``model.attention`` (:data:`SETTING_ATTENTIONS`) and ``model.remat``
-(:data:`~jaxmp.models.transformer.REMAT_POLICIES`), with the recomputation each remat
+(:data:`~jaxmp.models.config.REMAT_POLICIES`), with the recomputation each remat
 setting costs in FLOPs.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def activation_settings(config: ml_collections.ConfigDict, mode: str = "mixed_bf
       num_devices: data-parallel devices (the per-device micro-batch is
         ``batch_size / grad_accum_steps / num_devices``).
       attentions: paths among :data:`SETTING_ATTENTIONS`.
-      remats: settings among :data:`~jaxmp.models.transformer.REMAT_POLICIES`.
+      remats: settings among :data:`~jaxmp.models.config.REMAT_POLICIES`.
       flops: also lower (off CPU: compile) for the FLOPs (slow for deep models: one
         unscanned lowering per remat setting).
       flops_attention: the path the FLOPs are compiled with (``"reference"`` or

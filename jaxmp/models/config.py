@@ -59,10 +59,10 @@ class ModelConfig:
         :data:`~jaxmp.models.attention.ATTENTION_IMPLEMENTATIONS` (``"auto"``: cuDNN's
         fused kernel where it runs, else jaxmp's float32-island ``"reference"``, never
         ``"xla"``; see :func:`~jaxmp.models.attention.resolve_attention`).
-      scan_layers: stack the blocks and run them with ``jax.lax.scan`` (module
-        docstring); False runs them in a Python loop.
-      remat: per-block rematerialization, one of :data:`REMAT_POLICIES` (module
-        docstring says what each keeps).
+      scan_layers: stack the blocks and run them with ``jax.lax.scan``
+        (:mod:`jaxmp.models.transformer`'s docstring); False runs them in a Python loop.
+      remat: per-block rematerialization, one of :data:`REMAT_POLICIES`
+        (:mod:`jaxmp.models.transformer`'s docstring says what each keeps).
 
       num_kv_heads: key/value heads (grouped-query attention, Ainslie et al. 2023);
         must divide ``num_heads``; 0 = ``num_heads``, stored resolved.

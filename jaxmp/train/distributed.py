@@ -52,8 +52,8 @@ that the coordinator's port is free before JAX binds it, each process says which
 processes it waits for, and one that is still waiting after ``startup_timeout`` seconds
 leaves with one line. :func:`check_same_config` then compares the processes' configs
 through JAX's key-value store, before any collective. A peer lost during these exchanges
-(the key-value store's host, process 0, died) is one line and :data:`PEER_LOST_EXIT`,
-unless JAX's own abort comes first.
+(the key-value store's host, process 0, died) is one line and :data:`PEER_LOST_EXIT`
+(:class:`PeerLost` for a library caller), unless JAX's own abort comes first.
 
 A preemption notice (SIGTERM) reaches JAX's own handler, which
 ``jax.distributed.initialize`` installs (its preemption sync manager): the training loop
@@ -123,6 +123,12 @@ def _leave(line: str) -> None:
     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
+def _voice() -> str:
+    """Who speaks in the one-line messages: ``train.py`` (the command-line entry point,
+    ``exit_process``), else ``jaxmp`` (a library caller)."""
+    return "train.py" if _RUN["exit_process"] else "jaxmp"
+
+
 def _stop(peer: int, how: str) -> None:
     """Writes the one line for a lost ``peer`` and leaves (:func:`_leave`); returns at once
     if this process is leaving by itself, or already stopping."""
@@ -135,8 +141,8 @@ def _stop(peer: int, how: str) -> None:
         where = describe() if describe else "Where to resume from is unknown (no workdir given)"
     except OSError as e:
         where = f"Where to resume from is unknown ({e})"
-    line = (f"\ntrain.py: error: process {peer} of {n} {how}; process {_RUN['process_id']} stops "
-            f"too. {where}; rerun all {n} processes to resume\n")
+    line = (f"\n{_voice()}: error: process {peer} of {n} {how}; process {_RUN['process_id']} "
+            f"stops too. {where}; rerun all {n} processes to resume\n")
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -177,8 +183,10 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     first checks that the coordinator's port is free on this host (a port in use is a
     one-line error, not JAX's crash), each process writes to stderr which processes it
     waits for once it has waited 30 s (or half of ``startup_timeout``), and a process still
-    waiting after ``startup_timeout`` seconds leaves with one line and
-    :data:`PEER_LOST_EXIT` (JAX's own timeout aborts from C++).
+    waiting after ``startup_timeout`` seconds says so in one line and, with
+    ``exit_process``, leaves with :data:`PEER_LOST_EXIT` (JAX's own timeout aborts from
+    C++); a library caller's main thread gets a SIGINT instead, which Python sees once
+    ``jax.distributed.initialize`` returns (at JAX's own timeout, 60 s later).
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service.
@@ -267,9 +275,9 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
 
 
 def _say(line: str) -> None:
-    """Writes ``train.py: line`` to stderr at once (the trainer's voice, as :func:`_stop`)."""
+    """Writes ``train.py: line`` to stderr at once (:func:`_voice`, as :func:`_stop`)."""
     sys.stderr.flush()
-    os.write(2, f"train.py: {line}\n".encode())
+    os.write(2, f"{_voice()}: {line}\n".encode())
 
 
 def _check_port_free(address: str) -> None:
@@ -299,7 +307,7 @@ def _startup_timed_out(process_id: int, num_processes: int, address: str, second
     """The one line of a start-up that waited ``seconds`` for its peers, then the exit."""
     what = ("not every process connected" if process_id == 0 else
             "process 0's coordinator or another process did not answer")
-    line = (f"\ntrain.py: error: process {process_id} of {num_processes}: {what} to {address} "
+    line = (f"\n{_voice()}: error: process {process_id} of {num_processes}: {what} to {address} "
             f"within {seconds} s (--startup_timeout); start all {num_processes} processes with "
             f"the same --coordinator_address and --num_processes\n")
     os.write(2, line.encode())
@@ -323,11 +331,13 @@ def check_same_config(config_dict: dict, timeout_s: int = 300,
         the other's part of a save.
 
     A process lost during the exchange (JAX's client raises: process 0, which hosts the
-    key-value store, died; or a process wrote nothing within ``timeout_s``) ends this
-    process with one line naming it and :data:`PEER_LOST_EXIT`, not a traceback.
+    key-value store, died; or a process wrote nothing within ``timeout_s``) is one line
+    naming it, not a traceback, and then :data:`PEER_LOST_EXIT` (``exit_process``) or
+    :class:`PeerLost`.
 
     Raises:
       ValueError: a process's config differs; the line names the first differing keys.
+      PeerLost: a process was lost during the exchange (a library caller's process).
     """
     from jax._src import distributed as _state  # the running service: its key-value store
     state = _state.global_state
@@ -438,7 +448,7 @@ class PeerWatchdog:
     seconds after process 0's watchdog started (it died between
     ``jax.distributed.initialize`` and its first word). A process other than 0 that
     cannot read process 0's watchdog port or connect to it (process 0 died first) leaves
-    with one line and :data:`PEER_LOST_EXIT` too.
+    with one line and :data:`PEER_LOST_EXIT` too (:class:`PeerLost` for a library caller).
 
     Args:
       process_id: this process.

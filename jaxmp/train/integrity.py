@@ -83,7 +83,9 @@ def json_digest(item: Any) -> str:
 
 
 class Corrupt(Exception):
-    """A checkpoint that cannot be read or does not verify (internal).
+    """A checkpoint that cannot be read or does not verify (raised to
+    :class:`~jaxmp.train.checkpoint.Checkpointer`, which reports it as
+    :class:`CheckpointError` or sets it aside).
 
     Args:
       why: what is wrong with it, in words.

@@ -12,7 +12,9 @@ checkpoint is saved at that step and :class:`Interrupted` is raised, which ``tra
 turns into a message and exit status 128 + the signal number (130 for SIGINT, 143 for
 SIGTERM); rerunning the same command resumes. A signal during start-up (reading the
 data, compiling, restoring) stops at once without saving (nothing was trained), with
-one message. A second signal exits at once, leaving the checkpoints that are complete.
+one message. A second signal stops at once, leaving the checkpoints that are complete:
+``KeyboardInterrupt`` in a library call (a notebook's kernel survives), an exit with
+128 + the signal number where ``train.py`` asks for it (``exit_on_second_signal``).
 In a multi-process run, SIGTERM is JAX's preemption notice (SIGINT is passed on to it):
 every process stops, and saves, at the step JAX's preemption sync point names, and
 exits 143 (130 where SIGINT came); a second SIGTERM then changes nothing.

@@ -156,7 +156,9 @@ class Compilation:
 
     def join(self, catcher: "SignalCatcher"):
         """The compiled step, or None when a signal came first (the compilation is then
-        abandoned with the process)."""
+        left to finish on its own in its daemon thread: train.py leaves without waiting
+        for it, :func:`compile_in_progress`; a library caller's process keeps it until
+        it ends)."""
         while self.worker.is_alive() and catcher.signum is None:
             self.worker.join(0.1)
         if catcher.signum is not None:  # also one that came as the compilation finished

@@ -304,10 +304,14 @@ def family_of(config: ModelConfig) -> str:
     holds (at most one does).
 
     Raises:
-      ValueError: none maps (one line, naming the first field in the way).
+      ValueError: none maps (one line, naming the first field in the way), or two
+        families' ``maps`` both hold (a family module's fault: a family that writes the
+        files of another, as Mistral Llama's, declares ``maps=None``).
     """
     found = [name for name, fam in FAMILIES.items() if fam.maps is not None and fam.maps(config)]
-    assert len(found) <= 1, f"families {found} all map one architecture"
+    if len(found) > 1:
+        raise ValueError(f"families {', '.join(found)} all map this architecture; each "
+                         f"architecture belongs to one family (give the other maps=None)")
     if found:
         return found[0]
     if config.num_experts and config.num_shared_experts and not config.is_mla:

@@ -109,9 +109,11 @@ def global_table(config: ModelConfig) -> Dict[str, Tuple]:
 
 
 def param_sources(model: MoETransformer, family: str):
-    """``{flat state path: (layers, relative key)}``: where each variable of ``model``
-    comes from. ``layers`` is None for a global variable, else the tuple of layer indices
-    (one per row of a scanned stack, or ``(i,)`` unscanned with no leading axis)."""
+    """``{flat state path: (layers, relative key, stacked)}``: where each variable of
+    ``model`` comes from. ``layers`` is None for a global variable, else the tuple of layer
+    indices (one per row of a scanned stack, or ``(i,)`` unscanned with no leading axis);
+    ``stacked``: the variable has the stack's leading axis. (``family`` is not read: the
+    paths are the model's own.)"""
     out = {}
     for path, _ in nnx.to_flat_state(nnx.state(model)):
         path = tuple(str(x) for x in path)

@@ -35,7 +35,7 @@ def _hf_tensors(model: MoETransformer, family: str):
                                                                          layers[0])
         value = var.get_value()
         if key not in table:
-            if isinstance(var, (RouterBias, FP8State)):  # zero biases: _check_router_biases
+            if isinstance(var, (RouterBias, FP8State)):  # zero biases: check_router_biases
                 continue
             raise ValueError(f"jaxmp {'/'.join(map(str, path))} maps to no {family} tensor")
         rows = list(layers) if stacked else [layers[0] if layers else None]
