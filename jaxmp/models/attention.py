@@ -33,12 +33,13 @@ and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTA
     compile target the model is built for (``MoETransformer(target=)``, by default
     :func:`jaxmp.target.current`: a deviceless compile for an H200 gets ``"cudnn"``).
 
-Every path is causal and takes optional per-sequence ``lengths`` (right padding): a
-padded position neither attends nor is attended to, and its output row is exactly 0
-with gradient 0 (the fully-masked-row guarantee of :func:`jaxmp.ops.masked_softmax`,
-enforced with a select after the core on the ``"xla"`` and ``"cudnn"`` paths, which
-would otherwise return a uniform average over the masked keys or leave the row to the
-kernel). ``tests/test_attention.py`` checks values and gradients of every path that can
+Every path is causal and takes optional per-sequence ``lengths`` (right padding) and
+``segment_ids`` (documents packed in a row, 0 = padding): a query attends only to earlier
+keys of its own document, a padded position neither attends nor is attended to, and
+its output row is exactly 0 with gradient 0 (the fully-masked-row guarantee of
+:func:`jaxmp.ops.masked_softmax`, enforced with a select after the core on the ``"xla"``
+and ``"cudnn"`` paths, which would otherwise return a uniform average over the masked keys
+or leave the row to the kernel). ``tests/test_attention.py`` checks values and gradients of every path that can
 run against the reference, per dtype.
 
 Parameters carry the logical axes ``embed``, ``heads``, ``head_dim``.
@@ -221,18 +222,28 @@ def trace_cudnn_without_gpu():
         _TRACE_ONLY_CUDNN[0] = False
 
 
-def _padding_masks(t: int, lengths: Optional[jax.Array]):
-    """``(attend [B|1, 1, T, T] bool, query_valid [B, T] bool or None)``."""
-    causal = ops.causal_mask(t)[None, None]
-    if lengths is None:
-        return causal, None
-    valid = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
-    return causal & valid[:, None, None, :] & valid[:, None, :, None], valid
+def _padding_masks(t: int, lengths: Optional[jax.Array],
+                   segment_ids: Optional[jax.Array] = None):
+    """``(attend [B|1, 1, T, T] bool, query_valid [B, T] bool or None)``: causal, within
+    the first ``lengths[b]`` tokens, and within one segment of ``segment_ids`` (0 is
+    padding: it neither attends nor is attended to)."""
+    attend = ops.causal_mask(t)[None, None]
+    valid = None
+    if lengths is not None:
+        valid = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+    if segment_ids is not None:
+        seg = jnp.asarray(segment_ids, jnp.int32)
+        attend = attend & (seg[:, None, :, None] == seg[:, None, None, :])
+        valid = seg != 0 if valid is None else valid & (seg != 0)
+    if valid is None:
+        return attend, None
+    return attend & valid[:, None, None, :] & valid[:, None, :, None], valid
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
                    lengths: Optional[jax.Array] = None,
-                   scale: Optional[float] = None) -> jax.Array:
+                   scale: Optional[float] = None,
+                   segment_ids: Optional[jax.Array] = None) -> jax.Array:
     """Causal ``softmax(q k^T / sqrt(h)) v`` on one path, softmax statistics in float32.
 
     Args:
@@ -246,6 +257,11 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
         padding); positions ``>= lengths[b]`` neither attend nor are attended to and
         their output rows are exactly 0, gradient included.
       scale: the score scale; None = ``1 / sqrt(h)``.
+      segment_ids: optional int ``[B, T]``, the document each token belongs to (packed
+        rows): a query attends only to earlier keys of its own segment; segment 0 is
+        padding, whose output rows are exactly 0, gradient included. On the ``"xla"`` and
+        ``"cudnn"`` paths the segments go in as a boolean ``mask [B, 1, T, T]`` beside
+        ``is_causal`` (cuDNN folds it into its fused kernel as a bias).
 
     Returns:
       ``[B, T, H, h_v]`` in ``q``'s dtype.
@@ -263,7 +279,10 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
                          f"and one dtype expected, got {q.shape} {q.dtype}, {k.shape} {k.dtype}, "
                          f"{v.shape} {v.dtype}")
     t = q.shape[1]
-    attend, query_valid = _padding_masks(t, lengths)
+    if segment_ids is not None and jnp.shape(segment_ids) != q.shape[:2]:
+        raise ValueError(f"segment_ids of shape {jnp.shape(segment_ids)}; expected [B, T] = "
+                         f"{list(q.shape[:2])}")
+    attend, query_valid = _padding_masks(t, lengths, segment_ids)
     groups = q.shape[2] // k.shape[2]
     if implementation == "reference":
         if groups > 1:  # query head n reads key/value head n // groups (GQA, Ainslie et al.)
@@ -281,6 +300,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
                          f"reference path")
     if hv < q.shape[-1]:  # the fused paths take one head size: pad v with zeros, then cut
         v = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - hv),))
+    if segment_ids is not None:  # documents of a packed row: the causal mask within each
+        padding["mask"] = attend
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
                                        scale=scale, **padding)
     if hv < q.shape[-1]:
@@ -371,16 +392,19 @@ class Attention(nnx.Module):
         return y
 
     def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None, *,
+                 segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
                  operands: Optional[dict] = None) -> jax.Array:
         """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``.
 
-        ``lengths``: optional int [B] non-padding tokens per sequence (see
-        :func:`attention_core`). ``operands``: a dict the weight matmuls record their
-        operands in (:func:`~jaxmp.models.layers.matmul`), or None.
+        ``lengths``: optional int [B] non-padding tokens per sequence, ``segment_ids``:
+        optional int [B, T] documents of packed rows (see :func:`attention_core`).
+        ``positions``: int [T] or [B, T], the RoPE positions (default ``0 .. T-1``).
+        ``operands``: a dict the weight matmuls record their operands in
+        (:func:`~jaxmp.models.layers.matmul`), or None.
         """
         p = self.policy
         x = p.cast_to_compute(x)
-        positions = jnp.arange(x.shape[1])
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
         # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for
         # backward), or to FP8 by the policy's recipe (layers.matmul).
         q = apply_rope(self._project(x, "q", operands), positions, self.rope_theta, self.rope)
@@ -389,7 +413,7 @@ class Attention(nnx.Module):
         core = functools.partial(attention_core, implementation=self.implementation)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-        out = core(q, k, v, lengths=lengths)
+        out = core(q, k, v, lengths=lengths, segment_ids=segment_ids)
         return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd", operands=operands))
 
 
@@ -455,12 +479,13 @@ class MLAttention(nnx.Module):
         add_fp8_states(self, tuple(names) + ("wkv_a", "wkv_b", "wo"))
 
     def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None, *,
+                 segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
                  operands: Optional[dict] = None) -> jax.Array:
-        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``; ``lengths`` and
-        ``operands`` as :meth:`Attention.__call__`'s."""
+        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``; the arguments
+        as :meth:`Attention.__call__`'s."""
         p = self.policy
         x = p.cast_to_compute(x)
-        positions = jnp.arange(x.shape[1])
+        positions = jnp.arange(x.shape[1]) if positions is None else positions
         if hasattr(self, "wq"):
             q = matmul(self, x, "wq", "btd,dhk->bthk", operands=operands)
         else:
@@ -480,5 +505,5 @@ class MLAttention(nnx.Module):
                                  scale=self.scale)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-        out = core(q, k, v, lengths=lengths)
+        out = core(q, k, v, lengths=lengths, segment_ids=segment_ids)
         return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd", operands=operands))

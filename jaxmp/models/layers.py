@@ -307,8 +307,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0,
     from ``positions`` (``jax.checkpoint``) instead of keeping them between the passes.
 
     Args:
-      x: [..., T, H, h] queries or keys, h even.
-      positions: [T] integer positions.
+      x: [B, T, H, h] queries or keys, h even.
+      positions: integer positions, [T] (every row alike) or [B, T] (per row: packed
+        documents restart at 0, :meth:`jaxmp.models.MoETransformer.__call__`).
       theta: the base.
       rope: a :class:`Rope` (partial rotary, interleaved layout, llama3/yarn scaling);
         when given, ``theta`` is ignored. None or a plain one is the rotation above.
@@ -414,9 +415,9 @@ def _rope_general(x, positions, rope: Rope):
     h = x.shape[-1]
     r = rope.dim or h
     inv, factor = rope.inv_freq(r)
-    angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv, jnp.float32)[None, :]
-    cos = (jnp.cos(angle) * factor)[:, None, :]
-    sin = (jnp.sin(angle) * factor)[:, None, :]
+    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)
+    cos = (jnp.cos(angle) * factor)[..., None, :]  # [(B,) T, 1, r/2]: over the heads
+    sin = (jnp.sin(angle) * factor)[..., None, :]
     x32 = x.astype(jnp.float32)
     xr, rest = x32[..., :r], x32[..., r:]
     if rope.layout == "half":
@@ -431,8 +432,8 @@ def _rope_general(x, positions, rope: Rope):
 def _rope(x, positions, theta):
     h = x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, h // 2, dtype=jnp.float32) * 2.0 / h)
-    angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, h/2]
-    cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]   # broadcast over heads
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, h/2]
+    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # over the heads
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)

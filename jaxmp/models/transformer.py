@@ -122,7 +122,8 @@ from jaxmp.sharding import DISPATCH_DTYPES, constrain, fsdp_checkpoint_policy
 # ModelConfig and REMAT_POLICIES are jaxmp.models.config's, named here for the readers of
 # this module's docstring.
 __all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
-           "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes"]
+           "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes",
+           "segment_positions"]
 
 _BLOCK_CHECKPOINT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -182,7 +183,8 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
 class Block(nnx.Module):
     """Pre-norm block: attention and a dense (``mlp``) or MoE (``moe``) FFN, each residual.
 
-    ``__call__(h [B, T, d], *, expert_axis, dispatch_dtype, valid_length, operands) ->
+    ``__call__(h [B, T, d], *, expert_axis, dispatch_dtype, valid_length, segment_ids,
+    positions, operands) ->
     (h, MoEStats or None)`` (the keywords as :meth:`MoETransformer.__call__`'s); the
     residual keeps ``h``'s dtype. ``layers`` holds the indices of the layers this block
     is: ``(index,)``, or in the scanned layout the stack's layers (its variables then have
@@ -236,9 +238,11 @@ class Block(nnx.Module):
     def __call__(self, h: jax.Array, *, expert_axis: Optional[str] = None,
                  dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
                  valid_length: Optional[jax.Array] = None,
+                 segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
                  operands: Optional[dict] = None):
         """One block; the keyword arguments are :meth:`MoETransformer.__call__`'s."""
-        h = h + self.attn(self.attn_norm(h), operands=operands).astype(h.dtype)
+        h = h + self.attn(self.attn_norm(h), segment_ids=segment_ids, positions=positions,
+                          operands=operands).astype(h.dtype)
         stats = None
         if hasattr(self, "moe"):
             y, stats = self.moe(self.ffn_norm(h), expert_axis=expert_axis,
@@ -286,6 +290,20 @@ def _run_block(graphdef, remat: str, prevent_cse: bool, gather=None, dtypes=None
     elif policy is None:
         return run
     return jax.checkpoint(run, policy=policy, prevent_cse=prevent_cse)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """int32 [B, T]: each token's position within its segment, 0 where the segment id
+    changes along the row (packed documents restart their RoPE positions).
+
+    >>> segment_positions(jnp.array([[1, 1, 1, 2, 2, 0]])).tolist()
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    seg = jnp.asarray(segment_ids)
+    t = jnp.arange(seg.shape[-1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(seg[..., :1], bool), seg[..., 1:] != seg[..., :-1]],
+                             axis=-1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=seg.ndim - 1)
 
 
 def param_compute_dtypes(module: nnx.Module) -> dict:
@@ -413,7 +431,9 @@ class MoETransformer(nnx.Module):
     def __call__(self, tokens: jax.Array, *, param_gather: Optional[Callable] = None,
                  expert_axis: Optional[str] = None,
                  dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
-                 valid_length: Optional[jax.Array] = None, operands: Optional[dict] = None):
+                 valid_length: Optional[jax.Array] = None,
+                 segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
+                 operands: Optional[dict] = None):
         """Forward pass.
 
         The keyword arguments matter only inside the train and eval steps' ``shard_map``
@@ -436,6 +456,15 @@ class MoETransformer(nnx.Module):
           valid_length: int32 scalar n (may be traced), ``1 <= n <= T``: only the first n
             tokens of each row are real (capacity dispatch then gives the padding no
             expert slot, :meth:`~jaxmp.models.moe.RoutedExperts.__call__`); None = all T.
+          segment_ids: int [B, T], the document of each token of packed rows (0 =
+            padding), or None (each row one sequence). A token attends only to earlier
+            tokens of its own document, so each document's logits are those of the
+            document run alone (with dropless MoE dispatch; capacity dispatch shares
+            expert slots across the batch, padding included, as does the load-balance
+            statistic); padding's hidden states are not zero but attend to nothing.
+          positions: int [B, T] (or [T]) RoPE positions; None = ``0 .. T-1``, or with
+            ``segment_ids`` each document's own, restarting at 0 where its segment id
+            changes.
           operands: a dict that every weight matmul records its operands in, keyed
             ``"<module path>/<weight>"`` (:func:`~jaxmp.models.layers.matmul`;
             :func:`jaxmp.diagnostics.fp8_report` reads it), or None. Run the model eagerly,
@@ -452,8 +481,9 @@ class MoETransformer(nnx.Module):
           the fraction of assignments dropped by capacity; 0 dropless).
 
         Raises:
-          ValueError: tokens not an integer [B, T] array, T > max_len, or a
-            ``dispatch_dtype`` not in :data:`jaxmp.sharding.DISPATCH_DTYPES`.
+          ValueError: tokens not an integer [B, T] array, T > max_len, a
+            ``dispatch_dtype`` not in :data:`jaxmp.sharding.DISPATCH_DTYPES`, or
+            ``segment_ids`` / ``positions`` not integer arrays of the tokens' shape.
         """
         cfg = self.config
         if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
@@ -462,8 +492,18 @@ class MoETransformer(nnx.Module):
         if tokens.shape[1] > cfg.max_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={cfg.max_len}")
         check_choice("dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
+        for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+            if x is not None and (jnp.shape(x) not in (tokens.shape, tokens.shape[1:])
+                                  or not jnp.issubdtype(jnp.result_type(x), jnp.integer)
+                                  or (name == "segment_ids" and jnp.ndim(x) != 2)):
+                raise ValueError(f"{name} must be an integer array of the tokens' shape "
+                                 f"{list(tokens.shape)}, got shape {list(jnp.shape(x))} dtype "
+                                 f"{jnp.result_type(x)}")
+        if segment_ids is not None and positions is None:
+            positions = segment_positions(segment_ids)
         block_args = dict(expert_axis=expert_axis, dispatch_dtype=dispatch_dtype,
-                          valid_length=valid_length, operands=operands)
+                          valid_length=valid_length, segment_ids=segment_ids,
+                          positions=positions, operands=operands)
         # FSDP (param_gather): each module gathers its own weights.
         h = constrain(_call_gathered(self.embed, param_gather, tokens), _ACT_AXES)
         stats = []  # MoEStats with a leading layer axis, in layer order

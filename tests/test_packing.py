@@ -1,0 +1,135 @@
+"""Packed rows (issue 41, point 4): documents packed in one row with segment ids run as
+they would alone. Each document's logits in a packed row equal its logits run by itself
+(RoPE positions restart per document; attention never crosses a document), per attention
+path, with scanned layers and remat, under several policies; padding (segment 0) attends
+to nothing."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.models import ModelConfig, MoETransformer
+from jaxmp.models.attention import attention_core
+from jaxmp.models.transformer import segment_positions
+
+LENGTHS = (5, 7, 3)  # three documents packed in a row of 16: one padding token at the end
+T = 16
+
+
+def _docs(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in LENGTHS]
+
+
+def _packed(docs):
+    tokens = np.zeros((1, T), np.int32)
+    seg = np.zeros((1, T), np.int32)
+    at = 0
+    for i, d in enumerate(docs):
+        tokens[0, at:at + len(d)], seg[0, at:at + len(d)] = d, i + 1
+        at += len(d)
+    return tokens, seg
+
+
+def test_segment_positions_restart_per_document():
+    seg = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]], np.int32)
+    want = [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
+    assert np.asarray(segment_positions(seg)).tolist() == want
+
+
+CONFIGS = {
+    "dense_gqa": dict(num_kv_heads=2, qk_norm=True),
+    "moe": dict(num_experts=4, top_k=2, d_expert=16, num_shared_experts=1, first_dense_layers=1,
+                score_fn="sigmoid"),
+    "mla": dict(kv_lora_rank=16, q_lora_rank=0, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=8, num_experts=4, top_k=2, d_expert=16),
+}
+
+
+def _model(kind, policy, attention, scan=False, remat="none"):
+    config = ModelConfig(vocab_size=97, num_layers=3, d_model=32, num_heads=4, d_ff=48,
+                         max_len=T, attention=attention, scan_layers=scan, remat=remat,
+                         **CONFIGS[kind])
+    return MoETransformer(config, policy, rngs=nnx.Rngs(3))
+
+
+def _alone_and_packed(model):
+    docs = _docs(model.config.vocab_size)
+    tokens, seg = _packed(docs)
+    packed = np.asarray(model(jnp.asarray(tokens), segment_ids=jnp.asarray(seg))[0], np.float64)
+    at, pairs = 0, []
+    for d in docs:
+        alone = np.asarray(model(jnp.asarray(d[None]))[0], np.float64)[0]
+        pairs.append((alone, packed[0, at:at + len(d)]))
+        at += len(d)
+    return pairs
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("attention", ["reference", "xla"])
+def test_each_document_of_a_packed_row_has_its_logits_alone_fp32(kind, attention):
+    for alone, packed in _alone_and_packed(_model(kind, "fp32", attention)):
+        np.testing.assert_allclose(packed, alone, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("scan, remat", [(True, "none"), (True, "full"), (False, "attention"),
+                                         (False, "dots_saveable")])
+def test_packed_rows_under_scanned_layers_and_remat(scan, remat):
+    for alone, packed in _alone_and_packed(_model("moe", "fp32", "reference", scan, remat)):
+        np.testing.assert_allclose(packed, alone, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("policy, tol", [("mixed_bf16", 0.05), ("fp8_tensorwise", 0.1),
+                                         ("fp8_blockwise", 0.1)])
+def test_packed_rows_under_low_precision_policies(policy, tol):
+    """The packed row runs the same per-token arithmetic as the documents alone; in
+    bfloat16 and FP8 the matmuls of a 16-token row and of a 5-token one may round apart,
+    so the bound is the policy's rounding (a crossing document would be off by O(1))."""
+    for alone, packed in _alone_and_packed(_model("moe", policy, "xla")):
+        np.testing.assert_allclose(packed, alone, atol=tol, rtol=0)
+
+
+def test_a_document_that_crossed_would_be_caught():
+    """The check above can fail: without segment ids the second document sees the first."""
+    model = _model("dense_gqa", "fp32", "reference")
+    docs = _docs(model.config.vocab_size)
+    tokens, _ = _packed(docs)
+    unmasked = np.asarray(model(jnp.asarray(tokens))[0], np.float64)[0, 5:12]
+    alone = np.asarray(model(jnp.asarray(docs[1][None]))[0], np.float64)[0]
+    assert np.max(np.abs(unmasked - alone)) > 1e-2
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_padding_rows_are_zero_with_zero_gradient(implementation):
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 8, 4, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray([[1, 1, 2, 2, 2, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3, 0]], jnp.int32)
+
+    def f(q, k, v):
+        return attention_core(q, k, v, implementation, segment_ids=seg)
+
+    out = f(q, k, v)
+    assert np.all(np.asarray(out)[np.asarray(seg) == 0] == 0)
+    g = jax.grad(lambda q: jnp.sum(f(q, k, v) ** 2))(q)
+    assert np.all(np.asarray(g)[np.asarray(seg) == 0] == 0)
+    # a document's rows equal attention over its own tokens alone (NumPy float64)
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    for b, (lo, hi) in ((0, (2, 5)), (1, (0, 7))):
+        s = np.einsum("qhk,shk->hqs", qn[b, lo:hi], kn[b, lo:hi]) / np.sqrt(8)
+        s = np.where(np.tril(np.ones((hi - lo, hi - lo), bool))[None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(out)[b, lo:hi],
+                                   np.einsum("hqs,shk->qhk", p, vn[b, lo:hi]), atol=1e-5)
+
+
+def test_bad_segment_ids_are_one_line():
+    model = _model("dense_gqa", "fp32", "reference")
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match=r"^segment_ids must be an integer array of the tokens' "
+                                         r"shape \[1, 8\], got shape \[1, 7\]"):
+        model(tokens, segment_ids=jnp.zeros((1, 7), jnp.int32))
+    with pytest.raises(ValueError, match=r"^positions must be an integer array"):
+        model(tokens, positions=jnp.zeros((1, 8), jnp.float32))
