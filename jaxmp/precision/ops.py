@@ -382,11 +382,13 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, axis: Any = -1,
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array,
-                  mask: Optional[jax.Array] = None) -> jax.Array:
+                  mask: Optional[jax.Array] = None, *,
+                  denominator: Optional[jax.Array] = None) -> jax.Array:
     """Mean token cross-entropy with the log-softmax in float32, forward and backward.
 
     ``sum(mask * nll) / max(sum(mask), 1)`` with ``nll = logsumexp(logits) -
-    logits[label]`` computed on the float32 upcast of ``logits``. Tokens with weight 0
+    logits[label]`` computed on the float32 upcast of ``logits``; with ``denominator``,
+    ``sum(mask * nll) / denominator``. Tokens with weight 0
     contribute exactly 0 to the loss and to the gradient, even if their logits are
     non-finite (padding cannot make a loss-scaled step skip); an all-masked batch
     gives 0.
@@ -404,6 +406,11 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
         traced).
       mask: ``[...]`` boolean (True = count the token) or float weights; None counts
         every token.
+      denominator: float32 scalar (may be traced) dividing the masked sum in place of
+        this batch's own count, e.g. a share of the trained tokens of a whole global
+        batch, when ``logits`` are one micro-batch of it on one device (the mean over
+        the whole batch, not a mean of per-micro-batch means: transformers' gradient
+        accumulation fault of October 2024). Needs ``mask``.
 
     Returns:
       float32 scalar, the mean negative log-likelihood in nats per token.
@@ -422,6 +429,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
         raise ValueError(f"labels shape {jnp.shape(labels)} must equal logits shape "
                          f"{jnp.shape(logits)} without its last (class) axis, "
                          f"{jnp.shape(logits)[:-1]}")
+    if denominator is not None and mask is None:
+        raise ValueError("cross_entropy's denominator divides a masked sum: give a mask")
     if mask is not None and jnp.shape(mask) != jnp.shape(labels):
         raise ValueError(f"mask shape {jnp.shape(mask)} must equal labels shape "
                          f"{jnp.shape(labels)}")
@@ -432,7 +441,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array,
     keep = w != 0
     nll = _token_nll(logits, labels, keep)
     # Select, never multiply: 0 * inf = NaN.
-    return jnp.sum(jnp.where(keep, w * nll, 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
+    total = jnp.sum(jnp.where(keep, w * nll, 0.0))
+    if denominator is not None:
+        return total / jnp.asarray(denominator, _F32)
+    return total / jnp.maximum(jnp.sum(w), 1.0)
 
 
 def _masked_logits32(logits, keep):

@@ -67,21 +67,31 @@ def forward_args(plan: StepPlan) -> Dict[str, Any]:
     return args
 
 
+# The optional batch keys: a [B, T] array each, beside "inputs" and "targets".
+PACKING_KEYS = ("segment_ids", "positions")  # documents of packed rows, MoETransformer's
+LOSS_MASK = "loss_mask"  # the tokens trained on (bool or float weights)
+
+
 def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None, *,
-            forward: Optional[Mapping[str, Any]] = None):
+            forward: Optional[Mapping[str, Any]] = None,
+            denominator: Optional[jax.Array] = None):
     """The training loss, multiplied by the loss scale, and what the step logs.
 
     Args:
       graphdef: the model's NNX graph definition.
       params, biases, rest: the model's state (``split_model``'s three parts).
       loss_scale: a jaxmp loss scale.
-      batch: ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``.
+      batch: ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, optionally with
+        ``segment_ids`` and ``positions`` (int32 [B, T], packed documents: passed to the
+        model) and ``loss_mask`` ([B, T], the tokens trained on).
       amax: the :class:`~jaxmp.models.FP8State` histories, when ``rest`` is given without
         them (``nnx.split_state(rest, FP8State, ...)``), so that they can be
         differentiated: their cotangent is their update (Flax's "overwrite with
         gradient").
       forward: keyword arguments of the model's call (:func:`forward_args` inside the
         steps' ``shard_map``); None = none.
+      denominator: with a ``loss_mask``, what the masked sum is divided by
+        (:func:`jaxmp.ops.cross_entropy`); None = this batch's own trained tokens.
 
     Returns:
       ``(loss_scale.scale(cross_entropy + aux_loss), (cross_entropy, aux))``: the
@@ -91,8 +101,11 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None, *,
     """
     if amax is not None:
         rest = nnx.merge_state(amax, rest)
-    logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"], **(forward or {}))
-    ce = ops.cross_entropy(logits, batch["targets"])
+    packing = {k: batch[k] for k in PACKING_KEYS if k in batch}
+    logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"], **packing,
+                                                            **(forward or {}))
+    ce = ops.cross_entropy(logits, batch["targets"], batch.get(LOSS_MASK),
+                           denominator=denominator)
     return loss_scale.scale(ce + aux["aux_loss"]), (ce, aux)
 
 
@@ -244,15 +257,24 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
         params, biases, amax, other, loss_scale, residual, batch = inputs
         # Device-varying copies (plan.varying): shard_map adds no reduction of its own.
         params, amax = plan.varying(params), plan.varying(amax)
+        trained = None
+        if LOSS_MASK in batch:  # the mean over the global batch's trained tokens: each
+            # micro-batch's masked sum over a share of them, so that the means over
+            # micro-batches and devices below add the shares up
+            trained = jax.lax.psum(jnp.sum(batch[LOSS_MASK].astype(jnp.float32)), axes)
+            denominator = jnp.maximum(trained, 1.0) / (grad_accum_steps * n)
+            grad_fn_ = functools.partial(grad_fn, denominator=denominator)
+        else:
+            grad_fn_ = grad_fn
         if grad_accum_steps == 1:
-            (grads, new_amax), (ce, aux) = grad_fn(graphdef, params, biases, other,
-                                                   loss_scale, batch, amax)
+            (grads, new_amax), (ce, aux) = grad_fn_(graphdef, params, biases, other,
+                                                    loss_scale, batch, amax)
             local_finite = all_finite(grads)
         else:
             def body(carry, micro_batch):
                 acc, amax_acc = carry
-                (g, a), (ce_m, aux_m) = grad_fn(graphdef, params, biases, other, loss_scale,
-                                                micro_batch, amax)
+                (g, a), (ce_m, aux_m) = grad_fn_(graphdef, params, biases, other, loss_scale,
+                                                 micro_batch, amax)
                 # Still scaled: the loss scale stays on the wire (comm.reduce_gradients).
                 # Amax histories: the max over micro-batches, never the last one (FP8-1).
                 return ((optim.accumulate(acc, g, loss_scale, grads_scaled=False),
@@ -290,6 +312,8 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
         aux = {"aux_loss": mean(aux["aux_loss"]),
                "expert_counts": jax.lax.psum(aux["expert_counts"], axes),
                "dropped_fraction": mean(aux["dropped_fraction"])}
+        if trained is not None:
+            aux["trained_tokens"] = trained
         return _DeviceGrads(grads=grads, finite=finite, loss=mean(ce), aux=aux,
                            residual=new_residual, amax=new_amax)
 
@@ -374,7 +398,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
       divergence: a :class:`DivergenceCheck`: when an applied step looks divergent.
 
     The batch is ``{"inputs": int32 [B, T], "targets": int32 [B, T]}``, B split over the
-    mesh's data axis. Metrics (float32 scalars unless noted): ``loss`` (cross-entropy),
+    mesh's data axis, optionally with ``segment_ids``, ``positions`` and ``loss_mask``
+    [B, T] (:func:`loss_fn`). With a ``loss_mask`` the loss is the mean over the trained
+    tokens of the whole global batch, whatever ``grad_accum_steps`` and the mesh: each
+    micro-batch's masked sum is divided by its share of the global count, so uneven
+    micro-batches weigh by their tokens (not the mean of per-micro-batch means), and the
+    metrics gain ``trained_tokens``. Metrics (float32 scalars unless noted): ``loss``
+    (cross-entropy),
     ``aux_loss``, ``grad_norm`` (unscaled, float32), ``loss_scale`` (the scale used this
     step), ``grads_finite`` (bool), ``applied`` (bool: finite gradients and a finite new
     state), ``skipped_steps`` and ``consecutive_skips`` (int32, after this step), ``lr``
@@ -427,6 +457,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
             grad_norm_ema=health.grad_norm_ema, divergent_steps=health.divergent_steps,
             comm_state=new_comm_state, compute_params=new_compute)
         metrics = {
+            **({"trained_tokens": aux["trained_tokens"]} if "trained_tokens" in aux else {}),
             "loss": out.loss.astype(jnp.float32),
             "aux_loss": jnp.asarray(aux["aux_loss"], jnp.float32),
             "grad_norm": update.grad_norm,
@@ -471,8 +502,9 @@ def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
     over the plan's mesh, with the parameters laid out as the train step reads them
     (``plan``, a :class:`~jaxmp.sharding.StepPlan`), and the sums are
     ``psum`` -med. ``loss`` is the summed token cross-entropy of the batch (float32) and
-    ``tokens`` the token count, so a caller can average over batches of different sizes
-    exactly.
+    ``tokens`` the token count (with a ``loss_mask``, of the trained tokens only), so a
+    caller can average over batches of different sizes exactly. ``segment_ids`` and
+    ``positions`` reach the model as in :func:`loss_fn`.
 
     Raises:
       ValueError: ``plan`` is not a :class:`~jaxmp.sharding.StepPlan`.
@@ -485,10 +517,17 @@ def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
 
         def per_device(inputs: _EvalInputs):
             model = nnx.merge(graphdef, inputs.params, inputs.biases, inputs.rest)
-            logits, _ = model(inputs.batch["inputs"], **forward)
-            targets = inputs.batch["targets"]
-            tokens = jnp.asarray(targets.size, jnp.float32)
-            loss = ops.cross_entropy(logits, targets) * tokens
+            batch = inputs.batch
+            logits, _ = model(batch["inputs"], **{k: batch[k] for k in PACKING_KEYS
+                                                   if k in batch}, **forward)
+            targets = batch["targets"]
+            if LOSS_MASK in batch:  # the masked sum and the trained tokens
+                mask = batch[LOSS_MASK].astype(jnp.float32)
+                tokens = jnp.sum(mask)
+                loss = ops.cross_entropy(logits, targets, mask, denominator=1.0)
+            else:
+                tokens = jnp.asarray(targets.size, jnp.float32)
+                loss = ops.cross_entropy(logits, targets) * tokens
             return {"loss": jax.lax.psum(loss, plan.axes),
                     "tokens": jax.lax.psum(tokens, plan.axes)}
 
