@@ -13,9 +13,12 @@
   :mod:`~jaxmp.train.workdir` (the run directory's lock), :mod:`~jaxmp.train.tokenizer`
   (``data.tokenizer``), :mod:`~jaxmp.train.keys` (every config key, default and meaning);
 * :mod:`~jaxmp.train.artifacts`: :func:`load` a trained run ``(model, tokenizer, config)``
-  and :func:`export` it (safetensors, ``config.json``, the tokenizer).
+  and :func:`export` it (safetensors, ``config.json``, the tokenizer);
+* :mod:`~jaxmp.train.chat`: :func:`encode_conversation`, a conversation rendered by its
+  chat template in a sandbox, as ``(ids, loss_mask)``.
 """
 from jaxmp.train.artifacts import export, load
+from jaxmp.train.chat import encode_conversation
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import default_config, load_config, validate_config
 from jaxmp.train.experiment import Experiment
@@ -27,4 +30,4 @@ from jaxmp.train.workdir import WorkdirInUse
 __all__ = ["Experiment", "TrainState", "train_and_evaluate", "load_config", "default_config",
            "validate_config", "Checkpointer", "CheckpointError", "TrainingStalled",
            "TrainingDiverged",
-           "Interrupted", "WorkdirInUse", "load", "export"]
+           "Interrupted", "WorkdirInUse", "load", "export", "encode_conversation"]

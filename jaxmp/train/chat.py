@@ -1,0 +1,374 @@
+"""Conversations as the trainer sees them: a chat template rendered in a sandbox, tokenized,
+and the mask of the tokens the model learns (the assistant's).
+
+A released model's chat template is Jinja2 code from the internet. It is rendered as
+transformers renders it (``apply_chat_template``): in Jinja2's
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the
+``loopcontrols`` extension and the ``{% generation %}`` block, the globals
+``raise_exception``, ``strftime_now`` and ``namespace`` (which refuses underscore names),
+a ``tojson`` filter that does not escape HTML, and the tokenizer's special tokens
+(``bos_token``, ``eos_token``, ...) as variables. Jinja2 3.1.6 or newer is needed: older
+releases have known sandbox escapes (transformers requires the same).
+
+Which tokens are learned (``loss_mask``):
+
+* where the template marks the assistant's text with ``{% generation %} ...
+  {% endgeneration %}``, the tokens that overlap those character spans, as transformers'
+  ``apply_chat_template(..., return_assistant_tokens_mask=True)`` computes them, token by
+  token;
+* where it does not, the assistant turns come from rendering the conversation's prefixes,
+  as TRL and torchtune do: the turn of assistant message ``i`` is the text that rendering
+  ``messages[:i + 1]`` adds to rendering ``messages[:i]`` with the generation prompt, the
+  end-of-turn markup included (the model learns to stop). A template whose renderings are
+  not prefixes of one another (Qwen3's drops earlier turns' reasoning) is refused in one
+  line: give one with generation marks (``data.chat_template``).
+
+The template comes from the tokenizer's directory (``chat_template.jinja``, which
+transformers 5 writes, or ``tokenizer_config.json``'s ``chat_template``: a string, or a
+list of ``{"name", "template"}`` of which ``default`` is taken) or from a file of its own.
+"""
+from __future__ import annotations
+
+import contextvars
+import datetime
+import json
+import os
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = ["ROLES", "load_chat_template", "special_tokens", "render_conversation",
+           "encode_conversation", "check_messages", "MIN_JINJA2"]
+
+# The roles a message may have (tool messages where the template knows them).
+ROLES = ("system", "user", "assistant", "tool")
+# The oldest Jinja2 whose sandbox has no known escape (transformers' floor for templates).
+MIN_JINJA2 = (3, 1, 6)
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _jinja2():
+    """The jinja2 module, refused below :data:`MIN_JINJA2` (one line)."""
+    import jinja2
+
+    version = tuple(int(x) for x in re.findall(r"\d+", jinja2.__version__)[:3])
+    if version < MIN_JINJA2:
+        raise ImportError(f"chat templates need jinja2 >= {'.'.join(map(str, MIN_JINJA2))} "
+                          f"(older releases have sandbox escapes); this is {jinja2.__version__}")
+    return jinja2
+
+
+def _read_text(file: str, what: str) -> str:
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read the {what} ({e.strerror or e})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: the {what} is not UTF-8 text (byte {e.start})") from None
+
+
+def _tokenizer_config(directory: str) -> Dict[str, Any]:
+    file = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(file):
+        return {}
+    try:
+        data = json.loads(_read_text(file, "tokenizer config"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return data
+
+
+def load_chat_template(path: str, name: str = "default") -> Tuple[str, str]:
+    """``(template, source)``: the chat template of a tokenizer directory, or of a file.
+
+    Args:
+      path: a tokenizer directory (its ``chat_template.jinja``, else its
+        ``tokenizer_config.json``'s ``chat_template``), or a template file (any other
+        path: its whole text).
+      name: which of a list of named templates (``tokenizer_config.json`` may hold
+        ``[{"name": ..., "template": ...}]``).
+
+    Returns:
+      The template's text and where it came from, in words (for the banner).
+
+    Raises:
+      ValueError: one line naming the file: no template there, a template that is not a
+        string, an unknown name, a file that is not UTF-8 or not JSON.
+    """
+    if not os.path.isdir(path):
+        return _read_text(path, "chat template"), path
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        return _read_text(jinja_file, "chat template"), jinja_file
+    config_file = os.path.join(path, "tokenizer_config.json")
+    template = _tokenizer_config(path).get("chat_template")
+    if template is None:
+        raise ValueError(f"{path}: no chat template (neither chat_template.jinja nor "
+                         f"tokenizer_config.json's chat_template); give one with "
+                         f"data.chat_template=FILE")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if name not in named:
+            raise ValueError(f"{config_file}: chat_template has no template named {name!r}; "
+                             f"it has {sorted(map(str, named))}")
+        template = named[name]
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"{config_file}: chat_template={str(template)[:60]!r} is not a "
+                         f"template; allowed: a non-empty string or a list of named ones")
+    return template, f"{config_file} (chat_template)"
+
+
+def special_tokens(directory: str) -> Dict[str, str]:
+    """The special tokens a template may read (``bos_token``, ``eos_token``, ``unk_token``,
+    ``pad_token``) from ``tokenizer_config.json``: a string, or ``{"content": ...}``; those
+    absent or null are left out (as transformers' ``special_tokens_map``)."""
+    config = _tokenizer_config(directory) if os.path.isdir(directory) else {}
+    out = {}
+    for key in _SPECIAL:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
+
+
+def check_messages(messages: Any, where: str = "conversation") -> List[Dict[str, Any]]:
+    """``messages`` as a list of ``{"role", "content", ...}`` dicts, checked.
+
+    Raises:
+      ValueError: one line naming ``where`` and the message: not a list of objects, a role
+        outside :data:`ROLES`, content that is neither a string nor null (tool calls), or
+        an empty one.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}} "
+                         f"objects, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: message {i} is {type(m).__name__}, not an object "
+                             f"{{role, content}}")
+        if m.get("role") not in ROLES:
+            raise ValueError(f"{where}: message {i} has role {m.get('role')!r}; allowed: "
+                             f"{', '.join(ROLES)}")
+        content = m.get("content")
+        if content is None and m.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: message {i} ({m['role']}) has content of type "
+                             f"{type(content).__name__}; allowed: a string")
+        if not content.strip():
+            raise ValueError(f"{where}: message {i} ({m['role']}) has empty content")
+    return messages
+
+
+class _Templates:
+    """The sandboxed environment, built once; compiled templates cached by text."""
+
+    def __init__(self):
+        jinja2 = _jinja2()
+        from jinja2 import nodes
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        spans: contextvars.ContextVar = contextvars.ContextVar("jaxmp_chat_spans", default=None)
+        self._spans = spans
+
+        class Generation(Extension):
+            """``{% generation %}...{% endgeneration %}``: records the character span of
+            its body in the text rendered so far (transformers' ``AssistantTracker``)."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(
+                    lineno)
+
+            def _mark(self, caller):
+                text = caller()
+                tracking = spans.get()
+                if tracking is not None:
+                    blocks, found = tracking
+                    start = sum(len(b) for b in blocks)
+                    found.append((start, start + len(text)))
+                return text
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            return datetime.datetime.now().strftime(fmt)
+
+        class Namespace(jinja2.utils.Namespace):
+            """``namespace(...)`` that refuses underscore attribute names."""
+
+            def __init__(*args, **kwargs):  # noqa: N805  (Jinja's own signature trick)
+                self, args = args[0], args[1:]
+                attrs = dict(*args, **kwargs)
+                for key in attrs:
+                    Namespace._check(key)
+                jinja2.utils.Namespace.__init__(self, attrs)
+
+            def __setitem__(self, key, value):
+                Namespace._check(key)
+                jinja2.utils.Namespace.__setitem__(self, key, value)
+
+            @staticmethod
+            def _check(key):
+                if isinstance(key, str) and key.startswith("_"):
+                    raise jinja2.exceptions.SecurityError(
+                        f"a chat template may not set {key!r} on a namespace")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, "jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now,
+                           namespace=Namespace)
+        self.env, self.jinja2, self._compiled = env, jinja2, {}
+
+    def compile(self, template: str):
+        if template not in self._compiled:
+            try:
+                self._compiled[template] = self.env.from_string(template)
+            except self.jinja2.exceptions.TemplateError as e:
+                raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
+        return self._compiled[template]
+
+    def render(self, template: str, variables: Dict[str, Any]) -> Tuple[str, List[Tuple]]:
+        compiled = self.compile(template)
+        blocks: List[str] = []
+        found: List[Tuple[int, int]] = []
+        token = self._spans.set((blocks, found))
+        try:
+            for block in compiled.generate(**variables):
+                blocks.append(block)
+        except self.jinja2.exceptions.TemplateError as e:  # raise_exception, SecurityError
+            raise ValueError(f"chat template raised: {_one_line(e)}") from None
+        finally:
+            self._spans.reset(token)
+        return "".join(blocks), found
+
+
+_TEMPLATES: List[_Templates] = []
+
+
+def _templates() -> _Templates:
+    if not _TEMPLATES:
+        _TEMPLATES.append(_Templates())
+    return _TEMPLATES[0]
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def render_conversation(messages: Sequence[Dict[str, Any]], template: str, *,
+                        add_generation_prompt: bool = False,
+                        **variables: Any) -> Tuple[str, List[Tuple[int, int]]]:
+    """``(text, spans)``: ``messages`` rendered by chat ``template`` in the sandbox, and the
+    character spans ``[start, end)`` of its ``{% generation %}`` blocks (empty when it has
+    none).
+
+    Args:
+      messages: ``[{"role", "content", ...}]`` (:func:`check_messages`).
+      template: the template's text (:func:`load_chat_template`).
+      add_generation_prompt: end with the markup that opens an assistant turn.
+      variables: what else the template reads: the special tokens
+        (:func:`special_tokens`), ``tools``, ``enable_thinking``, ...
+
+    Raises:
+      ValueError: the template does not compile, or raises while rendering (its
+        ``raise_exception``, a sandbox violation): one line.
+      ImportError: jinja2 older than :data:`MIN_JINJA2`.
+    """
+    return _templates().render(template, dict(variables, messages=list(messages),
+                                              add_generation_prompt=add_generation_prompt))
+
+
+def _prefix_spans(messages, template: str, variables: Dict[str, Any],
+                  text: str) -> List[Tuple[int, int]]:
+    """The assistant turns of a template without generation marks: what rendering
+    ``messages[:i + 1]`` adds to ``messages[:i]`` with the generation prompt."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head, _ = render_conversation(messages[:i], template, add_generation_prompt=True,
+                                      **variables) if i else ("", [])
+        upto, _ = render_conversation(messages[:i + 1], template, **variables)
+        if not (upto.startswith(head) and text.startswith(upto)):
+            raise ValueError(f"chat template: rendering the conversation up to message {i} "
+                             f"(assistant) is not a prefix of rendering all of it, so its "
+                             f"turns cannot be told apart; give a template that marks them "
+                             f"with {{% generation %}} (data.chat_template=FILE)")
+        if len(upto) > len(head):
+            spans.append((len(head), len(upto)))
+    return spans
+
+
+def encode_conversation(messages: Sequence[Dict[str, Any]], tokenizer_dir: str, *,
+                        template: Optional[str] = None,
+                        **variables: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """``(ids, loss_mask)``: what the trainer trains on for one conversation.
+
+    The conversation is rendered by the chat template (module docstring), tokenized
+    whole with ``tokenizer_dir``'s ``tokenizer.json`` without added special tokens (the
+    template writes them, as transformers' ``apply_chat_template`` does), and a token is
+    learned where it overlaps an assistant span: a ``{% generation %}`` block where the
+    template has them (then ``ids`` and ``loss_mask`` equal transformers'
+    ``apply_chat_template(messages, tokenize=True, return_dict=True,
+    return_assistant_tokens_mask=True)``), else an assistant turn found by rendering the
+    conversation's prefixes.
+
+    Args:
+      messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content": str}]``.
+      tokenizer_dir: a directory with ``tokenizer.json`` (and ``tokenizer_config.json``
+        for the special tokens and the template).
+      template: the template's text; None = the directory's (:func:`load_chat_template`).
+      variables: more template variables (``enable_thinking``, ``tools``, ...).
+
+    Returns:
+      ``ids`` int32 ``[n]`` and ``loss_mask`` bool ``[n]``.
+
+    Raises:
+      ValueError: one line: bad messages (:func:`check_messages`), no template, a template
+        that fails, one without generation marks whose renderings are not prefixes, or a
+        ``tokenizer.json`` that does not load.
+    """
+    messages = check_messages(list(messages))
+    if template is None:
+        template, _ = load_chat_template(tokenizer_dir)
+    variables = {**special_tokens(tokenizer_dir), **variables}
+    text, spans = render_conversation(messages, template, **variables)
+    if not _GENERATION.search(template):
+        spans = _prefix_spans(messages, template, variables, text)
+    from tokenizers import Tokenizer
+
+    file = os.path.join(tokenizer_dir, "tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception
+        raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({_one_line(e)})") from None
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, np.int32)
+    mask = np.zeros(len(ids), bool)
+    s = 0
+    for i, (start, end) in enumerate(encoding.offsets):  # spans and tokens both in order
+        while s < len(spans) and start >= spans[s][1]:
+            s += 1
+        if s == len(spans):
+            break
+        mask[i] = end > spans[s][0]
+    return ids, mask

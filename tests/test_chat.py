@@ -1,0 +1,163 @@
+"""Chat templates (issue 41, point 2): encode_conversation's ids and loss mask equal
+transformers' apply_chat_template(..., return_assistant_tokens_mask=True) token by token
+where the template marks generations; without marks the assistant turns come from
+rendering prefixes (checked by decoding the learned tokens); hostile templates stay in
+the sandbox and fail in one line."""
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+import transformers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+from jaxmp.train.chat import encode_conversation, load_chat_template, render_conversation  # noqa: E402
+
+# Templates written for these tests in two released formats: ChatML (Qwen's
+# <|im_start|>role ... <|im_end|>) and Llama 3's headers (<|start_header_id|>role
+# <|end_header_id|> ... <|eot_id|>), each with and without generation marks.
+CHATML_GEN = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3_GEN = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}"
+    "{% endgeneration %}{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>"]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"},
+     {"role": "assistant", "content": "It is 4."}],
+    [{"role": "system", "content": "You answer briefly."},
+     {"role": "user", "content": "Name a prime."},
+     {"role": "assistant", "content": "Seven."},
+     {"role": "user", "content": "And an even one?"},
+     {"role": "assistant", "content": "Two, the only even prime."}],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer with the templates' special tokens, trained here."""
+    path = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = [m["content"] for c in CONVERSATIONS for m in c] * 20 + ["system user assistant"]
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _with_template(directory, template):
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "bos_token": "<|begin_of_text|>", "chat_template": template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@pytest.mark.parametrize("template", [CHATML_GEN, LLAMA3_GEN], ids=["chatml", "llama3"])
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_ids_and_mask_equal_transformers_apply_chat_template(tokenizer_dir, template,
+                                                             conversation):
+    directory = _with_template(tokenizer_dir, template)
+    messages = CONVERSATIONS[conversation]
+    ids, mask = encode_conversation(messages, directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids.tolist() == list(theirs["input_ids"])
+    assert mask.astype(int).tolist() == list(theirs["assistant_masks"])
+    assert 0 < mask.sum() < len(mask)
+
+
+def test_without_generation_marks_the_turns_come_from_prefixes(tokenizer_dir):
+    directory = _with_template(tokenizer_dir, CHATML)
+    messages = CONVERSATIONS[1]
+    ids, mask = encode_conversation(messages, directory)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    assert ids.tolist() == list(hf.apply_chat_template(messages, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+    # the learned tokens, decoded run by run, are each assistant reply and its end of turn
+    runs, current = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            current.append(int(i))
+        elif current:
+            runs.append(current)
+            current = []
+    runs.append(current) if current else None
+    assert [hf.decode(r) for r in runs] == ["Seven.<|im_end|>\n",
+                                            "Two, the only even prime.<|im_end|>\n"]
+
+
+def test_a_template_that_renders_history_differently_is_refused(tokenizer_dir):
+    """A template that rewrites earlier assistant turns (as Qwen3's drops their reasoning)
+    has no prefix property: one line, pointing at generation marks."""
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+                "{{ '<|im_start|>assistant\\n(earlier)<|im_end|>\\n' }}{% else %}"
+                "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match=r"^chat template: rendering the conversation up to "
+                                         r"message 2 \(assistant\) is not a prefix"):
+        encode_conversation(CONVERSATIONS[1], _with_template(tokenizer_dir, template))
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{{ raise_exception('no system role here') }}", r"^chat template raised: no system role"),
+    ("{{ messages.__class__.__mro__ }}", r"^chat template raised: .*unsafe|access to attribute"),
+    ("{% set ns = namespace(_x=1) %}", r"^chat template raised: .*_x"),
+    ("{% for %}", r"^chat template does not compile: "),
+])
+def test_hostile_or_failing_templates_are_one_line(template, match):
+    with pytest.raises(ValueError, match=match) as info:
+        render_conversation(CONVERSATIONS[0], template)
+    assert "\n" not in str(info.value)
+
+
+def test_the_sandbox_hides_internals():
+    """An unsafe attribute is undefined in the sandbox: nothing of the process leaks."""
+    assert render_conversation(CONVERSATIONS[0], "{{ ''.join.__globals__ }}|") == ("|", [])
+    with pytest.raises(ValueError, match=r"^chat template raised: access to attribute "
+                                         r"'__init__' of 'type' object is unsafe"):
+        render_conversation(CONVERSATIONS[0], "{{ cycler.__init__.__globals__ }}")
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([], r"non-empty list"),
+    ([{"role": "wizard", "content": "hi"}], r"message 0 has role 'wizard'; allowed: system, user"),
+    ([{"role": "user", "content": "   "}], r"message 0 \(user\) has empty content"),
+    ([{"role": "user", "content": 3}], r"message 0 \(user\) has content of type int"),
+])
+def test_bad_messages_are_one_line(tokenizer_dir, messages, match):
+    with pytest.raises(ValueError, match=match):
+        encode_conversation(messages, _with_template(tokenizer_dir, CHATML_GEN))
+
+
+def test_the_template_comes_from_the_directory_or_a_named_list(tokenizer_dir, tmp_path):
+    directory = _with_template(tokenizer_dir, [{"name": "tool_use", "template": "x"},
+                                               {"name": "default", "template": CHATML}])
+    assert load_chat_template(directory)[0] == CHATML
+    with pytest.raises(ValueError, match=r"no template named 'rag'"):
+        load_chat_template(directory, "rag")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no chat template"):
+        load_chat_template(str(tmp_path))
+    (tmp_path / "chat_template.jinja").write_text(CHATML_GEN)
+    assert load_chat_template(str(tmp_path)) == (CHATML_GEN, str(tmp_path / "chat_template.jinja"))
