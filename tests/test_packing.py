@@ -81,12 +81,14 @@ def test_packed_rows_under_scanned_layers_and_remat(scan, remat):
         np.testing.assert_allclose(packed, alone, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("policy, tol", [("mixed_bf16", 0.05), ("fp8_tensorwise", 0.1),
-                                         ("fp8_blockwise", 0.1)])
+@pytest.mark.parametrize("policy, tol", [("mixed_bf16", 1e-6), ("fp8_blockwise", 1e-6),
+                                         ("fp8_tensorwise", 0.02)])
 def test_packed_rows_under_low_precision_policies(policy, tol):
-    """The packed row runs the same per-token arithmetic as the documents alone; in
-    bfloat16 and FP8 the matmuls of a 16-token row and of a 5-token one may round apart,
-    so the bound is the policy's rounding (a crossing document would be off by O(1))."""
+    """Under mixed_bf16 and fp8_blockwise (1 x 128 / 128 x 128 tiles: per token and per
+    weight block) a document's arithmetic in a packed row is its arithmetic alone:
+    measured equal to the bit on 2026-12-06. fp8_tensorwise scales each activation by the
+    amax of the whole tensor, so the other documents of the row set its scale: measured
+    0.0065 apart on logits of 0.38 (an O(1) miss would be a crossing document)."""
     for alone, packed in _alone_and_packed(_model("moe", policy, "xla")):
         np.testing.assert_allclose(packed, alone, atol=tol, rtol=0)
 

@@ -461,7 +461,9 @@ class MoETransformer(nnx.Module):
             tokens of its own document, so each document's logits are those of the
             document run alone (with dropless MoE dispatch; capacity dispatch shares
             expert slots across the batch, padding included, as does the load-balance
-            statistic); padding's hidden states are not zero but attend to nothing.
+            statistic; a tensor-wise FP8 recipe scales by the amax of the whole row, so
+            its documents round apart from alone, where the blockwise recipe's tiles do
+            not); padding's hidden states are not zero but attend to nothing.
           positions: int [B, T] (or [T]) RoPE positions; None = ``0 .. T-1``, or with
             ``segment_ids`` each document's own, restarting at 0 where its segment id
             changes.
