@@ -3,6 +3,8 @@ they would alone. Each document's logits in a packed row equal its logits run by
 (RoPE positions restart per document; attention never crosses a document), per attention
 path, with scanned layers and remat, under several policies; padding (segment 0) attends
 to nothing."""
+import collections
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,29 @@ def test_bad_segment_ids_are_one_line():
         model(tokens, segment_ids=jnp.zeros((1, 7), jnp.int32))
     with pytest.raises(ValueError, match=r"^positions must be an integer array"):
         model(tokens, positions=jnp.zeros((1, 8), jnp.float32))
+
+
+def test_the_cudnn_path_with_segments_stays_one_fused_kernel_each_way():
+    """Compiled by XLA's GPU compiler for an H200 (deviceless), the cuDNN core with packed
+    documents is cuDNN's fused attention, forward and backward, its segment mask going in
+    as the kernel's bias: no [B, H, T, T] softmax of XLA's own."""
+    from jaxmp import target
+    from jaxmp.analysis import gpu, hlo
+
+    problem = gpu.plugin_problem()
+    if problem:
+        pytest.skip(f"deviceless GPU compile: {problem}")
+    h200 = gpu.get_target("H200")
+    mesh = gpu.target_mesh(h200, 1)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    b, t, h, d = 2, 256, 4, 64
+    qkv = [jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16, sharding=rep)] * 3
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep)
+
+    def loss(q, k, v, seg):
+        return jnp.sum(attention_core(q, k, v, "cudnn", segment_ids=seg).astype(jnp.float32))
+
+    with target.compiling_for(mesh):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*qkv, seg).compile().as_text()
+    kinds = collections.Counter(k.kind for k in hlo.hlo_kernels(text))
+    assert kinds["cudnn_attention_fwd"] == 1 and kinds["cudnn_attention_bwd"] == 1, kinds
