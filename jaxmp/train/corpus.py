@@ -16,7 +16,7 @@ import pathlib
 import sys
 import sysconfig
 import zlib
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from jaxmp.train import tokenizer as tokenizer_module
 
@@ -48,7 +48,10 @@ def default_corpus_files() -> list[pathlib.Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
+def _jsonl_documents(file: str, text_field: str,
+                     records: bool = False) -> list[tuple[str, Any]]:
+    """``(file:line, text bytes)`` of each record; with ``records``, ``(file:line, the
+    record)`` (a JSON object, read through :func:`jaxmp.train.packing.encode_examples`)."""
     docs = []
     with open(file, "rb") as f:
         for lineno, line in enumerate(f, start=1):
@@ -62,6 +65,13 @@ def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
                 raise ValueError(f"{file}, line {lineno}: JSON nested too deeply to read (more "
                                  f"than about {sys.getrecursionlimit()} levels); a record is "
                                  f"an object with a string field {text_field!r}") from None
+            if records:
+                if not isinstance(record, dict):
+                    raise ValueError(f"{file}, line {lineno}: expected a JSON object, got "
+                                     f"{line[:80]!r}")
+                _check_strings(record, f"{file}, line {lineno}")
+                docs.append((f"{file}:{lineno}", record))
+                continue
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(
                     f"{file}, line {lineno}: expected a JSON object with a string "
@@ -74,6 +84,25 @@ def _jsonl_documents(file: str, text_field: str) -> list[tuple[str, bytes]]:
                                  f"\\u{ord(e.object[e.start]):04x} escape)") from None
             docs.append((f"{file}:{lineno}", text))
     return docs
+
+
+def _check_strings(record: Any, where: str) -> None:
+    """Every string in a parsed record encodes as UTF-8 (JSON allows an unpaired surrogate
+    escape such as ``\\ud800``, which no tokenizer can take): else one line naming it."""
+    stack = [record]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where}: a string is not text ({e.reason} at character "
+                                 f"{e.start}: an unpaired \\u{ord(x[e.start]):04x} "
+                                 f"escape)") from None
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 def _is_text_file(path: str) -> bool:
@@ -279,7 +308,7 @@ def check_data_path(path: str) -> None:
 
 def load_documents(path: str | None, text_field: str = "text",
                    warnings: list | None = None,
-                   progress: bool = False) -> list[tuple[str, bytes]]:
+                   progress: bool = False, records: bool = False) -> list[tuple[str, Any]]:
     """Reads a corpus as ``(name, raw bytes)`` documents; empty documents are skipped.
 
     Args:
@@ -298,6 +327,9 @@ def load_documents(path: str | None, text_field: str = "text",
         links that loop, binary files).
       progress: a progress bar over the files read (tqdm, on stderr) once reading them
         has taken ``PROGRESS_DELAY_S`` (:mod:`jaxmp.train.tokenizer`).
+      records: a ``.jsonl`` line is returned as its parsed JSON object (chat or
+        prompt_completion examples, :mod:`jaxmp.train.packing`), every string in it
+        checked to be text; other files as bytes.
 
     Returns:
       Documents in a deterministic order.
@@ -322,7 +354,7 @@ def load_documents(path: str | None, text_field: str = "text",
     for file in tqdm(files, desc="data: reading files", unit=" files", disable=not progress,
                      file=sys.stderr, leave=True, delay=tokenizer_module.PROGRESS_DELAY_S):
         if file.lower().endswith(".jsonl"):
-            docs.extend(_jsonl_documents(file, text_field))
+            docs.extend(_jsonl_documents(file, text_field, records))
         else:
             with open(file, "rb") as f:
                 docs.append((file, f.read()))

@@ -40,6 +40,7 @@ from jaxmp.train.corpus import (TOKEN_SUFFIXES, check_data_path, data_files,  # 
                                 default_corpus_files, eval_score, load_documents,
                                 split_documents, token_files)
 from jaxmp.train.keys import DEFAULTS, SEED, TOKEN_DTYPES  # noqa: F401  (re-exported)
+from jaxmp.train import packing as packing_module
 from jaxmp.train.shards import shard_streams
 from jaxmp.train.streams import ShardStream, TokenStream  # noqa: F401
 from jaxmp.train import tokenizer as tokenizer_module
@@ -96,6 +97,11 @@ class DataPipeline:
       sample_prompt: the start of the first eval document (of the train stream when
         there is no eval), up to 16 tokens and before its first line break: the default
         prompt of the trainer's sample.
+      batch_keys: the keys of a batch: ``("inputs", "targets")``, or with loss masks and
+        packed examples (:data:`jaxmp.train.packing.PACKED_KEYS`).
+      examples: for packed examples, what they are in words (format, packing, loss_on,
+        the trained fraction of the train rows, the chat template's source), for the
+        banner; '' for a token stream.
     """
 
     train_iter: grain.DatasetIterator
@@ -108,6 +114,8 @@ class DataPipeline:
     warnings: tuple = ()
     eval_bytes: Optional[tuple] = None
     sample_prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    batch_keys: tuple = packing_module.BATCH_KEYS
+    examples: str = ""
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -340,6 +348,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     path = given("path")
     warnings: list = []
     shards = token_files(path)
+    records, extra = None, {}
     trains_bpe = spec.startswith("bpe:") and not (
         workdir is not None and (pathlib.Path(workdir) / "tokenizer.json").is_file())
     if shards:
@@ -355,8 +364,20 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     else:
         what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
         _say(progress, f"reading {what}")
-        docs = load_documents(path, given("text_field") or DEFAULTS["data.text_field"], warnings,
-                              progress=progress)
+        text_field = given("text_field") or DEFAULTS["data.text_field"]
+        records = _examples_wanted(given, path, text_field, warnings, progress)
+    if records is not None:  # examples with loss masks, packed (jaxmp.train.packing)
+        if spec.startswith("bpe:"):
+            raise ValueError(f"data.tokenizer={spec!r} trains on text documents; chat and "
+                             f"prompt_completion examples need the model's tokenizer "
+                             f"(PATH/tokenizer.json) or 'bytes'")
+        tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0)
+        train, evals, notes, num_documents, extra = _packed_examples(
+            records, given, tokenizer, text_field, seq_len, eval_fraction, max_tokens,
+            num_eval > 0)
+        starts_mid = False
+    elif not shards:
+        docs = load_documents(path, text_field, warnings, progress=progress)
         split = split_documents(docs, eval_fraction)
         if trains_bpe:
             size, cap = sum(len(d) for _, d in split[0] or docs), tokenizer_module.BPE_TRAIN_BYTES
@@ -383,9 +404,12 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         eval_batches = _EvalBatches(evals, num_eval, batch, lo, hi)
         table = getattr(tokenizer, "token_bytes", None)
         if table is not None:
+            def trained_bytes(b):  # the bytes of the targets the loss counts
+                got = table[b["targets"]]
+                return int(got[b["loss_mask"]].sum() if "loss_mask" in b else got.sum())
+
             eval_bytes = tuple(
-                int(table[evals.batch(
-                    np.arange(k * batch, (k + 1) * batch) % len(evals))["targets"]].sum())
+                trained_bytes(evals.batch(np.arange(k * batch, (k + 1) * batch) % len(evals)))
                 for k in range(num_eval))
     prompt_source = evals if num_eval else train
     if hasattr(prompt_source, "parts"):
@@ -405,9 +429,94 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         train_tokens=train.num_tokens, eval_tokens=eval_tokens,
         num_documents=num_documents, notes=tuple(notes), warnings=tuple(warnings),
         eval_bytes=eval_bytes, sample_prompt=sample_prompt,
+        batch_keys=extra.get("batch_keys", packing_module.BATCH_KEYS),
+        examples=extra.get("examples", ""),
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed,
-                      "tokenizer": tokenizer.digest()})
+                      "tokenizer": tokenizer.digest(), **extra.get("fingerprint", {})})
+
+
+def _examples_wanted(given, path, text_field: str, warnings: list, progress: bool):
+    """The records of ``data.path`` (:func:`load_documents` with ``records``) when they are
+    read as examples with loss masks (:mod:`jaxmp.train.packing`): ``data.format`` chat or
+    prompt_completion, ``data.loss_on`` or ``data.packing`` asking for them, or
+    ``data.format=auto`` finding a chat or prompt_completion record; else None (the token
+    stream of text documents, read as before)."""
+    fmt, loss_on, packing = given("format"), given("loss_on"), given("packing")
+    wanted = (fmt in ("chat", "prompt_completion") or loss_on in ("assistant", "completion")
+              or packing in ("isolated", "padded"))
+    if fmt == "text" and not wanted:
+        return None
+    if not wanted and not (path and any(f.lower().endswith(".jsonl") for f in data_files(path))):
+        return None
+    records = load_documents(path, text_field, warnings, progress=progress, records=True)
+    if wanted or any(isinstance(r, dict) and ("messages" in r or ("prompt" in r and
+                                                                  "completion" in r))
+                     for _, r in records):
+        return records
+    return None  # text records: read again as documents, as a text corpus always was
+
+
+def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
+                     eval_fraction: float, max_tokens, need_eval: bool):
+    """``(train rows, eval rows or None, notes, examples, extra)`` of the records
+    (:class:`jaxmp.train.packing.PackedRows`), split by name as documents are
+    (:func:`split_documents`); an eval split that gives no row takes the examples whose
+    names hash closest to eval until it gives one."""
+    fmt = given("format")
+    examples, counts, source = packing_module.encode_examples(
+        records, fmt, text_field=text_field, tokenizer=tokenizer, loss_on=given("loss_on"),
+        chat_template=given("chat_template"))
+    main = next((k for k in ("chat", "prompt_completion", "text") if counts.get(k)), "text")
+    loss_on, packing = packing_module.resolve(main, given("loss_on"), given("packing"))
+    truncate = given("truncate")
+    if max_tokens:
+        kept, total = [], 0
+        for e in examples:
+            if total >= max_tokens:
+                break
+            kept.append(e)
+            total += len(e.ids)
+        examples = kept
+    if not examples:
+        raise ValueError(f"data.path holds no example to train on ({counts})")
+    named = [(e.name, e) for e in examples]
+    train_ex, eval_ex = split_documents(named, eval_fraction)
+
+    def rows(part):
+        return packing_module.PackedRows([e for _, e in part], seq_len, packing, truncate)
+
+    notes = []
+    evals = None
+    if need_eval:
+        if not eval_ex:
+            by_score = sorted(named, key=lambda d: eval_score(d[0]))
+            eval_ex, train_ex = by_score[:1], by_score[1:]
+            notes.append(f"data.eval_fraction={eval_fraction} put no example in eval; it now "
+                         f"holds the one whose name hashes closest to eval")
+        if not train_ex:
+            raise ValueError(f"{len(examples)} example(s): too few for a train and an eval "
+                             f"split; add data or set data.num_eval_batches=0")
+        evals = rows(eval_ex)
+    train = rows(train_ex)
+    skipped = counts.get("no assistant turn", 0)
+    kinds = ", ".join(f"{counts[k]} {k}" for k in ("chat", "prompt_completion", "text")
+                      if counts.get(k))
+    notes.append(f"examples: {kinds}" + (f"; {skipped} conversation(s) without an assistant "
+                                         f"turn skipped" if skipped else ""))
+    for part, cut in (("train", train), ("eval", evals)):
+        if cut is not None and (cut.split or cut.truncated):
+            notes.append(f"{cut.split + cut.truncated} {part} example(s) longer than "
+                         f"data.seq_len={seq_len} pairs were "
+                         f"{'split into rows' if truncate == 'split' else 'truncated'} "
+                         f"(data.truncate={truncate})")
+    fraction = train.trained_tokens / (len(train) * seq_len)
+    words = (f"{main}, packing {packing}, loss on {loss_on} ({fraction:.1%} of the train rows' "
+             f"tokens trained)" + (f", chat template {source}" if source else ""))
+    extra = {"batch_keys": packing_module.PACKED_KEYS, "examples": words,
+             "fingerprint": {"format": main, "packing": packing, "loss_on": loss_on,
+                             "truncate": truncate}}
+    return train, evals, notes, len(examples), extra
 
 
 def _no_text(path):

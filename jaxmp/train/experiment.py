@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import ml_collections
@@ -33,6 +33,7 @@ from jaxmp.models.transformer import param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
 from jaxmp.train.config import Settings, validate_config
+from jaxmp.train import packing
 from jaxmp.train.data import DataPipeline, create_pipeline
 from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
@@ -380,12 +381,17 @@ class Experiment:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in batch.items()}
 
-    def abstract_batch(self, global_batch: Optional[int] = None) -> dict:
-        """``jax.ShapeDtypeStruct`` s of a token batch (for ``train_step.lower``)."""
+    def abstract_batch(self, global_batch: Optional[int] = None,
+                       keys: Optional[Sequence[str]] = None) -> dict:
+        """``jax.ShapeDtypeStruct`` s of a token batch (for ``train_step.lower``): ``keys``
+        (default: what the config says the data gives,
+        :func:`jaxmp.train.packing.batch_keys`), int32 ``[B, seq_len]`` each, the
+        ``loss_mask`` bool."""
         b = global_batch or self.config.train.batch_size
-        spec = jax.ShapeDtypeStruct((b, self.config.data.seq_len), np.int32,
-                                    sharding=self.batch_sharding)
-        return {"inputs": spec, "targets": spec}
+        keys = keys or packing.batch_keys(self.config.data)
+        return {k: jax.ShapeDtypeStruct((b, self.config.data.seq_len),
+                                        np.bool_ if k == "loss_mask" else np.int32,
+                                        sharding=self.batch_sharding) for k in keys}
 
     def evaluate_metrics(self, state: TrainState) -> Optional[dict]:
         """Eval loss in the units people quote; None when there are no eval batches.

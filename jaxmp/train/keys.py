@@ -26,6 +26,7 @@ from jaxmp.precision.loss_scale import DynamicLossScale
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.optimizer import SCHEDULES
+from jaxmp.train import packing
 from jaxmp.train.step import DivergenceCheck
 from jaxmp.train.tokenizer import BPE_MIN_VOCAB
 
@@ -130,6 +131,20 @@ KEYS: Tuple[Key, ...] = (
              "a path, a glob or '' (the stdlib corpus)")),
     Key("data.text_field", "text", "the field holding the text in .jsonl files",
         Kind(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty field name")),
+    Key("data.format", "auto", "what a .jsonl record is (jaxmp.train.packing; auto: from "
+                               "its fields)", Choice(packing.FORMATS, " | ".join(packing.FORMATS))),
+    Key("data.loss_on", "", "the tokens learned ('' = the format's: all for text, assistant "
+                            "for chat, completion for prompt_completion)",
+        Choice(packing.LOSS_ON, "'', all, assistant or completion")),
+    Key("data.packing", "", "how examples fill rows ('' = concat for text, isolated for chat "
+                            "and prompt_completion)",
+        Choice(packing.PACKINGS, "'', concat, isolated or padded")),
+    Key("data.truncate", "split", "an example longer than a row: split into rows, or "
+                                  "truncate to its first", Choice(packing.TRUNCATIONS,
+                                                                  "split or truncate")),
+    Key("data.chat_template", "", "chat template file ('' = the tokenizer's own: "
+                                  "chat_template.jinja or tokenizer_config.json)",
+        Kind(lambda v: isinstance(v, str), "'' or a template file")),
     Key("data.tokenizer", "bytes", "bytes | PATH/tokenizer.json | PATH.model (SentencePiece) | "
                                    "bpe:VOCAB (trained on the train split, kept in the workdir)",
         Kind(lambda v: isinstance(v, str) and (not v.startswith("bpe:") or (

@@ -259,6 +259,9 @@ def _run(exp: Experiment, workdir: pathlib.Path,
         if step_fn is None:  # a signal during start-up: nothing to save
             raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(),
                               startup=True)
+        if tuple(data.batch_keys) != tuple(exp.abstract_batch()):  # format=auto found examples
+            step_fn = exp.train_step.lower(exp.abstract_state, exp.abstract_batch(
+                keys=data.batch_keys)).compile()
         check_memory(step_fn, exp)  # before the state takes device memory
         ckpt = stack.enter_context(Checkpointer(workdir, keep=t.keep_checkpoints))
         start, state, notes = _restore_or_init(exp, ckpt, data, config_dict)

@@ -201,6 +201,7 @@ def banner(exp: Experiment, data) -> str:
         f"  data        : {docs} document{'' if docs == 1 else 's'}, {data.train_tokens:,} train / "
         f"{data.eval_tokens:,} eval tokens (tokenizer {data.tokenizer.name}), seq_len "
         f"{cfg.data.seq_len}, global batch {cfg.train.batch_size}",
+        *([f"  examples    : {data.examples}"] if getattr(data, "examples", "") else []),
     ]
     return "\n".join(lines)
 

@@ -21,7 +21,8 @@ __all__ = ["INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS", "config_differences", "check_
 # Config sections that must match between a checkpoint and the run resuming it; the
 # rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
 INCOMPATIBLE_KEYS = ("model", "precision", "optim", "data.seq_len", "data.path", "data.tokenizer",
-                     "data.token_dtype", "data.eod_id",
+                     "data.token_dtype", "data.eod_id", "data.format", "data.loss_on",
+                     "data.packing", "data.truncate", "data.chat_template",
                      "data.max_tokens", "train.batch_size", "train.grad_accum_steps", "seed")
 # Keys inside those sections that may still change on resume: the decay horizon, so a
 # run can be extended on a schedule the user chooses; the base checkpoint's directory
