@@ -158,3 +158,6 @@ def test_a_chat_run_finds_its_format_trains_on_the_assistant_and_resumes(tmp_pat
          read_metrics(resumed / "metrics.jsonl", "train")]
     assert a == b and len(a) == 4
     assert all(0 < t < 8 * 32 for _, _, t in a)  # the assistant's tokens, not all
+    rates = [r["trained_tokens_per_s"] for r in read_metrics(straight / "metrics.jsonl",
+                                                              "train")]
+    assert rates[0] is None and all(r > 0 for r in rates[1:])  # step 1 compiles: untimed

@@ -106,7 +106,10 @@ class ReportMetrics(PeriodicAction):
 
     The record holds the step's scalar metrics, ``tokens_per_s`` over the steps since the
     last report (None when only the compiling first step ran) and the expert-load
-    summary; a line is printed when steps were skipped since the last report.
+    summary; a line is printed when steps were skipped since the last report. Where the
+    batches carry a ``loss_mask`` (the metrics' ``trained_tokens``), also
+    ``trained_tokens_per_s``: the trained tokens of every step since the last report
+    (summed on the device as they come, read at the report) over the same seconds.
     """
 
     writer: MetricsWriter = None
@@ -117,12 +120,24 @@ class ReportMetrics(PeriodicAction):
     last_step_reported: int = 0
     last_skipped: int = 0
     timed_from: int = 0
+    trained: Any = None  # trained tokens of the timed steps since the last report
+
+    def __call__(self, step, state, metrics):
+        if "trained_tokens" in metrics and step > self.timed_from:  # a step that is timed
+            t = metrics["trained_tokens"]
+            self.trained = t if self.trained is None else self.trained + t
+        super().__call__(step, state, metrics)
 
     def apply(self, step, state, metrics):
         m = jax.device_get(metrics)
         seconds = self.stopwatch.lap()
         timed = step - self.timed_from
         tps = self.tokens_per_step * timed / seconds if timed > 0 and seconds > 0 else None
+        if "trained_tokens" in m:
+            m["trained_tokens_per_s"] = (float(jax.device_get(self.trained)) / seconds
+                                         if self.trained is not None and seconds > 0
+                                         and timed > 0 else float("nan"))
+        self.trained = None
         self.timed_from = step
         flags, counts = ("grads_finite", "applied", "divergent"), (
             "skipped_steps", "consecutive_skips", "divergent_steps")
