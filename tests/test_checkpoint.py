@@ -76,6 +76,20 @@ def test_config_differences_name_each_incompatible_leaf_by_its_dotted_key():
     assert config_differences(current, current) == []
 
 
+def test_a_dtype_spelled_otherwise_is_the_same_setting_on_resume():
+    """' BF16 ' then 'bfloat16' name one dtype: a resume is not refused for it (a helper
+    found it was); another dtype still is, and the saved spelling is reported as given."""
+    saved = config_to_dict(default_config())
+    current = config_to_dict(default_config())
+    saved["precision"]["grad_reduce_dtype"], current["precision"]["grad_reduce_dtype"] = (
+        " BF16 ", "bfloat16")
+    saved["optim"]["mu_dtype"], current["optim"]["mu_dtype"] = "bf16", "bfloat16"
+    assert config_differences(saved, current) == []
+    current["precision"]["grad_reduce_dtype"] = "float16"
+    assert config_differences(saved, current) == [
+        ("precision.grad_reduce_dtype", " BF16 ", "float16")]
+
+
 def test_a_topk_residual_saved_on_8_devices_resumes_on_4_keeping_its_mean(tmp_path, capsys):
     """The residual is what each device has not delivered of its gradients; resumed on 4
     devices, every device holds the mean of the 8 saved rows, so mean_j new_j equals

@@ -263,6 +263,45 @@ def test_a_second_signal_in_a_library_call_raises_and_the_handlers_come_back(sig
     assert {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} == before
 
 
+def test_a_signal_while_the_catcher_leaves_reaches_the_callers_handler(monkeypatch):
+    """A signal that comes while SignalCatcher puts the caller's handlers back is delivered
+    again once both are back, to the caller's handler; nothing of the catcher's is left
+    installed (the race a helper found: a second SIGINT raised out of __exit__ half-way)."""
+    import os
+    import signal
+
+    from jaxmp.train.signals import SignalCatcher
+
+    got = []
+
+    def mine(signum, frame):
+        got.append(signum)
+
+    previous = {s: signal.signal(s, mine) for s in (signal.SIGINT, signal.SIGTERM)}
+    real = signal.signal
+    try:
+        def racing(sig, handler):  # a SIGINT lands just before the first handler is put back
+            if handler is mine and not got and not racing.fired:
+                racing.fired = True
+                os.kill(os.getpid(), signal.SIGINT)
+            return real(sig, handler)
+
+        racing.fired = False
+        with SignalCatcher() as catcher:
+            catcher.signum = signal.SIGINT  # a first signal already taken: the next is a second
+            monkeypatch.setattr(signal, "signal", racing)
+        monkeypatch.undo()
+        assert got == [signal.SIGINT]  # delivered to the caller's handler, once
+        assert all(signal.getsignal(s) is mine for s in (signal.SIGINT, signal.SIGTERM))
+        with pytest.raises(RuntimeError, match="entered once at a time"):
+            with catcher:
+                with catcher:
+                    pass
+    finally:
+        for s, h in previous.items():
+            real(s, h)
+
+
 _CUDNN_CHECKS = ("check_cudnn_version", "check_compute_capability",
                  "is_cuda_compute_capability_equal")
 

@@ -151,29 +151,78 @@ def test_a_failed_two_process_start_leaves_no_workdir(tmp_path):
 _WATCHDOG_THREAD = """
 import sys, threading, time
 from jaxmp.train import distributed
+from jaxmp.train.signals import SignalCatcher
 distributed._RUN.update(num_processes=2, process_id=1, describe=lambda: "WHERE",
                         exit_process=sys.argv[1] == "exit")
+where = sys.argv[2]
+stop = threading.Timer(0.3, distributed._stop, (0, "exited without a word"))
 try:  # what a watchdog thread does when process 0's connection closes without a word
-    threading.Thread(target=distributed._stop, args=(0, "exited without a word")).start()
-    time.sleep(60)
-    print("slept")
-except KeyboardInterrupt:
-    print("interrupted")
+    stop.start()
+    if where == "settle":  # the main thread waits on the loss itself
+        distributed.PeerWatchdog.settle(type("W", (), {"process_id": 1, "_lock": threading.Lock(),
+                                                       "_peers": {}, "num_processes": 2})(), 30)
+    elif where == "catcher":  # inside a library training call's signal handlers
+        with SignalCatcher() as catcher:
+            catcher.training = True
+            while True:
+                time.sleep(0.02)
+    else:
+        while True:
+            time.sleep(0.02)
+except distributed.PeerLost as e:
+    print(f"PeerLost: {e}")
+    time.sleep(0.5)  # nothing else arrives
+    print("went on")
 """
 
 
-@pytest.mark.parametrize("caller", ["exit", "library"])
-def test_a_watchdog_thread_ends_only_the_entry_points_process(caller):
+@pytest.mark.parametrize("caller, where", [("exit", "loop"), ("library", "loop"),
+                                           ("library", "settle"), ("library", "catcher")])
+def test_a_watchdog_thread_ends_only_the_entry_points_process(caller, where):
     """From a watchdog's thread, a lost peer ends the process of the entry point
-    (os._exit, status 1) and only interrupts a library caller's main thread
-    (KeyboardInterrupt, which the caller may catch: its process goes on)."""
-    p = subprocess.run([sys.executable, "-c", _WATCHDOG_THREAD, caller], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=LIMIT_S)
+    (os._exit, status 1); a library caller's main thread gets PeerLost, once, whether it
+    runs, waits on the loss itself (settle) or trains under a SignalCatcher (no signal
+    is sent that it could take for a Ctrl-C), and its process goes on."""
+    p = subprocess.run([sys.executable, "-c", _WATCHDOG_THREAD, caller, where], cwd=ROOT,
+                       env=ENV, capture_output=True, text=True, timeout=LIMIT_S)
     err = [line for line in p.stderr.splitlines() if line.strip()]
     voice = "train.py" if caller == "exit" else "jaxmp"
-    assert err == [f"{voice}: error: process 0 of 2 exited without a word; process 1 stops too. "
-                   "WHERE; rerun all 2 processes to resume"], p.stderr
+    line = (f"{voice}: error: process 0 of 2 exited without a word; process 1 stops too. "
+            "WHERE; rerun all 2 processes to resume")
+    assert err == [line], p.stderr
     if caller == "exit":
         assert p.returncode == 1 and p.stdout == "", p.stdout
     else:
-        assert p.returncode == 0 and p.stdout.split() == ["interrupted"], p.stdout
+        assert p.returncode == 0 and p.stdout.splitlines() == [f"PeerLost: {line}",
+                                                               "went on"], p.stdout
+
+
+def test_the_entry_points_exit_survives_a_closed_stderr():
+    """The line cannot be written (stderr closed): the process still exits, status 1."""
+    script = ("import os, threading; from jaxmp.train import distributed as d\n"
+              "d._RUN.update(num_processes=2, process_id=1, exit_process=True)\n"
+              "os.close(2)\n"
+              "threading.Thread(target=d._stop, args=(0, 'died')).start()\n"
+              "d._LOST.wait(30); d._wait_for_the_exit()\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=LIMIT_S)
+    assert p.returncode == 1
+
+
+def test_initialize_starts_a_run_of_its_own(tmp_path):
+    """Module state of an earlier run (a lost peer, a deliberate leave, its line) is
+    cleared by the next initialize, and a checkpoint directory with a non-ASCII digit
+    name is not a step."""
+    from jaxmp.train import distributed as d
+    d._LOST.set()
+    d._LEAVING.set()
+    d._RUN["lost"] = "old"
+    try:
+        assert d.initialize() == "single process"
+        assert not d._LOST.is_set() and not d._LEAVING.is_set() and d._RUN["lost"] is None
+    finally:
+        d._LOST.clear()
+        d._LEAVING.clear()
+    (tmp_path / "checkpoints" / "\u00b2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "7").mkdir()
+    assert d.last_checkpoint(tmp_path).startswith("The last checkpoint to resume from is step 7")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Tuple
 
-from jaxmp._checks import BOOL, Choice, Int, Kind, Real, check, is_int, option
+from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, check, is_int, option
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Rope
 from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS
@@ -113,7 +113,9 @@ class ModelConfig:
     max_len: int = option(128, "longest sequence (RoPE positions); data.seq_len <= max_len",
                           Int(1, 2**31 - 1, "an integer in [1, 2**31 - 1] (positions are int32)"))
     rope_theta: float = option(10000.0, "RoPE base frequency", _POSITIVE)
-    norm_eps: float = option(1e-6, "RMSNorm epsilon", _POSITIVE)
+    norm_eps: float = option(1e-6, "RMSNorm epsilon (added in float32)",
+                             Real(0, F32_MAX, lo_open=True,
+                                  text="a finite number > 0 that float32 holds"))
     num_experts: int = option(0, "routed experts per MoE layer (0 = a dense model)", Int(0))
     num_shared_experts: int = option(0, "always-on experts per MoE layer (DeepSeekMoE)", Int(0))
     top_k: int = option(2, "routed experts per token", Int(1))

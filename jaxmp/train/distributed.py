@@ -29,10 +29,11 @@ checkpoint to resume from. Where the caller is the command-line entry point
 (:func:`initialize` with ``exit_process=True``: ``train.py``), they then leave with status
 :data:`PEER_LOST_EXIT` without running the interpreter's shutdown (``os._exit``: their
 main thread may be blocked in a collective that can never finish). A library caller's
-process is not ended by jaxmp: :class:`PeerLost` is raised in the thread that waits on the
-run (a SIGINT to the main thread, ``KeyboardInterrupt`` under Python's own handler, where a
-watchdog thread notices), and a main thread blocked in a collective stays blocked until
-JAX's own heartbeat check ends the process.
+process is not ended by jaxmp: :class:`PeerLost` is raised in its main thread (where a
+watchdog thread notices, as an asynchronous exception at the main thread's next Python
+instruction; no signal, so no handler of the caller's mistakes it for a Ctrl-C), and a
+main thread blocked in a collective stays blocked until JAX's own heartbeat check ends
+the process.
 
 Nothing of this module sits in JAX's coordination path: every process reaches process 0's
 coordination service directly, and the watchdog is a connection of its own beside it. So
@@ -68,7 +69,6 @@ import json
 import os
 import pathlib
 import re
-import signal
 import socket
 import sys
 import threading
@@ -99,6 +99,7 @@ _LEAVING = threading.Event()  # this process leaves deliberately: closed connect
 _LOST = threading.Event()  # a peer was lost: this process is exiting
 _STOP_LOCK = threading.Lock()
 _WATCHDOG: Optional["PeerWatchdog"] = None
+_MAIN_WAITS = threading.Event()  # the main thread waits on _LOST itself (settle, start-up)
 
 
 class PeerLost(RuntimeError):
@@ -106,21 +107,38 @@ class PeerLost(RuntimeError):
     command-line trainer exits with :data:`PEER_LOST_EXIT` instead). The message is the
     line written to stderr: the lost process and the checkpoint to resume from."""
 
+    def __init__(self, message: Optional[str] = None):
+        super().__init__(message or _RUN.get("lost") or "a peer of this multi-process run "
+                                                         "was lost")
+
+
+def _write(line: str) -> None:
+    """``line`` to stderr as one write; a closed or broken stderr does not stop the exit
+    that follows (the watchdog's thread must get to it)."""
+    try:
+        os.write(2, line.encode())
+    except OSError:
+        pass
+
 
 def _leave(line: str) -> None:
     """What a process does once the line of a lost peer or a failed start-up is written:
     ends at once with :data:`PEER_LOST_EXIT` when the caller is the command-line entry point
-    (``exit_process``); else, called from another thread, sends the main thread a SIGINT
-    (``KeyboardInterrupt``, as a Ctrl-C) and returns, and called from the main thread,
-    raises :class:`PeerLost`."""
+    (``exit_process``); else raises :class:`PeerLost` in the main thread: here when called
+    from it; from another thread, as an asynchronous exception the main thread raises at
+    its next Python instruction (CPython's ``PyThreadState_SetAsyncExc``: no signal, so no
+    handler of the caller's, a ``SignalCatcher`` included, takes it for a Ctrl-C), unless
+    the main thread is waiting on the loss itself (:meth:`PeerWatchdog.settle`), which
+    then raises it. A main thread blocked in a call into JAX's runtime (a collective, the
+    coordination service) sees it only when that call returns."""
     if _RUN["exit_process"]:
         os._exit(PEER_LOST_EXIT)
     if threading.current_thread() is threading.main_thread():
         raise PeerLost(line.strip())
-    # A SIGINT to the main thread, as a Ctrl-C: it wakes a sleep or a wait there (where
-    # _thread.interrupt_main would only set a flag), and Python's handler raises
-    # KeyboardInterrupt; one the caller installed decides for itself.
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    if _RUN.get("to_main"):
+        import ctypes
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(threading.main_thread().ident), ctypes.py_object(PeerLost))
 
 
 def _voice() -> str:
@@ -136,11 +154,15 @@ def _stop(peer: int, how: str) -> None:
         if _LEAVING.is_set() or _LOST.is_set():
             return
         _LOST.set()
+        # Who tells the main thread (a library caller's): this thread, unless it is the
+        # main thread or the main thread waits on the loss itself (settle).
+        _RUN["to_main"] = (threading.current_thread() is not threading.main_thread()
+                           and not _MAIN_WAITS.is_set())
     n, describe = _RUN["num_processes"], _RUN["describe"]
     try:
         where = describe() if describe else "Where to resume from is unknown (no workdir given)"
-    except OSError as e:
-        where = f"Where to resume from is unknown ({e})"
+    except Exception as e:  # noqa: BLE001  the exit must follow whatever the directory holds
+        where = f"Where to resume from is unknown ({' '.join(str(e).split())[:120]})"
     line = (f"\n{_voice()}: error: process {peer} of {n} {how}; process {_RUN['process_id']} "
             f"stops too. {where}; rerun all {n} processes to resume\n")
     for stream in (sys.stdout, sys.stderr):
@@ -148,8 +170,8 @@ def _stop(peer: int, how: str) -> None:
             stream.flush()
         except Exception:
             pass
-    os.write(2, line.encode())
     _RUN["lost"] = line.strip()
+    _write(line)
     _leave(line)
 
 
@@ -168,10 +190,14 @@ def _lost_in_start_up(peer: int, what: str, error: BaseException) -> None:
 
 def _wait_for_the_exit() -> None:
     """After another thread stopped the process for a lost peer: waits for its exit (the
-    entry point's), or raises :class:`PeerLost` (a library caller's)."""
+    entry point's), or raises :class:`PeerLost` (a library caller's): here, or, where that
+    thread already sent it to this (main) thread, as that exception when it arrives."""
     if _RUN["exit_process"]:
         threading.Event().wait()  # the watchdog's thread is exiting the process
-    raise PeerLost(_RUN.get("lost", "a peer of this multi-process run was lost"))
+    if _RUN.get("to_main"):
+        while True:  # the PeerLost sent to this thread is raised at one of these instructions
+            time.sleep(0.01)
+    raise PeerLost(_RUN.get("lost") or "a peer of this multi-process run was lost")
 
 
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
@@ -185,8 +211,9 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     waits for once it has waited 30 s (or half of ``startup_timeout``), and a process still
     waiting after ``startup_timeout`` seconds says so in one line and, with
     ``exit_process``, leaves with :data:`PEER_LOST_EXIT` (JAX's own timeout aborts from
-    C++); a library caller's main thread gets a SIGINT instead, which Python sees once
-    ``jax.distributed.initialize`` returns (at JAX's own timeout, 60 s later).
+    C++). A library caller's main thread is then inside ``jax.distributed.initialize``,
+    which jaxmp cannot interrupt: JAX's own timeout, 60 s later, aborts the process from
+    C++ before the :class:`PeerLost` queued for it can be raised.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordination service.
@@ -221,6 +248,9 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
                          "environment say)")
     _RUN["heartbeat_timeout"] = heartbeat_timeout
     _RUN["exit_process"] = bool(exit_process)
+    _RUN.update(describe=None, lost=None, to_main=False)  # nothing of an earlier run
+    _LOST.clear()
+    _LEAVING.clear()
     if workdir is not None:
         _RUN["describe"] = lambda: last_checkpoint(workdir)
     if all(given):
@@ -276,8 +306,11 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
 
 def _say(line: str) -> None:
     """Writes ``train.py: line`` to stderr at once (:func:`_voice`, as :func:`_stop`)."""
-    sys.stderr.flush()
-    os.write(2, f"{_voice()}: {line}\n".encode())
+    try:
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001  a closed stderr
+        pass
+    _write(f"{_voice()}: {line}\n")
 
 
 def _check_port_free(address: str) -> None:
@@ -310,7 +343,8 @@ def _startup_timed_out(process_id: int, num_processes: int, address: str, second
     line = (f"\n{_voice()}: error: process {process_id} of {num_processes}: {what} to {address} "
             f"within {seconds} s (--startup_timeout); start all {num_processes} processes with "
             f"the same --coordinator_address and --num_processes\n")
-    os.write(2, line.encode())
+    _RUN["lost"] = line.strip()
+    _write(line)
     _leave(line)
 
 
@@ -424,7 +458,8 @@ def last_checkpoint(workdir) -> str:
     """The newest complete checkpoint step under ``workdir/checkpoints``, in words (orbax
     names a finished step directory by its number, an unfinished one otherwise)."""
     directory = pathlib.Path(workdir).absolute() / "checkpoints"
-    steps = (sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    steps = (sorted(int(p.name) for p in directory.iterdir()
+                    if p.name.isascii() and p.name.isdigit())
              if directory.is_dir() else [])
     if not steps:
         return f"There is no checkpoint in {directory} yet: a rerun starts afresh"
@@ -440,8 +475,8 @@ class PeerWatchdog:
     that closes without that means the process died (SIGKILL, a crash). Process 0 tells
     the others which process was lost; each survivor writes one line to stderr and
     leaves with :data:`PEER_LOST_EXIT` through ``os._exit`` where :func:`initialize` was
-    given ``exit_process=True`` (the entry point), else its main thread is interrupted
-    (module docstring). Each end sends ``ping``
+    given ``exit_process=True`` (the entry point), else :class:`PeerLost` is raised in its
+    main thread (module docstring). Each end sends ``ping``
     five times per ``silence_s``; a process that sends nothing for ``silence_s``
     seconds (stopped, hung, or on a machine that vanished without closing its
     connections) is lost too, and so is one that has not connected ``silence_s``
@@ -578,7 +613,14 @@ class PeerWatchdog:
             waiting = self.process_id == 0 and len(self._peers) < self.num_processes - 1
         if waiting:  # a peer not yet connected is lost only at the hello deadline
             seconds = max(seconds, self._hello_deadline + 1.0 - time.monotonic())
-        if _LOST.wait(seconds):
+        with _STOP_LOCK:  # a loss meanwhile is raised here, not sent to this thread
+            _MAIN_WAITS.set()
+        try:
+            lost = _LOST.wait(seconds)
+        finally:
+            with _STOP_LOCK:
+                _MAIN_WAITS.clear()
+        if lost:
             _wait_for_the_exit()
 
     def leave(self, ok: bool = True) -> None:

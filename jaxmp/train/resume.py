@@ -12,6 +12,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.integrity import CheckpointError
 from jaxmp.train.keys import DEFAULTS
 
@@ -40,9 +41,25 @@ def _lookup(config: dict, dotted: str):
     return node
 
 
+def _dtype_name(value):
+    """A dtype key's value as the dtype it names (``' BF16 '`` and ``bfloat16`` alike), or
+    the value itself where it names none ('' = the master dtype)."""
+    try:
+        return canonical_dtype(value).name if value else value
+    except (ValueError, TypeError):
+        return value
+
+
+# Keys that take several spellings of one value: compared by what they name, so that a
+# resume with another spelling is not another setting.
+_SAME_VALUE = {"precision.grad_reduce_dtype": _dtype_name, "optim.mu_dtype": _dtype_name,
+               "optim.nu_dtype": _dtype_name}
+
+
 def config_differences(saved: dict, current: dict) -> list:
     """``[(key, saved_value, current_value)]`` for keys of :data:`INCOMPATIBLE_KEYS`
-    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`. A key the saved config
+    (and below) that differ, ignoring :data:`MAY_CHANGE_KEYS`; a dtype key compares the
+    dtype it names (``bf16`` is ``bfloat16``). A key the saved config
     does not have (added to jaxmp after it was written, e.g. ``optim.update_rounding``)
     differs only when the current value is not that key's default."""
     diffs = []
@@ -51,8 +68,10 @@ def config_differences(saved: dict, current: dict) -> list:
         for key in sorted(set(a) | set(b)):
             if key not in a and key in DEFAULTS and b.get(key) == DEFAULTS[key]:
                 continue  # a newer key at its default: the checkpoint ran with that behaviour
+            same = _SAME_VALUE.get(key, lambda v: v)
             if (key not in MAY_CHANGE_KEYS
-                and json.dumps(a.get(key), default=str) != json.dumps(b.get(key), default=str)):
+                and json.dumps(same(a.get(key)), default=str)
+                != json.dumps(same(b.get(key)), default=str)):
                 diffs.append((key, a.get(key), b.get(key)))
     return diffs
 

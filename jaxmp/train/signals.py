@@ -87,6 +87,7 @@ class SignalCatcher:
         self.exit_on_second = exit_on_second
         self._stopped = False
         self._previous = {}
+        self._leaving: list = []  # signals that came while the handlers were put back
 
     def stop(self, step: int) -> bool:
         """Whether the loop stops after ``step`` (every process agrees under ``sync``)."""
@@ -102,6 +103,9 @@ class SignalCatcher:
         return self._stopped
 
     def _handle(self, signum, frame):
+        if self._leaving:  # __exit__ is putting the caller's handlers back: theirs, after
+            self._leaving.append(signum)
+            return
         if self.signum is not None:  # the second one: stop now, as the user asked twice
             name = signal.Signals(signum).name
             if self.exit_on_second:  # the command-line trainer: nothing of the caller's to keep
@@ -121,14 +125,25 @@ class SignalCatcher:
             sys.stderr.flush()
 
     def __enter__(self):
+        if self._previous:
+            raise RuntimeError("a SignalCatcher is entered once at a time")
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT,) if self.sync else (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        """Puts every previous handler back, whatever signal comes meanwhile: one that
+        does is delivered again once they are back, to the caller's handler."""
+        self._leaving.append(None)
+        try:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+        finally:
+            came = [s for s in self._leaving if s is not None]
+            self._previous, self._leaving = {}, []
+            for sig in came:
+                signal.raise_signal(sig)
 
 
 class Compilation:

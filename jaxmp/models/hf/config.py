@@ -104,6 +104,9 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
     if partial != 1.0:
         if out.get("kv_lora_rank"):
             raise inexact(model_type, "partial_rotary_factor", partial, "1.0 with MLA")
+        if not FAMILIES[model_type].partial_rotary:
+            raise inexact(model_type, "partial_rotary_factor", partial,
+                          f"1.0 (transformers' {model_type} rotates the whole head)")
         out["rope_dim"] = int(out["head_dim"] * partial)
         if out["rope_dim"] != out["head_dim"] * partial:
             raise inexact(model_type, "partial_rotary_factor", partial,
@@ -257,7 +260,11 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
             if config.rope_mscale_all_dim:
                 scaling["mscale_all_dim"] = config.rope_mscale_all_dim
         hf["rope_scaling"] = scaling
-    back = config_from_hf(hf)  # what the file says must be exactly this model
+    try:
+        back = config_from_hf(hf)  # what the file says must be exactly this model
+    except ValueError as e:  # said of a file the user never wrote: say it of the model
+        raise ValueError(f"the model does not map to {family}: the config.json it would "
+                         f"write is refused ({e})") from None
     rebuilt = ModelConfig(**{**{k: v for k, v in back.items() if k not in RUNTIME_FIELDS},
                              **{f: getattr(config, f) for f in RUNTIME_FIELDS}})
     for field in _relevant_fields(config):
@@ -314,6 +321,10 @@ def family_of(config: ModelConfig) -> str:
                          f"architecture belongs to one family (give the other maps=None)")
     if found:
         return found[0]
+    if config.is_mla and not config.num_experts:
+        raise ValueError(f"model.kv_lora_rank={config.kv_lora_rank} (MLA) without routed experts "
+                         f"maps to no family (deepseek_v2 and deepseek_v3, the MLA families, "
+                         f"route to experts: model.num_experts > 0)")
     if config.num_experts and config.num_shared_experts and not config.is_mla:
         raise ValueError(f"model.num_shared_experts={config.num_shared_experts} with "
                          f"softmax routing and standard attention maps to no family "

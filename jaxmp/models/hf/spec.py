@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from jaxmp._checks import BOOL, Choice, Int, Kind, Real, is_int
+from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, is_int
 
 __all__ = ["Field", "Family", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
            "common_specs", "COMMON_FIELDS", "COUNT", "COUNT0", "POSITIVE", "OBJECT", "STRING",
@@ -60,6 +60,8 @@ _MAX_INT = 2 ** 31 - 1  # every count and size is an int32 array dimension or po
 COUNT = Int(1, _MAX_INT)
 COUNT0 = Int(0, _MAX_INT)
 POSITIVE = Real(0.0, lo_open=True)
+# An epsilon the float32 norms add: finite in float32 (1e308 would be inf there).
+EPS = Real(0.0, F32_MAX, lo_open=True, text="a finite number > 0 that float32 holds")
 OBJECT = Kind(lambda v: isinstance(v, dict), "a JSON object {...} or null")
 STRING = Kind(lambda v: isinstance(v, str), "a string")
 NAMES = Kind(lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
@@ -90,7 +92,7 @@ def common_specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Opti
         "head_dim": Field(COUNT, head_dim, null=0),  # 0: hidden_size / num_attention_heads
         "intermediate_size": Field(d_ff),
         "max_position_embeddings": Field(COUNT, max_len),
-        "rms_norm_eps": Field(POSITIVE, eps),
+        "rms_norm_eps": Field(EPS, eps),
         "tie_word_embeddings": Field(BOOL, False),
         "rope_theta": Field(POSITIVE, theta),
         "partial_rotary_factor": Field(Real(0.0, 1.0, lo_open=True), partial),
@@ -148,6 +150,9 @@ class Family:
         (:func:`jaxmp.models.hf.family_of`; exactly one family maps any architecture that
         one can hold). None: never chosen by itself (a family that writes the same files
         as another, as Mistral's those of Llama).
+      partial_rotary: transformers' model of the family rotates only
+        ``partial_rotary_factor`` of each head (GLM-4.5); False: it rotates the whole head
+        whatever the field says, so a factor other than 1 cannot be represented.
     """
 
     model_type: str
@@ -160,6 +165,7 @@ class Family:
     read: Optional[Callable[[Dict[str, Any], Dict[str, Any], Dict[str, Any]], None]] = None
     write: Optional[Callable[[Any, Dict[str, Any]], None]] = None
     maps: Optional[Callable[[Any], bool]] = None
+    partial_rotary: bool = False
 
     def __post_init__(self):
         extra = set(self.fields) - set(self.specs)  # every field a family maps is in its table

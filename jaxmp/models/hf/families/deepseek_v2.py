@@ -50,4 +50,4 @@ FAMILY = Family(
                  topk_method=fixed("greedy", "group_limited_greedy"),
                  scoring_func=fixed("softmax")),
     read=_read, write=_write,
-    maps=lambda c: c.is_mla and c.score_fn != "sigmoid")
+    maps=lambda c: c.is_mla and c.num_experts and c.score_fn != "sigmoid")

@@ -70,4 +70,4 @@ FAMILY = Family(
                  topk_method=fixed("noaux_tc"), scoring_func=fixed("sigmoid"),
                  rope_interleave=Field(BOOL, True)),
     read=_read, write=_write,
-    maps=lambda c: c.is_mla and c.score_fn == "sigmoid")
+    maps=lambda c: c.is_mla and c.num_experts and c.score_fn == "sigmoid")

@@ -27,5 +27,5 @@ FAMILY = Family(
                  n_shared_experts=Field(COUNT0, 1), first_k_dense_replace=Field(COUNT0, 1),
                  norm_topk_prob=Field(BOOL, True), routed_scaling_factor=Field(POSITIVE, 1.0),
                  n_group=Field(COUNT, 1), topk_group=Field(COUNT, 1)),
-    write=_write,
+    write=_write, partial_rotary=True,
     maps=lambda c: not c.is_mla and c.num_experts and c.score_fn == "sigmoid")
