@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The train extra's distributions and the module each installs; orbax comes with flax.
 TRAIN_ONLY = {"grain": "grain", "ml_collections": "ml_collections", "tqdm": "tqdm",
               "tensorboardX": "tensorboardX", "tokenizers": "tokenizers",
-              "sentencepiece": "sentencepiece", "safetensors": "safetensors"}
+              "sentencepiece": "sentencepiece", "safetensors": "safetensors", "jinja2": "jinja2"}
 TRAIN_MODULES = sorted(set(TRAIN_ONLY.values()) | {"orbax", "torch", "transformers"})
 # A pip that cannot reach an index says one of these: the test is then skipped, not failed.
 OFFLINE = re.compile(r"Could not find a version|No matching distribution|Failed to establish|"

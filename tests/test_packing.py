@@ -58,12 +58,21 @@ def _model(kind, policy, attention, scan=False, remat="none"):
 
 
 def _alone_and_packed(model):
+    """``[(alone, packed)]`` logits (float64) of each document: alone is the document by
+    itself at the start of a row of ``T`` (the rest of the row after it, which a causal
+    model's earlier positions never see), without segment ids; packed is its slice of the
+    packed row. Both runs jitted, one row shape: two compiles a model."""
     docs = _docs(model.config.vocab_size)
     tokens, seg = _packed(docs)
-    packed = np.asarray(model(jnp.asarray(tokens), segment_ids=jnp.asarray(seg))[0], np.float64)
+    graphdef, state = nnx.split(model)
+    packed_fn = jax.jit(lambda st, t, s: nnx.merge(graphdef, st)(t, segment_ids=s)[0])
+    alone_fn = jax.jit(lambda st, t: nnx.merge(graphdef, st)(t)[0])
+    packed = np.asarray(packed_fn(state, jnp.asarray(tokens), jnp.asarray(seg)), np.float64)
     at, pairs = 0, []
     for d in docs:
-        alone = np.asarray(model(jnp.asarray(d[None]))[0], np.float64)[0]
+        row = np.zeros((1, T), np.int32)
+        row[0, :len(d)] = d
+        alone = np.asarray(alone_fn(state, jnp.asarray(row)), np.float64)[0, :len(d)]
         pairs.append((alone, packed[0, at:at + len(d)]))
         at += len(d)
     return pairs
@@ -101,7 +110,7 @@ def test_a_document_that_crossed_would_be_caught():
     docs = _docs(model.config.vocab_size)
     tokens, _ = _packed(docs)
     unmasked = np.asarray(model(jnp.asarray(tokens))[0], np.float64)[0, 5:12]
-    alone = np.asarray(model(jnp.asarray(docs[1][None]))[0], np.float64)[0]
+    alone = np.asarray(model(jnp.asarray(docs[1][None]))[0], np.float64)[0]  # its own length
     assert np.max(np.abs(unmasked - alone)) > 1e-2
 
 
