@@ -161,3 +161,21 @@ def test_a_chat_run_finds_its_format_trains_on_the_assistant_and_resumes(tmp_pat
     rates = [r["trained_tokens_per_s"] for r in read_metrics(straight / "metrics.jsonl",
                                                               "train")]
     assert rates[0] is None and all(r > 0 for r in rates[1:])  # step 1 compiles: untimed
+    # The export writes the template it trained with back: transformers renders as it did.
+    transformers = pytest.importorskip("transformers")
+    from jaxmp.train.artifacts import export_hf
+    from jaxmp.train.chat import encode_conversation
+
+    export_hf(straight, tmp_path / "out")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    ids, _ = encode_conversation(convs[0], str(tok_dir))
+    assert list(theirs.apply_chat_template(convs[0], tokenize=True, return_dict=True)[
+        "input_ids"]) == ids.tolist()
+    # a resume with another template is refused: its digest is in the data state
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "chat_template": CHATML_GEN.replace("\\n", " ")}))
+    from jaxmp.train.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"the chat template is not the one the "
+                                              r"checkpoint was trained with"):
+        train_and_evaluate(config(6), str(resumed), num_devices=2)

@@ -457,7 +457,10 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
     of the family the architecture maps to; a Hugging Face tokenizer is written as
     ``tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-document token
-    (``eos_token``), which ``transformers.AutoTokenizer`` reads; the byte tokenizer is
+    (``eos_token``; and the chat template a chat run trained with,
+    :func:`jaxmp.train.chat.keep_chat_template`, as ``chat_template``, so that
+    ``apply_chat_template`` renders as training did), which ``transformers.AutoTokenizer``
+    reads; the byte tokenizer is
     written as the same ids in that form (:meth:`ByteTokenizer.to_hf`), and a SentencePiece
     model as its ``tokenizers`` counterpart (:meth:`SentencePieceTokenizer.to_hf`, which
     says where the two can differ), with the ``.model`` file beside it. As with
@@ -491,6 +494,9 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
 
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
                                                                   notes)
+    from jaxmp.train.chat import kept_chat_template
+
+    template = kept_chat_template(workdir)  # the one a chat run trained with
     spm_model = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None
     if spm_model is not None:  # a model with no exact counterpart is refused before writing
         tokenizer = HFTokenizer(spm_model.to_hf(), spm_model.name, spm_model.eos_id)
@@ -506,8 +512,8 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
             file = tokenizer.save(directory).name
             eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
             (directory / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos},
-                indent=2) + "\n")
+                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+                 **({"chat_template": template} if template else {})}, indent=2) + "\n")
         return {"family": family, "step": int(saved_step), "tokenizer": file}
 
     return _write_export(out, real, write,

@@ -39,7 +39,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["ROLES", "load_chat_template", "special_tokens", "render_conversation",
-           "encode_conversation", "check_messages", "MIN_JINJA2"]
+           "encode_conversation", "check_messages", "MIN_JINJA2", "KEPT_TEMPLATE",
+           "keep_chat_template", "kept_chat_template"]
+
+# The run's own copy of the chat template it trained with, in its workdir.
+KEPT_TEMPLATE = "chat_template.jinja"
 
 # The roles a message may have (tool messages where the template knows them).
 ROLES = ("system", "user", "assistant", "tool")
@@ -372,3 +376,31 @@ def encode_conversation(messages: Sequence[Dict[str, Any]], tokenizer_dir: str, 
             break
         mask[i] = end > spans[s][0]
     return ids, mask
+
+
+def keep_chat_template(template: str, workdir) -> str:
+    """Keeps ``template`` in the run directory (:data:`KEPT_TEMPLATE`, written atomically;
+    one with the same text is left as it is), so that the run's export writes the template
+    it trained with back (:func:`jaxmp.train.artifacts.export_hf`) whatever became of its
+    source. Returns the copy's path."""
+    from jaxmp.train.tokenizer import write_atomic
+
+    path = os.path.join(str(workdir), KEPT_TEMPLATE)
+    if kept_chat_template(workdir) != template:
+        write_atomic(path, template.encode("utf-8"))
+    return path
+
+
+def kept_chat_template(workdir) -> Optional[str]:
+    """The chat template a run kept (:func:`keep_chat_template`), or None.
+
+    Raises:
+      ValueError: the copy is not a regular file or not UTF-8 (one line naming it).
+    """
+    path = os.path.join(str(workdir), KEPT_TEMPLATE)
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: not a regular file; the run's copy of its chat template")
+    return _read_text(path, "chat template")
+

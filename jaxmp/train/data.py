@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import pathlib
@@ -102,6 +103,8 @@ class DataPipeline:
       examples: for packed examples, what they are in words (format, packing, loss_on,
         the trained fraction of the train rows, the chat template's source), for the
         banner; '' for a token stream.
+      chat_template: the chat template the conversations were rendered with ('' without
+        chat records); its SHA-256 is part of the data state, so a resume refuses another.
     """
 
     train_iter: grain.DatasetIterator
@@ -116,6 +119,7 @@ class DataPipeline:
     sample_prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     batch_keys: tuple = packing_module.BATCH_KEYS
     examples: str = ""
+    chat_template: str = ""
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -146,6 +150,11 @@ class DataPipeline:
             raise ValueError(f"the tokenizer ({self.tokenizer.name}) is not the one the "
                              f"checkpoint was trained with (another SHA-256); restore that "
                              f"tokenizer or start a new --workdir")
+        if isinstance(saved, dict) and saved.get("chat_template") != \
+                self._fingerprint.get("chat_template"):
+            raise ValueError("the chat template is not the one the checkpoint was trained with "
+                             "(another SHA-256); restore that template or start a new "
+                             "--workdir")
         mine = dict(self._fingerprint)
         if isinstance(saved, dict) and "tokenizer" not in saved:
             mine.pop("tokenizer", None)  # saved before runs recorded their tokenizer
@@ -430,7 +439,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         num_documents=num_documents, notes=tuple(notes), warnings=tuple(warnings),
         eval_bytes=eval_bytes, sample_prompt=sample_prompt,
         batch_keys=extra.get("batch_keys", packing_module.BATCH_KEYS),
-        examples=extra.get("examples", ""),
+        examples=extra.get("examples", ""), chat_template=extra.get("chat_template", ""),
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed,
                       "tokenizer": tokenizer.digest(), **extra.get("fingerprint", {})})
@@ -464,7 +473,7 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
     (:func:`split_documents`); an eval split that gives no row takes the examples whose
     names hash closest to eval until it gives one."""
     fmt = given("format")
-    examples, counts, source = packing_module.encode_examples(
+    examples, counts, source, template = packing_module.encode_examples(
         records, fmt, text_field=text_field, tokenizer=tokenizer, loss_on=given("loss_on"),
         chat_template=given("chat_template"))
     main = next((k for k in ("chat", "prompt_completion", "text") if counts.get(k)), "text")
@@ -514,8 +523,11 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
     words = (f"{main}, packing {packing}, loss on {loss_on} ({fraction:.1%} of the train rows' "
              f"tokens trained)" + (f", chat template {source}" if source else ""))
     extra = {"batch_keys": packing_module.PACKED_KEYS, "examples": words,
+             "chat_template": template,
              "fingerprint": {"format": main, "packing": packing, "loss_on": loss_on,
-                             "truncate": truncate}}
+                             "truncate": truncate,
+                             **({"chat_template": hashlib.sha256(template.encode()).hexdigest()}
+                                if template else {})}}
     return train, evals, notes, len(examples), extra
 
 

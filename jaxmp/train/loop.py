@@ -50,6 +50,7 @@ from jaxmp.train.metrics import MetricsWriter
 from jaxmp.train.preflight import (banner, check_memory, check_parameter_memory,
                                    check_sample_memory, describe_loss_scale, precision_warnings)
 from jaxmp.train.signals import Compilation, Interrupted, SignalCatcher, compile_in_progress
+from jaxmp.train.chat import keep_chat_template
 from jaxmp.train.tokenizer import keep_tokenizer
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
@@ -268,6 +269,8 @@ def _run(exp: Experiment, workdir: pathlib.Path,
         if main_process:  # the run's own copy of a tokenizer file: its readers need no other.
             # After restore: a resume refused for another tokenizer leaves the copy as it was.
             keep_tokenizer(data.tokenizer, exp.config.data.tokenizer, workdir)
+            if data.chat_template:  # its export writes the template it trained with back
+                keep_chat_template(data.chat_template, workdir)
             _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)
         stack.push(lambda *exc: writer.close(raise_errors=exc[0] is None))  # the first error wins

@@ -107,7 +107,7 @@ def _text(value: Any, where: str, field: str) -> str:
 
 def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field: str,
                     tokenizer, loss_on: str, chat_template: str = "",
-                    ) -> Tuple[List[Example], Dict[str, int], str]:
+                    ) -> Tuple[List[Example], Dict[str, int], str, str]:
     """Tokenizes records into :class:`Example` s.
 
     Args:
@@ -121,9 +121,9 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
       chat_template: ``data.chat_template`` (a file), or ``""``.
 
     Returns:
-      ``(examples, counts, template_source)``: the examples in order; counts by format
-      and of skipped conversations (``"no assistant turn"``); where the chat template
-      came from ('' without chat).
+      ``(examples, counts, template_source, template)``: the examples in order; counts by
+      format and of skipped conversations (``"no assistant turn"``); where the chat
+      template came from and its text ('' without chat).
 
     Raises:
       ValueError: one line naming the file and line: a record of no known or of the wrong
@@ -178,7 +178,7 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
             if learn == "all":
                 learned = np.ones(len(ids), bool)
         examples.append(Example(name, ids, learned))
-    return examples, counts, source or ""
+    return examples, counts, source or "", template or ""
 
 
 def _tokenizer_dir(tokenizer) -> str:
