@@ -172,10 +172,9 @@ def test_a_chat_run_finds_its_format_trains_on_the_assistant_and_resumes(tmp_pat
     assert list(theirs.apply_chat_template(convs[0], tokenize=True, return_dict=True)[
         "input_ids"]) == ids.tolist()
     # a resume with another template is refused: its digest is in the data state
+    state = create_pipeline(config(4).data, global_batch_size=8, seed=0).get_state()
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "chat_template": CHATML_GEN.replace("\\n", " ")}))
-    from jaxmp.train.checkpoint import CheckpointError
-
-    with pytest.raises(CheckpointError, match=r"the chat template is not the one the "
-                                              r"checkpoint was trained with"):
-        train_and_evaluate(config(6), str(resumed), num_devices=2)
+    with pytest.raises(ValueError, match=r"^the chat template is not the one the checkpoint "
+                                         r"was trained with"):
+        create_pipeline(config(4).data, global_batch_size=8, seed=0).check_state(state)

@@ -78,15 +78,14 @@ def _alone_and_packed(model):
     return pairs
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-@pytest.mark.parametrize("attention", ["reference", "xla"])
+@pytest.mark.parametrize("kind, attention", [("dense_gqa", "reference"), ("moe", "reference"),
+                                             ("mla", "reference"), ("moe", "xla")])
 def test_each_document_of_a_packed_row_has_its_logits_alone_fp32(kind, attention):
     for alone, packed in _alone_and_packed(_model(kind, "fp32", attention)):
         np.testing.assert_allclose(packed, alone, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("scan, remat", [(True, "none"), (True, "full"), (False, "attention"),
-                                         (False, "dots_saveable")])
+@pytest.mark.parametrize("scan, remat", [(True, "full"), (False, "dots_saveable")])
 def test_packed_rows_under_scanned_layers_and_remat(scan, remat):
     for alone, packed in _alone_and_packed(_model("moe", "fp32", "reference", scan, remat)):
         np.testing.assert_allclose(packed, alone, rtol=2e-5, atol=2e-5)

@@ -57,12 +57,13 @@ def _run_fake(*args):
     return p.returncode, p.stdout, [line for line in p.stderr.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("error, me, where, lost", [
-    ("UNAVAILABLE: Socket closed", 1, "watchdog", 0),
-    ("UNAVAILABLE: Socket closed", 1, "config", 0),
-    ("DEADLINE_EXCEEDED: GetKeyValue() timed out with key: jaxmp/config/1", 0, "config", 1),
+@pytest.mark.parametrize("error, me, where, lost, caller", [
+    ("UNAVAILABLE: Socket closed", 1, "watchdog", 0, "exit"),
+    ("UNAVAILABLE: Socket closed", 1, "config", 0, "exit"),
+    ("DEADLINE_EXCEEDED: GetKeyValue() timed out with key: jaxmp/config/1", 0, "config", 1,
+     "exit"),
+    ("UNAVAILABLE: Socket closed", 1, "config", 0, "library"),  # the library's way, once
 ])
-@pytest.mark.parametrize("caller", ["exit", "library"])
 def test_a_failed_start_up_exchange_is_one_line_naming_the_lost_process(error, me, where, lost,
                                                                         caller):
     """The entry point (initialize(exit_process=True)) exits with status 1; a library
