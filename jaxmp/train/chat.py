@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["ROLES", "load_chat_template", "special_tokens", "render_conversation",
-           "encode_conversation", "check_messages", "MIN_JINJA2", "KEPT_TEMPLATE",
+           "encode_conversation", "encode_messages", "check_messages", "MIN_JINJA2", "KEPT_TEMPLATE",
            "keep_chat_template", "kept_chat_template"]
 
 # The run's own copy of the chat template it trained with, in its workdir.
@@ -351,13 +351,8 @@ def encode_conversation(messages: Sequence[Dict[str, Any]], tokenizer_dir: str, 
         that fails, one without generation marks whose renderings are not prefixes, or a
         ``tokenizer.json`` that does not load.
     """
-    messages = check_messages(list(messages))
     if template is None:
         template, _ = load_chat_template(tokenizer_dir)
-    variables = {**special_tokens(tokenizer_dir), **variables}
-    text, spans = render_conversation(messages, template, **variables)
-    if not _GENERATION.search(template):
-        spans = _prefix_spans(messages, template, variables, text)
     from tokenizers import Tokenizer
 
     file = os.path.join(tokenizer_dir, "tokenizer.json")
@@ -365,6 +360,23 @@ def encode_conversation(messages: Sequence[Dict[str, Any]], tokenizer_dir: str, 
         tokenizer = Tokenizer.from_file(file)
     except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception
         raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({_one_line(e)})") from None
+    return encode_messages(messages, template, tokenizer,
+                           **{**special_tokens(tokenizer_dir), **variables})
+
+
+def encode_messages(messages: Sequence[Dict[str, Any]], template: str, tokenizer,
+                    **variables: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`encode_conversation` with the template, the ``tokenizers.Tokenizer`` and the
+    template's variables (the special tokens included) already loaded: what a data
+    pipeline calls for each of many conversations.
+
+    Raises:
+      ValueError: as :func:`encode_conversation`, but for the loading.
+    """
+    messages = check_messages(list(messages))
+    text, spans = render_conversation(messages, template, **variables)
+    if not _GENERATION.search(template):
+        spans = _prefix_spans(messages, template, variables, text)
     encoding = tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, np.int32)
     mask = np.zeros(len(ids), bool)

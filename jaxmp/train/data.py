@@ -451,17 +451,14 @@ def _examples_wanted(given, path, text_field: str, warnings: list, progress: boo
     prompt_completion, ``data.loss_on`` or ``data.packing`` asking for them, or
     ``data.format=auto`` finding a chat or prompt_completion record; else None (the token
     stream of text documents, read as before)."""
-    fmt, loss_on, packing = given("format"), given("loss_on"), given("packing")
-    wanted = (fmt in ("chat", "prompt_completion") or loss_on in ("assistant", "completion")
-              or packing in ("isolated", "padded"))
+    fmt = given("format")
+    wanted = packing_module.asks_for_examples(fmt, given("loss_on"), given("packing"))
     if fmt == "text" and not wanted:
         return None
     if not wanted and not (path and any(f.lower().endswith(".jsonl") for f in data_files(path))):
         return None
     records = load_documents(path, text_field, warnings, progress=progress, records=True)
-    if wanted or any(isinstance(r, dict) and ("messages" in r or ("prompt" in r and
-                                                                  "completion" in r))
-                     for _, r in records):
+    if wanted or any(packing_module.example_kind(r) for _, r in records):
         return records
     return None  # text records: read again as documents, as a text corpus always was
 

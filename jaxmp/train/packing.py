@@ -5,7 +5,8 @@ An example is one JSON-lines record (or a whole text file):
 
 * ``text``: the record's ``data.text_field`` (every token learned);
 * ``chat``: ``{"messages": [{role, content}, ...]}``, rendered by the chat template
-  (:func:`jaxmp.train.chat.encode_conversation`; the assistant's tokens learned);
+  (:func:`jaxmp.train.chat.encode_messages`, as :func:`~jaxmp.train.chat.encode_conversation`;
+  the assistant's tokens learned);
 * ``prompt_completion``: ``{"prompt": str, "completion": str}``, tokenized each on its
   own and joined, the end-of-document token after the completion (the completion and
   that token learned), as TRL's ``completion_only_loss``.
@@ -37,16 +38,20 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["FORMATS", "LOSS_ON", "PACKINGS", "TRUNCATIONS", "BATCH_KEYS", "PACKED_KEYS",
-           "batch_keys", "record_format", "resolve", "encode_examples", "PackedRows", "Example"]
+__all__ = ["FORMATS", "LOSS_ON", "PACKINGS", "TRUNCATIONS", "BATCH_KEYS", "LOSS_MASK",
+           "SEGMENT_KEYS", "PACKED_KEYS", "batch_keys", "asks_for_examples", "example_kind",
+           "record_format", "resolve", "encode_examples", "PackedRows", "Example"]
 
 FORMATS = ("auto", "text", "chat", "prompt_completion")
 LOSS_ON = ("", "all", "assistant", "completion")
 PACKINGS = ("", "concat", "isolated", "padded")
 TRUNCATIONS = ("split", "truncate")
-# The keys of a token batch, and of one with loss masks and packed examples.
+# The keys of a token batch, and of one with loss masks and packed examples: the mask the
+# loss reads (jaxmp.train.step) and the keys MoETransformer takes for packed rows.
 BATCH_KEYS = ("inputs", "targets")
-PACKED_KEYS = BATCH_KEYS + ("loss_mask", "segment_ids", "positions")
+LOSS_MASK = "loss_mask"
+SEGMENT_KEYS = ("segment_ids", "positions")
+PACKED_KEYS = BATCH_KEYS + (LOSS_MASK,) + SEGMENT_KEYS
 _DEFAULT_LOSS_ON = {"text": "all", "chat": "assistant", "prompt_completion": "completion"}
 
 
@@ -66,10 +71,27 @@ def batch_keys(data_config: Any) -> Tuple[str, ...]:
     (``format`` chat or prompt_completion, ``loss_on`` assistant or completion,
     ``packing`` isolated or padded), else :data:`BATCH_KEYS` (``format=auto`` may still
     find chat records: the trainer then compiles its step again for their keys)."""
-    wanted = (data_config.get("format") in ("chat", "prompt_completion")
-              or data_config.get("loss_on") in ("assistant", "completion")
-              or data_config.get("packing") in ("isolated", "padded"))
-    return PACKED_KEYS if wanted else BATCH_KEYS
+    return PACKED_KEYS if asks_for_examples(data_config.get("format"), data_config.get(
+        "loss_on"), data_config.get("packing")) else BATCH_KEYS
+
+
+def asks_for_examples(fmt: str, loss_on: str, packing: str) -> bool:
+    """Whether ``data.format``, ``data.loss_on`` and ``data.packing`` ask for examples with
+    loss masks whatever the records are (``auto`` may still find them,
+    :func:`example_kind`)."""
+    return (fmt in ("chat", "prompt_completion") or loss_on in ("assistant", "completion")
+            or packing in ("isolated", "padded"))
+
+
+def example_kind(record: Any) -> Any:
+    """``"chat"`` or ``"prompt_completion"`` for a record of one (by its fields, in that
+    order of precedence), else None."""
+    if isinstance(record, dict):
+        if "messages" in record:
+            return "chat"
+        if "prompt" in record and "completion" in record:
+            return "prompt_completion"
+    return None
 
 
 def record_format(record: Any, text_field: str, where: str) -> str:
@@ -78,13 +100,11 @@ def record_format(record: Any, text_field: str, where: str) -> str:
     Raises:
       ValueError: a record of no known format (one line naming ``where``: file and line).
     """
-    if isinstance(record, dict):
-        if "messages" in record:
-            return "chat"
-        if "prompt" in record and "completion" in record:
-            return "prompt_completion"
-        if text_field in record:
-            return "text"
+    kind = example_kind(record)
+    if kind is not None:
+        return kind
+    if isinstance(record, dict) and text_field in record:
+        return "text"
     keys = sorted(record)[:6] if isinstance(record, dict) else type(record).__name__
     raise ValueError(f"{where}: a record of no known format (fields {keys}); allowed: "
                      f"'messages' (chat), 'prompt' and 'completion', or {text_field!r} "
@@ -168,11 +188,13 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
             if not any(m["role"] == "assistant" for m in messages):
                 counts["no assistant turn"] = counts.get("no assistant turn", 0) + 1
                 continue
-            directory = _tokenizer_dir(tokenizer)
-            if template is None:
+            if template is None:  # loaded once, with the special tokens it reads
+                directory = _tokenizer_dir(tokenizer)
                 template, source = chat.load_chat_template(chat_template or directory)
-            try:
-                ids, learned = chat.encode_conversation(messages, directory, template=template)
+                special = chat.special_tokens(directory)
+            try:  # the data tokenizer is the directory's tokenizer.json (_tokenizer_dir)
+                ids, learned = chat.encode_messages(messages, template, tokenizer.tokenizer,
+                                                    **special)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             if learn == "all":

@@ -46,6 +46,7 @@ from jaxmp.precision import comm, fp8, ops, optim
 from jaxmp.precision._paths import path_name
 from jaxmp.precision.loss_scale import all_finite, select_tree
 from jaxmp.sharding import StepPlan
+from jaxmp.train.packing import LOSS_MASK, SEGMENT_KEYS
 from jaxmp.train.state import TrainState
 
 __all__ = ["loss_fn", "forward_args", "GradExchange", "DivergenceCheck", "make_train_step",
@@ -65,11 +66,6 @@ def forward_args(plan: StepPlan) -> Dict[str, Any]:
     if plan.expert_axis is not None:
         args.update(expert_axis=plan.expert_axis, dispatch_dtype=plan.layout.dispatch_dtype)
     return args
-
-
-# The optional batch keys: a [B, T] array each, beside "inputs" and "targets".
-PACKING_KEYS = ("segment_ids", "positions")  # documents of packed rows, MoETransformer's
-LOSS_MASK = "loss_mask"  # the tokens trained on (bool or float weights)
 
 
 def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None, *,
@@ -101,7 +97,7 @@ def loss_fn(graphdef, params, biases, rest, loss_scale, batch, amax=None, *,
     """
     if amax is not None:
         rest = nnx.merge_state(amax, rest)
-    packing = {k: batch[k] for k in PACKING_KEYS if k in batch}
+    packing = {k: batch[k] for k in SEGMENT_KEYS if k in batch}
     logits, aux = nnx.merge(graphdef, params, biases, rest)(batch["inputs"], **packing,
                                                             **(forward or {}))
     ce = ops.cross_entropy(logits, batch["targets"], batch.get(LOSS_MASK),
@@ -518,7 +514,7 @@ def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
         def per_device(inputs: _EvalInputs):
             model = nnx.merge(graphdef, inputs.params, inputs.biases, inputs.rest)
             batch = inputs.batch
-            logits, _ = model(batch["inputs"], **{k: batch[k] for k in PACKING_KEYS
+            logits, _ = model(batch["inputs"], **{k: batch[k] for k in SEGMENT_KEYS
                                                    if k in batch}, **forward)
             targets = batch["targets"]
             if LOSS_MASK in batch:  # the masked sum and the trained tokens
