@@ -1,4 +1,5 @@
-"""``python -m jaxmp.sample --workdir DIR [--prompt TEXT] [--tokens N] [--temperature T]``.
+"""``python -m jaxmp.sample --workdir DIR [--prompt TEXT] [--chat [--system TEXT]] [--tokens N]
+[--temperature T]``.
 
 Samples from the newest good (or ``--step``) checkpoint of a training run: the model and
 its tokenizer come from :func:`jaxmp.train.load` (read-only: a trainer writing into the
@@ -8,11 +9,19 @@ progress bar on stderr; only ids the tokenizer has, when the model's vocabulary 
 padded). The prompt followed by the sample is printed to stdout. An empty prompt starts
 a new document (the end-of-document token).
 
+With ``--chat`` (a run that trained on conversations, which keeps its chat template and
+the special tokens it rendered it with: :func:`jaxmp.train.chat.keep_chat_template`), the
+prompt is a user message (after a ``--system`` message when given), rendered by that
+template with its generation prompt (:func:`jaxmp.train.chat.render_conversation`, in
+the sandbox), sampling stops at the template's end-of-turn token
+(:func:`jaxmp.train.chat.end_of_turn_ids`), and the assistant's reply alone is printed.
+
 Refused with a one-line error (exit status 2) before the checkpoint is read: ``--tokens``
 below 0, ``--temperature`` below 0, infinite or NaN, a ``--seed`` outside ``[0, 2**64)`` (each of
 those seeds is its own sampling key: :func:`seed_key`), and a ``--prompt`` that is not
 valid UTF-8 text (an argument byte that does not decode, such as ``$'\\xff'``, which Python
-keeps as a lone surrogate).
+keeps as a lone surrogate); ``--system`` without ``--chat``, and ``--chat`` with an empty
+prompt. After it: ``--chat`` on a run without a kept chat template.
 """
 from __future__ import annotations
 
@@ -75,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0, help="sampling seed, an integer in "
                    "[0, 2**64) (default 0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--chat", action="store_true", help="the prompt is a user message, rendered "
+                   "by the run's chat template; stop at its end of turn and print the reply")
+    p.add_argument("--system", default=None, help="with --chat: a system message before it")
     return p
 
 
@@ -107,9 +119,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--tokens must be >= 0, got {args.tokens}")
     if not 0 <= args.temperature < float("inf"):  # inf: every logit equal, NaN probabilities
         parser.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    bad_prompt = _prompt_error(args.prompt)
+    bad_prompt = _prompt_error(args.prompt) or _prompt_error(args.system or "")
     if bad_prompt:
         parser.error(bad_prompt)
+    if args.system is not None and not args.chat:
+        parser.error("--system is a message of a conversation: give it with --chat")
+    if args.chat and not args.prompt.strip():
+        parser.error("--chat needs a --prompt: the user's message")
     import numpy as np
     from jaxmp.models import generate
     from jaxmp.train import CheckpointError
@@ -124,12 +140,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         restore()
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
-    prompt = (tokenizer.encode(args.prompt, add_eos=False) if args.prompt
-              else np.asarray([tokenizer.eos_id], np.int32))
+    stops = ()
+    if args.chat:
+        try:
+            prompt, stops = chat_prompt(args.workdir, tokenizer, args.prompt, args.system)
+        except ValueError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+    else:
+        prompt = (tokenizer.encode(args.prompt, add_eos=False) if args.prompt
+                  else np.asarray([tokenizer.eos_id], np.int32))
     ids = generate(model, prompt, args.tokens, temperature=args.temperature,
-                   rng=seed_key(args.seed), progress=True, vocab_limit=tokenizer.vocab_size)
-    print(tokenizer.decode(ids))
+                   rng=seed_key(args.seed), progress=True, vocab_limit=tokenizer.vocab_size,
+                   stop_ids=stops)
+    if args.chat:
+        reply = ids[len(prompt):]
+        ended = np.flatnonzero(np.isin(reply, stops))
+        print(tokenizer.decode(reply[:ended[0]] if ended.size else reply))
+    else:
+        print(tokenizer.decode(ids))
     return 0
+
+
+def chat_prompt(workdir, tokenizer, message: str, system: Optional[str] = None):
+    """``(prompt ids, end-of-turn ids)`` of a user ``message`` (after a ``system`` one when
+    given), rendered with its generation prompt by the chat template a run trained with and
+    the special tokens it rendered it with (:func:`jaxmp.train.chat.kept_chat_template`),
+    tokenized without added special tokens (the template writes them).
+
+    Args:
+      workdir: the run's directory.
+      tokenizer: the run's tokenizer (:func:`jaxmp.train.load`); a Hugging Face one.
+      message, system: the messages' text.
+
+    Returns:
+      int32 ``[n]`` prompt ids and the list of end-of-turn ids
+      (:func:`jaxmp.train.chat.end_of_turn_ids`).
+
+    Raises:
+      ValueError: the run kept no chat template (it did not train on conversations), its
+        tokenizer is not a Hugging Face one, the template fails or its tokenizer lacks its
+        special tokens (one line).
+    """
+    import numpy as np
+    from jaxmp.train import chat
+
+    template = chat.kept_chat_template(workdir)
+    inner = getattr(tokenizer, "tokenizer", None)
+    if template is None or not hasattr(inner, "encode"):
+        raise ValueError(f"--chat: {workdir} kept no chat template ({chat.KEPT_TEMPLATE}): the "
+                         f"run did not train on conversations; sample without --chat")
+    tokens = chat.kept_chat_tokens(workdir)
+    chat.check_special_tokens(template, inner, tokens, str(tokenizer.name))
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [
+        {"role": "user", "content": message}]
+    text, _ = chat.render_conversation(chat.check_messages(messages, "--chat"), template,
+                                       add_generation_prompt=True, **tokens)
+    ids = np.asarray(inner.encode(text, add_special_tokens=False).ids, np.int32)
+    return ids, chat.end_of_turn_ids(template, inner, tokens)
 
 
 if __name__ == "__main__":

@@ -161,3 +161,72 @@ def test_the_template_comes_from_the_directory_or_a_named_list(tokenizer_dir, tm
         load_chat_template(str(tmp_path))
     (tmp_path / "chat_template.jinja").write_text(CHATML_GEN)
     assert load_chat_template(str(tmp_path)) == (CHATML_GEN, str(tmp_path / "chat_template.jinja"))
+
+
+def test_a_tokenizer_without_the_templates_special_tokens_is_refused(tokenizer_dir, tmp_path):
+    """A template of another model (DeepSeek's fullwidth-bar markup, Gemma's turns) or a
+    special token the tokenizer splits into text: one line naming the tokenizer file and
+    the tokens; the markup this tokenizer has passes."""
+    from jaxmp.train.chat import check_special_tokens
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    check_special_tokens(LLAMA3_GEN, tok, {"bos_token": "<|begin_of_text|>"})
+    other = "{{ '<\uff5cUser\uff5c>' + messages[0]['content'] + '<start_of_turn><|im_end|>' }}"
+    with pytest.raises(ValueError, match=r"^tok.json: the tokenizer lacks 2 of the chat "
+                                         r"template's special tokens \(<start_of_turn>, "
+                                         r"<\uff5cUser\uff5c>\)"):
+        check_special_tokens(other, tok, {}, "tok.json")
+    with pytest.raises(ValueError, match=r"lacks 1 .*\(<s>\)"):
+        check_special_tokens(CHATML, tok, {"bos_token": "<s>"})
+    directory = _with_template(tokenizer_dir, other)
+    with pytest.raises(ValueError, match=r"tokenizer.json: the tokenizer lacks 2"):
+        encode_conversation(CONVERSATIONS[0], directory)
+
+
+@pytest.mark.parametrize("template, end", [(CHATML_GEN, "<|im_end|>"), (CHATML, "<|im_end|>"),
+                                           (LLAMA3_GEN, "<|eot_id|>")],
+                         ids=["chatml_gen", "chatml", "llama3"])
+def test_the_end_of_turn_and_the_chat_prompt_are_transformers(tokenizer_dir, template, end,
+                                                              tmp_path):
+    """end_of_turn_ids: the token after an assistant's content, then eos_token; and the
+    prompt ``jaxmp.sample --chat`` renders from a run's kept template and tokens is
+    transformers' ``apply_chat_template(add_generation_prompt=True)`` on the same
+    directory."""
+    from tokenizers import Tokenizer
+
+    from jaxmp.sample import chat_prompt
+    from jaxmp.train.chat import end_of_turn_ids, keep_chat_template, special_tokens
+    from jaxmp.train.tokenizer import HFTokenizer
+
+    directory = _with_template(tokenizer_dir, template)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tokens = special_tokens(directory)
+    ids = end_of_turn_ids(template, tok, tokens)
+    assert ids == list(dict.fromkeys([hf.convert_tokens_to_ids(end), hf.eos_token_id]))
+    keep_chat_template(template, tmp_path, tokens)
+    prompt, stops = chat_prompt(tmp_path, HFTokenizer(tok, "tok", hf.eos_token_id),
+                                "Name a prime.", "You answer briefly.")
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "Name a prime."}]
+    assert prompt.tolist() == list(hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    assert stops == ids
+    with pytest.raises(ValueError, match=r"kept no chat template"):
+        chat_prompt(tmp_path / "nowhere", HFTokenizer(tok, "tok", hf.eos_token_id), "x")
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[1]", r"not an object of special tokens"),
+    ('{"bos_token": ""}', r"not an object of special tokens"),
+    ('{"chat_template": "x"}', r"not an object of special tokens"),
+    ("{", r"not JSON"),
+])
+def test_a_damaged_copy_of_the_special_tokens_is_one_line(tmp_path, content, match):
+    from jaxmp.train.chat import KEPT_TOKENS, kept_chat_tokens
+
+    (tmp_path / KEPT_TOKENS).write_text(content)
+    with pytest.raises(ValueError, match=match) as info:
+        kept_chat_tokens(tmp_path)
+    assert str(info.value).startswith(str(tmp_path / KEPT_TOKENS)) and "\n" not in str(info.value)

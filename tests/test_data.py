@@ -133,6 +133,73 @@ def test_load_jsonl_bad_line_names_file_and_line(tmp_path, bad_line):
         data.load_documents(str(f))
 
 
+def test_load_parquet_rows_as_jsonl_lines(tmp_path):
+    """A Parquet file (written by pyarrow) reads as the same records in JSON lines would:
+    a row per document, named file:row; an empty text skipped, a null field absent; rows
+    read a batch at a time, past the first batch."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = [f"doc {i}" for i in range(1500)] + ["", "\u00e9"]
+    f = tmp_path / "x.parquet"
+    pq.write_table(pa.Table.from_pylist([{"body": t, "id": i} for i, t in enumerate(texts)]),
+                   str(f), row_group_size=700)
+    docs = data.load_documents(str(tmp_path), text_field="body")  # a directory: Parquet is data
+    assert docs == [(f"{f}:{i + 1}", t.encode()) for i, t in enumerate(texts) if t]
+    g = tmp_path / "mixed.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "user", "content": "hi",
+                                                        "tool_calls": None}], "text": None},
+                                         {"messages": None, "text": "plain"}]), str(g))
+    assert data.load_documents(str(g), records=True) == [
+        (f"{g}:1", {"messages": [{"role": "user", "content": "hi"}]}),
+        (f"{g}:2", {"text": "plain"})]
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([{"text": 1}, {"text": 3}], r"bad\.parquet, row 1: expected a JSON object with a string "
+                                 r"field 'text'"),
+    ([{"text": "ok", "other": None}, {"text": None, "other": "a"}],
+     r"bad\.parquet, row 2: expected"),
+    (None, r"bad\.parquet: not a readable Parquet file \("),
+])
+def test_a_bad_parquet_row_or_file_names_file_and_row(tmp_path, rows, match):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "bad.parquet"
+    if rows is None:
+        f.write_bytes(b"PAR1 this is no parquet file PAR1")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), str(f))
+    with pytest.raises(ValueError, match=match) as info:
+        data.load_documents(str(f))
+    assert "\n" not in str(info.value)
+
+
+def test_auto_reads_a_text_jsonl_corpus_once_as_text_does(tmp_path, monkeypatch):
+    """data.format=auto on JSON lines of text records reads the files once, and gives the
+    batches data.format=text gives; an empty object is refused as text refuses it."""
+    f = tmp_path / "x.jsonl"
+    f.write_text("".join(json.dumps({"text": f"line {i} " * 5}) + "\n" for i in range(40)))
+    calls = []
+    real = data.load_documents
+    monkeypatch.setattr(data, "load_documents",
+                        lambda *a, **k: calls.append(k.get("records")) or real(*a, **k))
+    auto = data.create_pipeline(ml_collections.ConfigDict(dict(_config(f), format="auto")),
+                                global_batch_size=2, seed=0)
+    assert calls == [True]
+    text = data.create_pipeline(ml_collections.ConfigDict(dict(_config(f), format="text")),
+                                global_batch_size=2, seed=0)
+    for _ in range(3):
+        a, b = next(auto.train_iter), next(text.train_iter)
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    f.write_text('{"text": "ok"}\n{}\n')
+    with pytest.raises(ValueError, match=r"x\.jsonl, line 2: expected a JSON object with a "
+                                         r"string field 'text'"):
+        data.create_pipeline(ml_collections.ConfigDict(dict(_config(f), format="auto")),
+                             global_batch_size=2, seed=0)
+
+
 def test_no_match_names_glob(tmp_path):
     pattern = str(tmp_path / "nothing" / "*.txt")
     with pytest.raises(ValueError, match="nothing"):

@@ -103,53 +103,92 @@ def test_bad_records_are_one_line_naming_file_and_line(tmp_path, record, match):
                                 packing="isolated"), global_batch_size=4, seed=0)
 
 
-CHATML_GEN = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{{ '\\n' }}{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3_GEN = (  # written for these tests in Llama 3's header format, with generation marks
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim + '<|eot_id|>' }}"
+    "{% endgeneration %}{% else %}{{ m['content'] | trim + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+           "<|eot_id|>"]
+WORDS = ["apple", "river", "stone", "cloud", "seven", "green", "quiet", "north"]
 
 
-def test_a_chat_run_finds_its_format_trains_on_the_assistant_and_resumes(tmp_path, capsys):
-    """The trainer with data.format=auto on conversations: it compiles its step again for
-    the examples' batch keys, trains on assistant tokens only (trained_tokens below the
-    rows' tokens), says so in the banner, and resumes to the same losses."""
+def _base(tmp_path):
+    """A released-model directory in miniature: a Llama (transformers' own, saved by it), a
+    byte-level BPE tokenizer.json with Llama 3's special tokens, and a tokenizer_config.json
+    naming bos and eos (the end of turn) and holding the chat template."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from jaxmp.train import train_and_evaluate
-    from jaxmp.train.metrics import read_metrics
-
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    rng = np.random.default_rng(0)
-    words = ["apple", "river", "stone", "cloud", "seven", "green", "quiet", "north"]
-    convs = [[{"role": "user", "content": " ".join(rng.choice(words, 4))},
-              {"role": "assistant", "content": " ".join(rng.choice(words, 6))}]
-             for _ in range(40)]
-    convs.append([{"role": "user", "content": "no reply"}])  # skipped and counted
+    src = tmp_path / "base"
+    src.mkdir()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(words * 10 + ["user assistant"], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+    tok.train_from_iterator(WORDS * 10 + ["user assistant system"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "chat_template": CHATML_GEN}))
-    data = _jsonl(tmp_path, [{"messages": c} for c in convs])
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+         "eos_token": "<|eot_id|>", "chat_template": LLAMA3_GEN}))
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        initializer_range=0.2)  # peaked logits: greedy choices far from ties
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(str(src))
+    return src, transformers
+
+
+def _conversations(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[{"role": "user", "content": " ".join(rng.choice(WORDS, 4))},
+             {"role": "assistant", "content": " ".join(rng.choice(WORDS, 6))}]
+            for _ in range(n)]
+
+
+def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_path, capsys):
+    """configs/finetune.py from model.init_from (a Llama and its tokenizer directory, chat
+    template included) on a Parquet file of conversations, with data.format=auto: the step
+    compiles again for the examples' keys, learns the assistant's tokens only, says so in
+    the banner, and resumes to the same losses, bit for bit. The export renders as training
+    did through transformers' apply_chat_template (BOS and the assistant mask included),
+    and transformers' greedy generate on the export stops at the end of turn with the reply
+    ``python -m jaxmp.sample --chat`` gives."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    torch = pytest.importorskip("torch")
+    from jaxmp import export, sample
+    from jaxmp.train import train_and_evaluate
+    from jaxmp.train.chat import encode_conversation
+    from jaxmp.train.config import load_config
+    from jaxmp.train.metrics import read_metrics
+
+    src, transformers = _base(tmp_path)
+    convs = _conversations(40)
+    rows = [{"messages": c} for c in convs] + [
+        {"messages": [{"role": "user", "content": "no reply"}]}]  # skipped and counted
+    data = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), str(data))
 
     def config(steps):
-        c = small_config({"vocab_size": 320}, steps=steps, checkpoint_every=2, sample_tokens=0)
-        c.data.update(dict(path=str(data), tokenizer=str(tok_dir / "tokenizer.json"),
-                           seq_len=32, eval_fraction=0.0, num_eval_batches=0, max_tokens=0))
-        c.train.batch_size = 8
-        return c
+        return load_config("configs/finetune.py", [
+            f"model.init_from={src}", f"data.path={data}", "precision.policy=fp32",
+            "data.seq_len=64", "train.batch_size=8", "data.num_eval_batches=0",
+            "data.eval_fraction=0", "model.remat=none", "model.scan_layers=False",
+            f"train.steps={steps}", "train.checkpoint_every=2", "train.sample_tokens=0",
+            "train.eval_every=0", "train.log_every=1", "optim.warmup_steps=0",
+            "optim.decay_steps=4"])  # one schedule, whatever train.steps
 
     straight, resumed = tmp_path / "a", tmp_path / "b"
     train_and_evaluate(config(4), str(straight), num_devices=2)
     out = capsys.readouterr().out
     assert "examples    : chat, packing isolated, loss on assistant" in out, out
-    assert "1 conversation(s) without an assistant turn skipped" in out, out
+    assert "examples: 40 chat; 1 conversation(s) without an assistant turn skipped" in out, out
     train_and_evaluate(config(2), str(resumed), num_devices=2)
     train_and_evaluate(config(4), str(resumed), num_devices=2)
     a = [(r["step"], r["loss"], r["trained_tokens"]) for r in
@@ -157,24 +196,49 @@ def test_a_chat_run_finds_its_format_trains_on_the_assistant_and_resumes(tmp_pat
     b = [(r["step"], r["loss"], r["trained_tokens"]) for r in
          read_metrics(resumed / "metrics.jsonl", "train")]
     assert a == b and len(a) == 4
-    assert all(0 < t < 8 * 32 for _, _, t in a)  # the assistant's tokens, not all
+    assert all(0 < t < 8 * 64 for _, _, t in a)  # the assistant's tokens, not all
     rates = [r["trained_tokens_per_s"] for r in read_metrics(straight / "metrics.jsonl",
                                                               "train")]
     assert rates[0] is None and all(r > 0 for r in rates[1:])  # step 1 compiles: untimed
-    # The export writes the template it trained with back: transformers renders as it did.
-    transformers = pytest.importorskip("transformers")
-    from jaxmp.train.artifacts import export_hf
-    from jaxmp.train.chat import encode_conversation
 
-    export_hf(straight, tmp_path / "out")
-    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
-    ids, _ = encode_conversation(convs[0], str(tok_dir))
-    assert list(theirs.apply_chat_template(convs[0], tokenize=True, return_dict=True)[
-        "input_ids"]) == ids.tolist()
-    # a resume with another template is refused: its digest is in the data state
-    state = create_pipeline(config(4).data, global_batch_size=8, seed=0).get_state()
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "chat_template": CHATML_GEN.replace("\\n", " ")}))
+    # The export renders as training did: transformers' own tokenizer, template and mask.
+    exported = tmp_path / "out"
+    assert export.main(["--workdir", str(straight), "--out", str(exported),
+                        "--format", "hf"]) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(exported))
+    for conv in convs[:3]:
+        ids, mask = encode_conversation(conv, str(src))
+        theirs = hf.apply_chat_template(conv, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        assert list(theirs["input_ids"]) == ids.tolist() and ids[0] == hf.bos_token_id
+        assert list(theirs["assistant_masks"]) == mask.astype(int).tolist()
+
+    # transformers' greedy generate on the export stops at the end of turn
+    # (generation_config.json), with the reply jaxmp.sample --chat prints.
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).float().eval()
+    eot = hf.convert_tokens_to_ids("<|eot_id|>")
+    assert model.generation_config.eos_token_id in (eot, [eot])
+    message = "apple river stone cloud"
+    prompt = hf.apply_chat_template([{"role": "user", "content": message}],
+                                    add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"]
+    with torch.no_grad():
+        full = model.generate(torch.tensor([list(prompt)]), max_new_tokens=12, do_sample=False,
+                              pad_token_id=eot)[0].tolist()
+    reply = full[len(prompt):]
+    reply = reply[:reply.index(eot)] if eot in reply else reply
+    assert reply  # a reply to compare, not an immediate end of turn
+    capsys.readouterr()
+    assert sample.main(["--workdir", str(straight), "--chat", "--prompt", message,
+                        "--tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == hf.decode(reply, skip_special_tokens=True) + "\n"
+
+    # a resume with another template (or other special tokens) is refused: their digest
+    # is in the data state
+    from jaxmp.train.data import create_pipeline as pipeline
+    state = pipeline(config(4).data, global_batch_size=8, seed=0).get_state()
+    settings = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**settings, "bos_token": "<|end_of_text|>"}))
     with pytest.raises(ValueError, match=r"^the chat template is not the one the checkpoint "
                                          r"was trained with"):
-        create_pipeline(config(4).data, global_batch_size=8, seed=0).check_state(state)
+        pipeline(config(4).data, global_batch_size=8, seed=0).check_state(state)

@@ -2,7 +2,7 @@
 
 The core (``pip install jaxmp``) depends on jax, flax, optax, jmp and numpy; the ``train``
 extra adds the trainer's dependencies (orbax, grain, ml_collections, tqdm, tensorboardX,
-tokenizers, sentencepiece, safetensors). flax itself depends on orbax-checkpoint, so orbax
+tokenizers, sentencepiece, safetensors, jinja2, pyarrow). flax itself depends on orbax-checkpoint, so orbax
 arrives with the core all the same; the others must not.
 """
 import json
@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The train extra's distributions and the module each installs; orbax comes with flax.
 TRAIN_ONLY = {"grain": "grain", "ml_collections": "ml_collections", "tqdm": "tqdm",
               "tensorboardX": "tensorboardX", "tokenizers": "tokenizers",
-              "sentencepiece": "sentencepiece", "safetensors": "safetensors", "jinja2": "jinja2"}
+              "sentencepiece": "sentencepiece", "safetensors": "safetensors", "jinja2": "jinja2",
+              "pyarrow": "pyarrow"}
 TRAIN_MODULES = sorted(set(TRAIN_ONLY.values()) | {"orbax", "torch", "transformers"})
 # A pip that cannot reach an index says one of these: the test is then skipped, not failed.
 OFFLINE = re.compile(r"Could not find a version|No matching distribution|Failed to establish|"

@@ -448,6 +448,25 @@ def test_generate_greedy_matches_step_by_step_argmax(fp32_model):
     assert sampled.shape == (17,) and ((0 <= sampled) & (sampled < 64)).all()
 
 
+def test_generate_stops_each_row_at_its_first_stop_id(fp32_model):
+    """stop_ids: the unstopped greedy sample, cut by hand after each row's first stop id
+    (that id repeated after it), ends when every row has stopped; an id outside the
+    vocabulary is refused."""
+    prompt = np.asarray(tokens(b=2, t=6, seed=3))
+    free = generate(fp32_model, prompt, 6, temperature=0.0)
+    stops = [int(free[0, 6 + 2]), int(free[1, 6 + 1])]  # row 0's third token, row 1's second
+    out = generate(fp32_model, prompt, 6, temperature=0.0, stop_ids=stops)
+    want, ends = free.copy(), []
+    for row in want:
+        first = int(np.flatnonzero(np.isin(row[6:], stops))[0])
+        row[6 + first:] = row[6 + first]
+        ends.append(6 + first + 1)
+    assert max(ends) < free.shape[1]  # both rows stop early: the loop ends before 6 tokens
+    np.testing.assert_array_equal(out, want[:, :max(ends)])
+    with pytest.raises(ValueError, match=r"stop_ids=\[64\] must be ids in \[0, vocab_size=64\)"):
+        generate(fp32_model, prompt, 1, stop_ids=[64])
+
+
 def test_generate_with_capacity_compiles_once_and_matches_unpadded(fp32_model):
     # Capacity dispatch (expert parallelism needs it): the padded, fixed-shape buffer gives
     # each step the logits of the unpadded context (padding takes no slot, the capacity is

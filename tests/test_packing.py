@@ -171,3 +171,32 @@ def test_the_cudnn_path_with_segments_stays_one_fused_kernel_each_way():
         text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*qkv, seg).compile().as_text()
     kinds = collections.Counter(k.kind for k in hlo.hlo_kernels(text))
     assert kinds["cudnn_attention_fwd"] == 1 and kinds["cudnn_attention_bwd"] == 1, kinds
+
+
+def test_the_trainer_step_on_packed_chat_rows_keeps_cudnn_fused_attention():
+    """The trainer's own step (``gpu.compile_step``, what ``train.py`` compiles) for a chat
+    config, whose batches carry ``segment_ids`` and ``positions``, compiled by XLA's GPU
+    compiler for an H200 (deviceless): each layer's attention is cuDNN's fused kernel
+    forward and backward (``__cudnn$fmhaScaleBiasSoftmax[Backward]``), the segment mask
+    going in as its ``[B, 1, T, T]`` bias operand; no XLA softmax of its own."""
+    from _compiled import compiled_step
+    from jaxmp.analysis import gpu, hlo
+    from jaxmp.train.packing import PACKED_KEYS
+
+    problem = gpu.plugin_problem()
+    if problem:
+        pytest.skip(f"deviceless GPU compile: {problem}")
+    step = compiled_step("tiny_moe", ("--config.data.format=chat",
+                                      "--config.model.attention=cudnn"))
+    cfg = step.experiment.config
+    b, t, layers = cfg.train.batch_size, cfg.data.seq_len, cfg.model.num_layers
+    assert sorted(step.experiment.abstract_batch()) == sorted(PACKED_KEYS)
+    text = step.compiled.as_text()
+    kinds = collections.Counter(k.kind for k in hlo.hlo_kernels(text))
+    assert kinds["cudnn_attention_fwd"] == layers and kinds["cudnn_attention_bwd"] == layers, kinds
+    calls = [line for line in text.splitlines() if "custom-call(" in line and "__cudnn$fmha" in line]
+    forward = [c for c in calls if 'custom_call_target="__cudnn$fmhaScaleBiasSoftmax"' in c]
+    assert len(forward) == layers
+    for call in forward:  # q, k, v, then the segment mask as a bias over every query/key pair
+        operands = call.split("operand_layout_constraints={")[1].split("}, api_version")[0]
+        assert operands.count(f"[{b},{t},") == 3 and f"bf16[{b},1,{t},{t}]" in operands, operands

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ def _next_token(graphdef, state, buffer, n, key, temperature, vocab_limit):
 
 def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
              temperature: float = 1.0, rng: Any = 0, *, progress: bool = False,
-             vocab_limit: Any = None) -> np.ndarray:
+             vocab_limit: Any = None, stop_ids: Sequence[int] = ()) -> np.ndarray:
     """Samples continuations, recomputing the whole (truncated) context each step.
 
     The context is its last ``max_len`` tokens, right-padded into a fixed ``[B, max_len]``
@@ -55,14 +55,18 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
       vocab_limit: sample only ids below it: the tokenizer's vocabulary size when the
         model's ``vocab_size`` is padded beyond it (e.g. to a multiple of 128), so that
         no id the tokenizer lacks is ever emitted; None = ``vocab_size``.
+      stop_ids: ids that end a row's sample (a chat template's end of turn,
+        :func:`jaxmp.train.chat.end_of_turn_ids`): once a row has sampled one, its later
+        tokens are that id again, and sampling ends when every row has stopped.
 
     Returns:
-      int32 array shaped like ``prompt_ids`` with ``max_new_tokens`` more tokens on the
-      last axis (the prompt followed by the samples).
+      int32 array shaped like ``prompt_ids`` with up to ``max_new_tokens`` more tokens on
+      the last axis (the prompt followed by the samples; fewer when every row stopped).
 
     Raises:
       ValueError: empty prompt, out-of-range ids, negative ``max_new_tokens`` or
-        ``temperature``, a ``vocab_limit`` outside ``[1, vocab_size]``.
+        ``temperature``, a ``vocab_limit`` outside ``[1, vocab_size]``, a stop id outside
+        ``[0, vocab_size)``.
     """
     cfg = model.config
     ids = np.asarray(prompt_ids)
@@ -83,11 +87,16 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
             1 <= limit <= cfg.vocab_size):
         raise ValueError(f"vocab_limit={vocab_limit!r} must be an int in [1, "
                          f"vocab_size={cfg.vocab_size}]")
+    stops = np.asarray(list(stop_ids), np.int64)
+    if stops.size and (stops.min() < 0 or stops.max() >= cfg.vocab_size):
+        raise ValueError(f"stop_ids={list(stop_ids)} must be ids in [0, "
+                         f"vocab_size={cfg.vocab_size})")
     key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
     graphdef, state = nnx.split(model)
     temp = jnp.float32(temperature)
     ids = ids.astype(np.int32)
     buffer = np.zeros((ids.shape[0], cfg.max_len), np.int32)
+    stopped = np.full(ids.shape[0], -1, np.int64)  # each row's stop id once it has sampled one
     steps = range(max_new_tokens)
     if progress:
         from tqdm import tqdm
@@ -99,5 +108,13 @@ def generate(model: MoETransformer, prompt_ids: np.ndarray, max_new_tokens: int,
         buffer[:, n:] = 0
         nxt, key = _next_token(graphdef, state, jnp.asarray(buffer), jnp.int32(n), key, temp,
                                int(limit))
-        ids = np.concatenate([ids, np.asarray(nxt)[:, None]], axis=1)
+        nxt = np.asarray(nxt)
+        if stops.size:
+            nxt = np.where(stopped >= 0, stopped, nxt).astype(np.int32)
+            stopped = np.where((stopped < 0) & np.isin(nxt, stops), nxt, stopped)
+        ids = np.concatenate([ids, nxt[:, None]], axis=1)
+        if stops.size and (stopped >= 0).all():
+            break
+    if progress:
+        steps.close()
     return ids[0] if squeeze else ids

@@ -350,7 +350,8 @@ def _write_export(out, real: pathlib.Path, write, stale, weights):
     parent, so one filesystem) and, once it has returned, moves each of its files into
     ``real`` (``os.replace``; the whole directory is renamed when ``real`` does not exist),
     then removes the files of ``real`` that ``stale(name)`` says belong to an old export
-    and the new one does not have (old weight shards). When the parent is not writable,
+    and the new one does not have (old weight shards, a chat run's
+    ``generation_config.json``). When the parent is not writable,
     the temporary directory is made inside an existing ``real`` instead.
 
     On any failure the temporary directory (and any folder made above ``real``) is
@@ -360,7 +361,8 @@ def _write_export(out, real: pathlib.Path, write, stale, weights):
       out: ``--out`` as given (for messages).
       real: ``out`` resolved.
       write: writes the export into the directory it is given; returns the result.
-      stale: ``stale(name)``: a file name of ``real`` is an old export's weight file.
+      stale: ``stale(name)``: a file name of ``real`` is an old export's own (a weight
+        file, a ``generation_config.json``).
       weights: ``weights(directory)``: the weight file being written, for the message
         of a safetensors failure.
 
@@ -457,10 +459,12 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
     of the family the architecture maps to; a Hugging Face tokenizer is written as
     ``tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-document token
-    (``eos_token``; and the chat template a chat run trained with,
-    :func:`jaxmp.train.chat.keep_chat_template`, as ``chat_template``, so that
-    ``apply_chat_template`` renders as training did), which ``transformers.AutoTokenizer``
-    reads; the byte tokenizer is
+    (``eos_token``; and for a chat run the chat template it trained with and the special
+    tokens it rendered it with, :func:`jaxmp.train.chat.keep_chat_template`, as
+    ``chat_template``, ``bos_token``, ``eos_token``, ..., so that ``apply_chat_template``
+    renders as training did, with a ``generation_config.json`` whose ``eos_token_id`` is
+    the template's end-of-turn tokens, :func:`jaxmp.train.chat.end_of_turn_ids`, where
+    ``generate`` stops), which ``transformers.AutoTokenizer`` reads; the byte tokenizer is
     written as the same ids in that form (:meth:`ByteTokenizer.to_hf`), and a SentencePiece
     model as its ``tokenizers`` counterpart (:meth:`SentencePieceTokenizer.to_hf`, which
     says where the two can differ), with the ``.model`` file beside it. As with
@@ -494,14 +498,20 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
 
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
                                                                   notes)
-    from jaxmp.train.chat import kept_chat_template
+    from jaxmp.train.chat import end_of_turn_ids, kept_chat_template, kept_chat_tokens
 
     template = kept_chat_template(workdir)  # the one a chat run trained with
+    tokens = kept_chat_tokens(workdir) if template else {}
     spm_model = tokenizer if isinstance(tokenizer, SentencePieceTokenizer) else None
     if spm_model is not None:  # a model with no exact counterpart is refused before writing
         tokenizer = HFTokenizer(spm_model.to_hf(), spm_model.name, spm_model.eos_id)
     if isinstance(tokenizer, ByteTokenizer):
         tokenizer = HFTokenizer(tokenizer.to_hf(), "bytes", tokenizer.eos_id)
+
+    # A chat run's end-of-turn tokens, where transformers' generate stops (refused before
+    # anything is written when the template has none).
+    stops = (end_of_turn_ids(template, tokenizer.tokenizer, tokens)
+             if template and isinstance(tokenizer, HFTokenizer) else None)
 
     def write(directory: pathlib.Path) -> dict:
         family = save_pretrained(model, str(directory))
@@ -512,12 +522,17 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
             file = tokenizer.save(directory).name
             eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
             (directory / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
-                 **({"chat_template": template} if template else {})}, indent=2) + "\n")
+                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, **tokens,
+                 **({"chat_template": template} if template else {})}, indent=2,
+                ensure_ascii=False) + "\n")
+        if stops:
+            (directory / "generation_config.json").write_text(json.dumps(
+                {"eos_token_id": stops if len(stops) > 1 else stops[0]}, indent=2) + "\n")
         return {"family": family, "step": int(saved_step), "tokenizer": file}
 
     return _write_export(out, real, write,
-                         stale=lambda name: re.fullmatch(_HF_WEIGHT_FILE, name) is not None,
+                         stale=lambda name: re.fullmatch(_HF_WEIGHT_FILE, name) is not None
+                         or name == "generation_config.json",
                          weights=_hf_weights_written)
 
 

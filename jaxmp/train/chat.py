@@ -39,17 +39,24 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 __all__ = ["ROLES", "load_chat_template", "special_tokens", "render_conversation",
-           "encode_conversation", "encode_messages", "check_messages", "MIN_JINJA2", "KEPT_TEMPLATE",
-           "keep_chat_template", "kept_chat_template"]
+           "encode_conversation", "encode_messages", "check_messages", "check_special_tokens",
+           "end_of_turn_ids", "MIN_JINJA2", "KEPT_TEMPLATE", "KEPT_TOKENS", "keep_chat_template",
+           "kept_chat_template", "kept_chat_tokens"]
 
-# The run's own copy of the chat template it trained with, in its workdir.
+# The run's own copy of the chat template it trained with, in its workdir, and of the
+# special tokens it rendered the template with (a JSON object, bos_token ... pad_token).
 KEPT_TEMPLATE = "chat_template.jinja"
+KEPT_TOKENS = "chat_template_tokens.json"
 
 # The roles a message may have (tool messages where the template knows them).
 ROLES = ("system", "user", "assistant", "tool")
 # The oldest Jinja2 whose sandbox has no known escape (transformers' floor for templates).
 MIN_JINJA2 = (3, 1, 6)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Markup a template writes that must be one token of the tokenizer: the <|...|> tokens of
+# ChatML, Llama 3, GLM and Phi (DeepSeek's with fullwidth bars, U+FF5C) and Gemma's
+# <start_of_turn> / <end_of_turn>.
+_MARKUP = re.compile(r"<[|\uff5c][^<>|\uff5c\s]{1,64}[|\uff5c]>|<(?:start|end)_of_turn>")
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -170,6 +177,62 @@ def check_messages(messages: Any, where: str = "conversation") -> List[Dict[str,
         if not content.strip():
             raise ValueError(f"{where}: message {i} ({m['role']}) has empty content")
     return messages
+
+
+def check_special_tokens(template: str, tokenizer, variables: Dict[str, Any],
+                         where: str = "chat template") -> None:
+    """Refuses a tokenizer that lacks the template's special tokens, which it would split
+    into pieces of text instead (a template and a tokenizer of different models): each of
+    the template's markup tokens (``<|...|>``, DeepSeek's ``<｜...｜>``, Gemma's
+    ``<start_of_turn>`` / ``<end_of_turn>``, written literally in its text) and each
+    special token it is given (``bos_token``, ``eos_token``, ...) must encode as exactly
+    one id.
+
+    Args:
+      template: the template's text.
+      tokenizer: a ``tokenizers.Tokenizer``.
+      variables: the template's variables (:func:`special_tokens`).
+      where: what to name in the error (the tokenizer file).
+
+    Raises:
+      ValueError: one line naming ``where`` and up to five missing tokens.
+    """
+    wanted = sorted(set(_MARKUP.findall(template)) | {
+        v for k, v in variables.items() if k in _SPECIAL and isinstance(v, str) and v})
+    missing = [t for t in wanted if len(tokenizer.encode(t, add_special_tokens=False).ids) != 1]
+    if missing:
+        raise ValueError(f"{where}: the tokenizer lacks {len(missing)} of the chat template's "
+                         f"special tokens ({', '.join(missing[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''}): it would split them into "
+                         f"text; give the model's own tokenizer (data.tokenizer) or its "
+                         f"template (data.chat_template)")
+
+
+def end_of_turn_ids(template: str, tokenizer, variables: Dict[str, Any]) -> List[int]:
+    """The ids that end an assistant's turn, where sampling stops: the first token the
+    template writes after an assistant message's content (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``, ...), and the ``eos_token`` it is given, in that order, each once.
+
+    Raises:
+      ValueError: the template fails to render a two-message conversation, or neither
+        token is found (one line).
+    """
+    probe = "jaxmp-end-of-turn-probe"
+    text, _ = render_conversation([{"role": "user", "content": "?"},
+                                   {"role": "assistant", "content": probe}], template,
+                                  **variables)
+    ids: List[int] = []
+    after = text[text.rfind(probe) + len(probe):] if probe in text else ""
+    if after.strip():
+        ids.append(tokenizer.encode(after.lstrip(" "), add_special_tokens=False).ids[0])
+    eos = variables.get("eos_token")
+    if isinstance(eos, str) and eos and tokenizer.token_to_id(eos) is not None:
+        if tokenizer.token_to_id(eos) not in ids:
+            ids.append(tokenizer.token_to_id(eos))
+    if not ids:
+        raise ValueError("chat template: no end-of-turn token (nothing follows an assistant "
+                         "message, and there is no eos_token)")
+    return ids
 
 
 class _Templates:
@@ -348,8 +411,9 @@ def encode_conversation(messages: Sequence[Dict[str, Any]], tokenizer_dir: str, 
 
     Raises:
       ValueError: one line: bad messages (:func:`check_messages`), no template, a template
-        that fails, one without generation marks whose renderings are not prefixes, or a
-        ``tokenizer.json`` that does not load.
+        that fails, one without generation marks whose renderings are not prefixes, a
+        ``tokenizer.json`` that does not load or lacks the template's special tokens
+        (:func:`check_special_tokens`).
     """
     if template is None:
         template, _ = load_chat_template(tokenizer_dir)
@@ -360,8 +424,9 @@ def encode_conversation(messages: Sequence[Dict[str, Any]], tokenizer_dir: str, 
         tokenizer = Tokenizer.from_file(file)
     except Exception as e:  # noqa: BLE001  tokenizers raises a bare Exception
         raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({_one_line(e)})") from None
-    return encode_messages(messages, template, tokenizer,
-                           **{**special_tokens(tokenizer_dir), **variables})
+    variables = {**special_tokens(tokenizer_dir), **variables}
+    check_special_tokens(template, tokenizer, variables, file)
+    return encode_messages(messages, template, tokenizer, **variables)
 
 
 def encode_messages(messages: Sequence[Dict[str, Any]], template: str, tokenizer,
@@ -390,16 +455,21 @@ def encode_messages(messages: Sequence[Dict[str, Any]], template: str, tokenizer
     return ids, mask
 
 
-def keep_chat_template(template: str, workdir) -> str:
-    """Keeps ``template`` in the run directory (:data:`KEPT_TEMPLATE`, written atomically;
-    one with the same text is left as it is), so that the run's export writes the template
-    it trained with back (:func:`jaxmp.train.artifacts.export_hf`) whatever became of its
-    source. Returns the copy's path."""
+def keep_chat_template(template: str, workdir, tokens: Optional[Dict[str, str]] = None) -> str:
+    """Keeps ``template`` in the run directory (:data:`KEPT_TEMPLATE`), and the special
+    tokens it was rendered with (:data:`KEPT_TOKENS`, a JSON object), each written
+    atomically (a file with the same contents is left as it is), so that the run's export
+    and ``jaxmp.sample --chat`` render as training did whatever became of their source
+    (:func:`jaxmp.train.artifacts.export_hf`). Returns the template copy's path."""
     from jaxmp.train.tokenizer import write_atomic
 
     path = os.path.join(str(workdir), KEPT_TEMPLATE)
     if kept_chat_template(workdir) != template:
         write_atomic(path, template.encode("utf-8"))
+    tokens = {k: tokens[k] for k in sorted(tokens or {})}
+    if kept_chat_tokens(workdir) != tokens:
+        write_atomic(os.path.join(str(workdir), KEPT_TOKENS),
+                     (json.dumps(tokens, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
     return path
 
 
@@ -416,3 +486,28 @@ def kept_chat_template(workdir) -> Optional[str]:
         raise ValueError(f"{path}: not a regular file; the run's copy of its chat template")
     return _read_text(path, "chat template")
 
+
+def kept_chat_tokens(workdir) -> Dict[str, str]:
+    """The special tokens a run rendered its chat template with (:func:`keep_chat_template`);
+    empty when it kept none.
+
+    Raises:
+      ValueError: the file is not a regular file, not JSON, or not an object whose keys are
+        among ``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` and whose values
+        are non-empty strings (one line naming it).
+    """
+    path = os.path.join(str(workdir), KEPT_TOKENS)
+    if not os.path.lexists(path):
+        return {}
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: not a regular file; the run's copy of its chat template's "
+                         f"special tokens")
+    try:
+        tokens = json.loads(_read_text(path, "chat template's special tokens"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(tokens, dict) or any(
+            k not in _SPECIAL or not isinstance(v, str) or not v for k, v in tokens.items()):
+        raise ValueError(f"{path}: not an object of special tokens ({', '.join(_SPECIAL)}: "
+                         f"non-empty strings)")
+    return tokens

@@ -72,18 +72,109 @@ def _jsonl_documents(file: str, text_field: str,
                 _check_strings(record, f"{file}, line {lineno}")
                 docs.append((f"{file}:{lineno}", record))
                 continue
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(
-                    f"{file}, line {lineno}: expected a JSON object with a string "
-                    f"field {text_field!r}, got {line[:80]!r}")
-            try:
-                text = record[text_field].encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
-                raise ValueError(f"{file}, line {lineno}: field {text_field!r} is not text "
-                                 f"({e.reason} at character {e.start}: an unpaired "
-                                 f"\\u{ord(e.object[e.start]):04x} escape)") from None
-            docs.append((f"{file}:{lineno}", text))
+            docs.append((f"{file}:{lineno}",
+                         _record_text(record, text_field, f"{file}, line {lineno}", line)))
     return docs
+
+
+def _record_text(record: Any, text_field: str, where: str, shown: Any) -> bytes:
+    """A text record's document: its ``text_field`` string, UTF-8 encoded.
+
+    Raises:
+      ValueError: not an object with a string ``text_field``, or one that is not text (an
+        unpaired surrogate escape): one line naming ``where``.
+    """
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise ValueError(f"{where}: expected a JSON object with a string field "
+                         f"{text_field!r}, got {shown[:80]!r}")
+    try:
+        return record[text_field].encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
+        raise ValueError(f"{where}: field {text_field!r} is not text ({e.reason} at character "
+                         f"{e.start}: an unpaired \\u{ord(e.object[e.start]):04x} "
+                         f"escape)") from None
+
+
+# Files read as records (one document or example each), whatever their bytes look like.
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _parquet_documents(file: str, text_field: str,
+                       records: bool = False) -> list[tuple[str, Any]]:
+    """:func:`_jsonl_documents` of a Parquet file: each row a record named ``file:ROW``
+    (rows counted from 1), read with pyarrow (``RecordBatch.to_pylist``) a batch of rows at
+    a time. Null fields are left out of a row's record and of the objects within it (the
+    messages of a conversation), so that a file whose columns and structs carry every
+    field on every row gives each record the fields it has, as JSON lines would.
+
+    Raises:
+      ValueError: pyarrow is not installed (the train extra's), the file is not Parquet,
+        or a row is not a record of text (:func:`_record_text`): one line naming it.
+    """
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{file}: reading Parquet needs pyarrow, the train extra's: "
+                         f"pip install -e \".[train]\"") from None
+    docs = []
+    for row, record in enumerate(_parquet_rows(pq, file), start=1):
+        record = _without_nulls(record)
+        where = f"{file}, row {row}"
+        if records:
+            _check_strings(record, where)
+            docs.append((f"{file}:{row}", record))
+        else:
+            shown = json.dumps(record, ensure_ascii=False, default=str)
+            docs.append((f"{file}:{row}", _record_text(record, text_field, where, shown)))
+    return docs
+
+
+def _without_nulls(x: Any) -> Any:
+    """``x`` with every null field of every object in it left out (lists kept whole)."""
+    if isinstance(x, dict):
+        return {k: _without_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_without_nulls(v) for v in x]
+    return x
+
+
+def _parquet_rows(pq, file: str):
+    """The rows of a Parquet file as dicts, a batch of rows read at a time; pyarrow's own
+    errors (a file that is not Parquet, a damaged page) as one line naming the file."""
+    try:
+        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+        while True:
+            try:
+                rows = next(batches).to_pylist()
+            except StopIteration:
+                return
+            yield from rows
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors: ArrowInvalid, OSError, ...
+        raise ValueError(f"{file}: not a readable Parquet file "
+                         f"({' '.join(str(e).split())[:200]})") from None
+
+
+def _where(name: str) -> str:
+    """A record's place in words: ``file, line N`` (JSON lines) or ``file, row N``."""
+    file, _, number = name.rpartition(":")
+    return f"{file}, {'row' if file.lower().endswith('.parquet') else 'line'} {number}"
+
+
+def text_documents(records: Sequence[tuple[str, Any]], text_field: str) -> list[tuple[str, bytes]]:
+    """The documents :func:`load_documents` gives of a corpus that it read with
+    ``records=True`` (no second read of the files): each JSON-lines record's
+    ``text_field`` encoded, other files' bytes as they are; empty ones left out.
+
+    Raises:
+      ValueError: a record without a string ``text_field``, named by file and line.
+    """
+    docs = []
+    for name, record in records:
+        if isinstance(record, dict):
+            shown = json.dumps(record, ensure_ascii=False, default=str)
+            record = _record_text(record, text_field, _where(name), shown)
+        docs.append((name, record))
+    return [d for d in docs if d[1]]
 
 
 def _check_strings(record: Any, where: str) -> None:
@@ -109,6 +200,12 @@ def _is_text_file(path: str) -> bool:
     """No NUL byte in the first 8 KiB: git's rule for telling text from binary files."""
     with open(path, "rb") as f:
         return b"\0" not in f.read(8192)
+
+
+def _is_data_file(path: str) -> bool:
+    """A file the corpus reads: a Parquet file (binary, read by pyarrow), or a text file
+    (:func:`_is_text_file`)."""
+    return path.lower().endswith(".parquet") or _is_text_file(path)
 
 
 def _walk_directory(root: str) -> list[str]:
@@ -199,7 +296,7 @@ def _walked_once_warning(path: str, links: Sequence[tuple]) -> list:
 
 
 def _directory_files(root: str) -> list[str]:
-    """Every text file below ``root``, recursively, sorted; hidden files and directories
+    """Every text (or Parquet) file below ``root``, recursively, sorted; hidden files and directories
     (names starting with ``.``) and ``__pycache__`` are skipped, symlinked directories not
     followed.
 
@@ -208,14 +305,14 @@ def _directory_files(root: str) -> list[str]:
     """
     found, skipped = [], 0
     for file in _walk_directory(root):
-        if _is_text_file(file):
+        if _is_data_file(file):
             found.append(file)
         else:
             skipped += 1
     if not found:
         raise ValueError(f"data.path directory {root!r} holds no text file ({skipped} binary "
                          f"file(s) skipped); give a directory of text files, a glob such as "
-                         f"'{root}/**/*.txt', or .jsonl files")
+                         f"'{root}/**/*.txt', or .jsonl / .parquet files")
     return sorted(found)
 
 
@@ -258,12 +355,12 @@ def _unique_text_files(path: str, files: Sequence[str], warnings: list) -> list[
                         f"(e.g. {duplicates[0][0]!r} is {duplicates[0][1]!r}){why}; each file is "
                         f"read once")
     kept = list(first.values())
-    text = [f for f in kept if _is_text_file(f)]
+    text = [f for f in kept if _is_data_file(f)]
     binary = [f for f in kept if f not in set(text)]
     if not text:
         raise ValueError(f"data.path {path!r} matches no text file ({len(binary)} binary file(s), "
                          f"e.g. {binary[0]!r}: a NUL byte in its first 8 KiB); give text files, a "
-                         f"directory of them, or .jsonl files")
+                         f"directory of them, or .jsonl / .parquet files")
     if binary:
         warnings.append(f"data.path {path!r}: skipped {len(binary)} binary file(s) (a NUL byte in "
                         f"the first 8 KiB), e.g. {binary[0]!r}")
@@ -318,24 +415,28 @@ def load_documents(path: str | None, text_field: str = "text",
         files and directories skipped); or a glob (``**`` matches any number of
         directories) of files. Each text file is one document read as raw bytes; a
         ``.jsonl`` file holds one JSON object per non-blank line, whose ``text_field``
-        string (UTF-8 encoded) is one document named ``"file:line"``. Files are taken in
-        sorted path order; directories a glob matches are not expanded. Each real file
-        is read once, however many paths (symbolic links) lead to it, and binary files
-        (a NUL byte in the first 8 KiB) are skipped, both with a warning.
-      text_field: the ``.jsonl`` field holding the text.
+        string (UTF-8 encoded) is one document named ``"file:line"``, and a ``.parquet``
+        file one per row, named ``"file:row"`` (:func:`_parquet_documents`). Files are
+        taken in sorted path order; directories a glob matches are not expanded. Each real
+        file is read once, however many paths (symbolic links) lead to it, and binary
+        files (a NUL byte in the first 8 KiB; Parquet files excepted) are skipped, both
+        with a warning.
+      text_field: the ``.jsonl`` or Parquet field holding the text.
       warnings: a list that gets a sentence for each thing skipped (repeated files,
         links that loop, binary files).
       progress: a progress bar over the files read (tqdm, on stderr) once reading them
         has taken ``PROGRESS_DELAY_S`` (:mod:`jaxmp.train.tokenizer`).
-      records: a ``.jsonl`` line is returned as its parsed JSON object (chat or
-        prompt_completion examples, :mod:`jaxmp.train.packing`), every string in it
-        checked to be text; other files as bytes.
+      records: a ``.jsonl`` line or a Parquet row is returned as its record (a parsed JSON
+        object; chat or prompt_completion examples, :mod:`jaxmp.train.packing`), every
+        string in it checked to be text, and kept however few fields it has (its format is
+        checked where it is read); other files as bytes.
 
     Returns:
       Documents in a deterministic order.
 
     Raises:
-      ValueError: no file matches ``path`` (or no text file does); a ``.jsonl`` line is not valid
+      ValueError: no file matches ``path`` (or no text file does); a Parquet file that
+        does not read; a ``.jsonl`` line (Parquet row) is not valid
         JSON, lacks a string ``text_field`` or holds one that is not text (an unpaired
         surrogate escape); the message names the file and line number.
     """
@@ -355,10 +456,12 @@ def load_documents(path: str | None, text_field: str = "text",
                      file=sys.stderr, leave=True, delay=tokenizer_module.PROGRESS_DELAY_S):
         if file.lower().endswith(".jsonl"):
             docs.extend(_jsonl_documents(file, text_field, records))
+        elif file.lower().endswith(".parquet"):
+            docs.extend(_parquet_documents(file, text_field, records))
         else:
             with open(file, "rb") as f:
                 docs.append((file, f.read()))
-    return [d for d in docs if d[1]]
+    return [d for d in docs if not isinstance(d[1], bytes) or d[1]]  # a record is kept: checked
 
 
 def eval_score(name: str) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import pathlib
@@ -39,7 +40,8 @@ import numpy as np
 from jaxmp._checks import check, check_int, check_real
 from jaxmp.train.corpus import (TOKEN_SUFFIXES, check_data_path, data_files,  # noqa: F401
                                 default_corpus_files, eval_score, load_documents,
-                                split_documents, token_files)
+                                split_documents, text_documents, token_files,
+                                RECORD_SUFFIXES)
 from jaxmp.train.keys import DEFAULTS, SEED, TOKEN_DTYPES  # noqa: F401  (re-exported)
 from jaxmp.train import packing as packing_module
 from jaxmp.train.shards import shard_streams
@@ -104,7 +106,10 @@ class DataPipeline:
         the trained fraction of the train rows, the chat template's source), for the
         banner; '' for a token stream.
       chat_template: the chat template the conversations were rendered with ('' without
-        chat records); its SHA-256 is part of the data state, so a resume refuses another.
+        chat records); its SHA-256, with the special tokens', is part of the data state,
+        so a resume refuses another.
+      chat_tokens: the special tokens the template was rendered with (``bos_token``,
+        ``eos_token``, ...: :func:`jaxmp.train.chat.special_tokens`), empty without chat.
     """
 
     train_iter: grain.DatasetIterator
@@ -120,6 +125,7 @@ class DataPipeline:
     batch_keys: tuple = packing_module.BATCH_KEYS
     examples: str = ""
     chat_template: str = ""
+    chat_tokens: dict = dataclasses.field(default_factory=dict)
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -153,8 +159,8 @@ class DataPipeline:
         if isinstance(saved, dict) and saved.get("chat_template") != \
                 self._fingerprint.get("chat_template"):
             raise ValueError("the chat template is not the one the checkpoint was trained with "
-                             "(another SHA-256); restore that template or start a new "
-                             "--workdir")
+                             "(another SHA-256 of the template and its special tokens); "
+                             "restore that template or start a new --workdir")
         mine = dict(self._fingerprint)
         if isinstance(saved, dict) and "tokenizer" not in saved:
             mine.pop("tokenizer", None)  # saved before runs recorded their tokenizer
@@ -374,7 +380,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         what = f"data.path {path!r}" if path else "the standard library's sources (data.path='')"
         _say(progress, f"reading {what}")
         text_field = given("text_field") or DEFAULTS["data.text_field"]
-        records = _examples_wanted(given, path, text_field, warnings, progress)
+        records, docs = _examples_wanted(given, path, text_field, warnings, progress)
     if records is not None:  # examples with loss masks, packed (jaxmp.train.packing)
         if spec.startswith("bpe:"):
             raise ValueError(f"data.tokenizer={spec!r} trains on text documents; chat and "
@@ -386,7 +392,8 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
             num_eval > 0)
         starts_mid = False
     elif not shards:
-        docs = load_documents(path, text_field, warnings, progress=progress)
+        if docs is None:
+            docs = load_documents(path, text_field, warnings, progress=progress)
         split = split_documents(docs, eval_fraction)
         if trains_bpe:
             size, cap = sum(len(d) for _, d in split[0] or docs), tokenizer_module.BPE_TRAIN_BYTES
@@ -440,27 +447,30 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         eval_bytes=eval_bytes, sample_prompt=sample_prompt,
         batch_keys=extra.get("batch_keys", packing_module.BATCH_KEYS),
         examples=extra.get("examples", ""), chat_template=extra.get("chat_template", ""),
+        chat_tokens=extra.get("chat_tokens", {}),
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed,
                       "tokenizer": tokenizer.digest(), **extra.get("fingerprint", {})})
 
 
 def _examples_wanted(given, path, text_field: str, warnings: list, progress: bool):
-    """The records of ``data.path`` (:func:`load_documents` with ``records``) when they are
-    read as examples with loss masks (:mod:`jaxmp.train.packing`): ``data.format`` chat or
-    prompt_completion, ``data.loss_on`` or ``data.packing`` asking for them, or
-    ``data.format=auto`` finding a chat or prompt_completion record; else None (the token
-    stream of text documents, read as before)."""
+    """``(records, None)`` when ``data.path`` is read as examples with loss masks
+    (:mod:`jaxmp.train.packing`): ``data.format`` chat or prompt_completion, ``data.loss_on``
+    or ``data.packing`` asking for them, or ``data.format=auto`` finding a chat or
+    prompt_completion record (:func:`load_documents` with ``records``); else ``(None,
+    documents)``: the text documents of a token stream, read once (None where they are
+    still to be read: no JSON-lines file, or ``data.format=text``)."""
     fmt = given("format")
     wanted = packing_module.asks_for_examples(fmt, given("loss_on"), given("packing"))
     if fmt == "text" and not wanted:
-        return None
-    if not wanted and not (path and any(f.lower().endswith(".jsonl") for f in data_files(path))):
-        return None
+        return None, None
+    if not wanted and not (path and any(f.lower().endswith(RECORD_SUFFIXES)
+                                for f in data_files(path))):
+        return None, None
     records = load_documents(path, text_field, warnings, progress=progress, records=True)
     if wanted or any(packing_module.example_kind(r) for _, r in records):
-        return records
-    return None  # text records: read again as documents, as a text corpus always was
+        return records, None
+    return None, text_documents(records, text_field)
 
 
 def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
@@ -470,7 +480,7 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
     (:func:`split_documents`); an eval split that gives no row takes the examples whose
     names hash closest to eval until it gives one."""
     fmt = given("format")
-    examples, counts, source, template = packing_module.encode_examples(
+    examples, counts, source, template, tokens = packing_module.encode_examples(
         records, fmt, text_field=text_field, tokenizer=tokenizer, loss_on=given("loss_on"),
         chat_template=given("chat_template"))
     main = next((k for k in ("chat", "prompt_completion", "text") if counts.get(k)), "text")
@@ -519,11 +529,12 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
     fraction = train.trained_tokens / (len(train) * seq_len)
     words = (f"{main}, packing {packing}, loss on {loss_on} ({fraction:.1%} of the train rows' "
              f"tokens trained)" + (f", chat template {source}" if source else ""))
+    rendered = (template + "\n" + json.dumps(tokens, sort_keys=True)).encode()
     extra = {"batch_keys": packing_module.PACKED_KEYS, "examples": words,
-             "chat_template": template,
+             "chat_template": template, "chat_tokens": dict(tokens),
              "fingerprint": {"format": main, "packing": packing, "loss_on": loss_on,
                              "truncate": truncate,
-                             **({"chat_template": hashlib.sha256(template.encode()).hexdigest()}
+                             **({"chat_template": hashlib.sha256(rendered).hexdigest()}
                                 if template else {})}}
     return train, evals, notes, len(examples), extra
 

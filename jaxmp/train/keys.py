@@ -126,13 +126,13 @@ KEYS: Tuple[Key, ...] = (
         Choice(UPDATE_ROUNDINGS)),
     # data
     Key("data.path", "", "'' = the Python standard library's .py files; a directory, a glob, "
-                         ".jsonl files, or .bin/.npy token shards",
+                         ".jsonl or .parquet files, or .bin/.npy token shards",
         Kind(lambda v: v is None or isinstance(v, str),
              "a path, a glob or '' (the stdlib corpus)")),
-    Key("data.text_field", "text", "the field holding the text in .jsonl files",
+    Key("data.text_field", "text", "the field holding the text in .jsonl and .parquet files",
         Kind(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty field name")),
-    Key("data.format", "auto", "what a .jsonl record is (jaxmp.train.packing; auto: from "
-                               "its fields)", Choice(packing.FORMATS, " | ".join(packing.FORMATS))),
+    Key("data.format", "auto", "what a .jsonl or .parquet record is (jaxmp.train.packing; "
+                               "auto: from its fields)", Choice(packing.FORMATS, " | ".join(packing.FORMATS))),
     Key("data.loss_on", "", "the tokens learned ('' = the format's: all for text, assistant "
                             "for chat, completion for prompt_completion)",
         Choice(packing.LOSS_ON, "'', all, assistant or completion")),

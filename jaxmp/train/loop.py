@@ -270,7 +270,7 @@ def _run(exp: Experiment, workdir: pathlib.Path,
             # After restore: a resume refused for another tokenizer leaves the copy as it was.
             keep_tokenizer(data.tokenizer, exp.config.data.tokenizer, workdir)
             if data.chat_template:  # its export writes the template it trained with back
-                keep_chat_template(data.chat_template, workdir)
+                keep_chat_template(data.chat_template, workdir, data.chat_tokens)
             _announce(exp, data, ckpt, start, notes, lock)
         writer = MetricsWriter(workdir, start_step=start, enabled=main_process)
         stack.push(lambda *exc: writer.close(raise_errors=exc[0] is None))  # the first error wins

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["FORMATS", "LOSS_ON", "PACKINGS", "TRUNCATIONS", "BATCH_KEYS", "LOSS_MASK",
            "SEGMENT_KEYS", "PACKED_KEYS", "batch_keys", "asks_for_examples", "example_kind",
-           "record_format", "resolve", "encode_examples", "PackedRows", "Example"]
+           "record_format", "resolve", "encode_examples", "Encoded", "PackedRows", "Example"]
 
 FORMATS = ("auto", "text", "chat", "prompt_completion")
 LOSS_ON = ("", "all", "assistant", "completion")
@@ -63,6 +63,26 @@ class Example:
     name: str
     ids: np.ndarray
     learned: np.ndarray
+
+
+class Encoded(NamedTuple):
+    """What :func:`encode_examples` gives.
+
+    Attributes:
+      examples: the :class:`Example` s, in order.
+      counts: the examples by format, and the conversations skipped (``"no assistant
+        turn"``, not among the chat count).
+      source: where the chat template came from, in words ('' without chat).
+      template: the chat template's text ('' without chat).
+      tokens: the special tokens the template was rendered with
+        (:func:`jaxmp.train.chat.special_tokens`; empty without chat).
+    """
+
+    examples: List[Example]
+    counts: Dict[str, int]
+    source: str
+    template: str
+    tokens: Dict[str, str]
 
 
 def batch_keys(data_config: Any) -> Tuple[str, ...]:
@@ -126,8 +146,7 @@ def _text(value: Any, where: str, field: str) -> str:
 
 
 def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field: str,
-                    tokenizer, loss_on: str, chat_template: str = "",
-                    ) -> Tuple[List[Example], Dict[str, int], str, str]:
+                    tokenizer, loss_on: str, chat_template: str = "") -> Encoded:
     """Tokenizes records into :class:`Example` s.
 
     Args:
@@ -141,21 +160,22 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
       chat_template: ``data.chat_template`` (a file), or ``""``.
 
     Returns:
-      ``(examples, counts, template_source, template)``: the examples in order; counts by
-      format and of skipped conversations (``"no assistant turn"``); where the chat
-      template came from and its text ('' without chat).
+      The :class:`Encoded` examples, with their counts and the chat template's text,
+      source and special tokens.
 
     Raises:
       ValueError: one line naming the file and line: a record of no known or of the wrong
         format, empty text, a conversation's fault (:func:`jaxmp.train.chat.check_messages`),
-        a template that fails, chat without a ``tokenizer.json``, ``loss_on`` that the
-        format cannot have (``assistant`` for prompt_completion, ...).
+        a template that fails, chat without a ``tokenizer.json`` or with one that lacks the
+        template's special tokens (:func:`jaxmp.train.chat.check_special_tokens`),
+        ``loss_on`` that the format cannot have (``assistant`` for prompt_completion, ...).
     """
     from jaxmp.train import chat
 
     counts: Dict[str, int] = {}
     examples: List[Example] = []
     template = source = None
+    special: Dict[str, str] = {}
     for name, record in records:
         kind = ("text" if isinstance(record, (bytes, str)) else
                 record_format(record, text_field, name) if fmt == "auto" else fmt)
@@ -170,7 +190,6 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
         if learn not in ("all", _DEFAULT_LOSS_ON[kind]):
             raise ValueError(f"data.loss_on={loss_on!r} does not apply to {kind} records "
                              f"({name}); allowed: all or {_DEFAULT_LOSS_ON[kind]}")
-        counts[kind] = counts.get(kind, 0) + 1
         if kind == "text":
             text = record if isinstance(record, (bytes, str)) else _text(
                 record.get(text_field), name, text_field)
@@ -192,6 +211,7 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
                 directory = _tokenizer_dir(tokenizer)
                 template, source = chat.load_chat_template(chat_template or directory)
                 special = chat.special_tokens(directory)
+                chat.check_special_tokens(template, tokenizer.tokenizer, special, tokenizer.name)
             try:  # the data tokenizer is the directory's tokenizer.json (_tokenizer_dir)
                 ids, learned = chat.encode_messages(messages, template, tokenizer.tokenizer,
                                                     **special)
@@ -199,8 +219,9 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
                 raise ValueError(f"{name}: {e}") from None
             if learn == "all":
                 learned = np.ones(len(ids), bool)
+        counts[kind] = counts.get(kind, 0) + 1  # a skipped conversation is counted apart
         examples.append(Example(name, ids, learned))
-    return examples, counts, source or "", template or ""
+    return Encoded(examples, counts, source or "", template or "", special)
 
 
 def _tokenizer_dir(tokenizer) -> str:
