@@ -30,13 +30,19 @@ LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_fac
               original_max_position_embeddings=16)
 FAMILIES = {
     "llama": dict(rope_scaling=LLAMA3, rope_theta=500000.0),
-    "mistral": dict(sliding_window=None, rope_theta=1e6),
-    "qwen2": dict(rope_scaling=YARN),
-    "qwen3": dict(head_dim=16, tie_word_embeddings=True, rope_scaling=YARN),
+    # Sliding windows shorter than TOKENS' 24: on every layer (Mistral, Mixtral), on the
+    # layers from max_window_layers on (Qwen2), on those layer_types names (Qwen3).
+    "mistral": dict(sliding_window=8, rope_theta=1e6),
+    "qwen2": dict(rope_scaling=YARN, use_sliding_window=True, sliding_window=6,
+                  max_window_layers=1),
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True, rope_scaling=YARN,
+                  use_sliding_window=True, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention"]),
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=16, norm_topk_prob=False, mlp_only_layers=[1],
                       rope_scaling=YARN),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=LLAMA3),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=LLAMA3,
+                    sliding_window=7),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
                         num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16,
                         q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
@@ -106,7 +112,7 @@ def test_from_pretrained_logits_match_transformers(checkpoint):
 def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
     family, _, ref, model = checkpoint
     written = save_pretrained(model, str(tmp_path))
-    assert written == ("llama" if family == "mistral" else family)  # one architecture
+    assert written == family  # Mistral's windows are not Llama's
     config = json.load(open(tmp_path / "config.json"))
     assert config["model_type"] == written and config["architectures"]
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
@@ -114,7 +120,8 @@ def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
 
 
 # A MoE with mlp_only_layers and an MLA MoE with a dense layer.
-@pytest.mark.parametrize("checkpoint", ["qwen3_moe", "deepseek_v3"], indirect=True)
+# Qwen3: a sliding layer, then a full one (two stacks).
+@pytest.mark.parametrize("checkpoint", ["qwen3_moe", "deepseek_v3", "qwen3"], indirect=True)
 def test_scanned_remat_layout_loads_the_same_logits(checkpoint):
     """The scanned layout (stacked layers, full remat) reads the same tensors."""
     family, path, ref, _ = checkpoint
@@ -199,7 +206,15 @@ def _write_config(tmp_path, **fields):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(model_type="gemma"), "model_type='gemma' is not supported"),
-    (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096"),
+    (dict(sliding_window=4096), r"\(llama\): sliding_window=4096 cannot be represented"),
+    (dict(model_type="mistral", sliding_window=8, layer_types=["sliding_attention",
+                                                               "full_attention"]),
+     r"layer_types=.* allowed: absent, or sliding_attention for every layer"),
+    (dict(model_type="mistral", use_sliding_window=False), r"use_sliding_window=False .*"
+                                                           r"allowed: absent"),
+    (dict(model_type="qwen2", layer_types=["sliding_attention"]), r"one entry per layer"),
+    (dict(model_type="qwen2", layer_types=["chunked_attention"] * 2),
+     r"layer_types=\['chunked_attention'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(some_new_field=3), "some_new_field=3"),

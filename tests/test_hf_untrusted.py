@@ -328,12 +328,16 @@ def test_defaults_filled_in_are_transformers_not_jaxmps():
             out["norm_topk_prob"]) == (8, 4, 3, 1, 2.5, True)
     out = hf.config_from_hf({**DEEPSEEK_V2, "n_routed_experts": 4})  # greedy: no groups
     assert (out["norm_topk_prob"], out["n_group"], out["num_shared_experts"]) == (False, 1, 2)
-    # Mistral without a sliding_window field has transformers' 4096 window: refused.
+    # Mistral without a sliding_window field has transformers' 4096 window; null has none.
     config = {**LLAMA, "model_type": "mistral"}
-    with pytest.raises(ValueError, match=r"sliding_window=4096 cannot be represented exactly; "
-                                         r"allowed: None \(absent: transformers' mistral"):
-        hf.config_from_hf(config)
+    assert hf.config_from_hf(config)["sliding_window"] == 4096
     assert "sliding_window" not in hf.config_from_hf({**config, "sliding_window": None})
+    # Qwen2 slides only with use_sliding_window, from max_window_layers (28) on.
+    qwen2 = {**LLAMA, "model_type": "qwen2", "num_hidden_layers": 30, "sliding_window": 64}
+    assert "sliding_window" not in hf.config_from_hf(qwen2)
+    out = hf.config_from_hf({**qwen2, "use_sliding_window": True})
+    assert out["sliding_window"] == 64
+    assert out["layer_types"] == ("full_attention",) * 28 + ("sliding_attention",) * 2
 
 
 def _expected(c):

@@ -33,7 +33,9 @@ and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTA
     compile target the model is built for (``MoETransformer(target=)``, by default
     :func:`jaxmp.target.current`: a deviceless compile for an H200 gets ``"cudnn"``).
 
-Every path is causal and takes optional per-sequence ``lengths`` (right padding) and
+Every path is causal, takes an optional sliding window (``window``: a query sees its last
+``window`` tokens, Mistral's and Qwen2's ``sliding_window``), and takes optional
+per-sequence ``lengths`` (right padding) and
 ``segment_ids`` (documents packed in a row, 0 = padding): a query attends only to earlier
 keys of its own document, a padded position neither attends nor is attended to, and
 its output row is exactly 0 with gradient 0 (the fully-masked-row guarantee of
@@ -223,11 +225,14 @@ def trace_cudnn_without_gpu():
 
 
 def _padding_masks(t: int, lengths: Optional[jax.Array],
-                   segment_ids: Optional[jax.Array] = None):
+                   segment_ids: Optional[jax.Array] = None, window: int = 0):
     """``(attend [B|1, 1, T, T] bool, query_valid [B, T] bool or None)``: causal, within
-    the first ``lengths[b]`` tokens, and within one segment of ``segment_ids`` (0 is
-    padding: it neither attends nor is attended to)."""
+    the last ``window`` tokens (0 = all), within the first ``lengths[b]`` tokens, and
+    within one segment of ``segment_ids`` (0 is padding: it neither attends nor is
+    attended to)."""
     attend = ops.causal_mask(t)[None, None]
+    if window:  # key j is seen by query i when i - window < j (transformers' sliding window)
+        attend = attend & (jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window)[None, None]
     valid = None
     if lengths is not None:
         valid = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
@@ -243,7 +248,7 @@ def _padding_masks(t: int, lengths: Optional[jax.Array],
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
                    lengths: Optional[jax.Array] = None,
                    scale: Optional[float] = None,
-                   segment_ids: Optional[jax.Array] = None) -> jax.Array:
+                   segment_ids: Optional[jax.Array] = None, window: int = 0) -> jax.Array:
     """Causal ``softmax(q k^T / sqrt(h)) v`` on one path, softmax statistics in float32.
 
     Args:
@@ -262,6 +267,11 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
         padding, whose output rows are exactly 0, gradient included. On the ``"xla"`` and
         ``"cudnn"`` paths the segments go in as a boolean ``mask [B, 1, T, T]`` beside
         ``is_causal`` (cuDNN folds it into its fused kernel as a bias).
+      window: a sliding window (a Python int, 0 = none): query ``i`` attends only to keys
+        ``j > i - window`` (transformers' ``sliding_window``). On the ``"xla"`` and
+        ``"cudnn"`` paths it is ``local_window_size=(window - 1, 0)`` (cuDNN's own
+        sliding-window kernel, no ``[T, T]`` mask), or part of the segment mask where
+        there is one.
 
     Returns:
       ``[B, T, H, h_v]`` in ``q``'s dtype.
@@ -282,7 +292,9 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
     if segment_ids is not None and jnp.shape(segment_ids) != q.shape[:2]:
         raise ValueError(f"segment_ids of shape {jnp.shape(segment_ids)}; expected [B, T] = "
                          f"{list(q.shape[:2])}")
-    attend, query_valid = _padding_masks(t, lengths, segment_ids)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window={window!r} must be a Python int >= 0 (0 = no sliding window)")
+    attend, query_valid = _padding_masks(t, lengths, segment_ids, window)
     groups = q.shape[2] // k.shape[2]
     if implementation == "reference":
         if groups > 1:  # query head n reads key/value head n // groups (GQA, Ainslie et al.)
@@ -301,7 +313,9 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
     if hv < q.shape[-1]:  # the fused paths take one head size: pad v with zeros, then cut
         v = jnp.pad(v, ((0, 0),) * 3 + ((0, q.shape[-1] - hv),))
     if segment_ids is not None:  # documents of a packed row: the causal mask within each
-        padding["mask"] = attend
+        padding["mask"] = attend  # the window too
+    elif window and window < t:
+        padding["local_window_size"] = (window - 1, 0)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
                                        scale=scale, **padding)
     if hv < q.shape[-1]:
@@ -339,6 +353,7 @@ class Attention(nnx.Module):
       qkv_bias: biases on the q, k, v projections (Qwen2).
       norm_eps: epsilon of the q/k norms.
       rope: a :class:`~jaxmp.models.layers.Rope`; None = plain RoPE of base ``rope_theta``.
+      window: a sliding window in tokens (:func:`attention_core`); 0 = full attention.
 
     Parameters: ``wq`` [d_model, H, head_dim], ``wk``, ``wv`` [d_model, K, head_dim]
     (``embed``, ``heads``, ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``,
@@ -354,8 +369,9 @@ class Attention(nnx.Module):
                  implementation: str = "reference", recompute_core: bool = False,
                  num_kv_heads: int = 0, head_dim: int = 0, qk_norm: bool = False,
                  qkv_bias: bool = False, norm_eps: float = 1e-6, rope: Optional[Rope] = None,
-                 target: Optional[target.Target] = None):
+                 target: Optional[target.Target] = None, window: int = 0):
         self.path = path
+        self.window = int(window)
         self.policy: Policy = rules.resolve(path)
         self.rope_theta = rope_theta
         self.rope = rope
@@ -410,7 +426,8 @@ class Attention(nnx.Module):
         q = apply_rope(self._project(x, "q", operands), positions, self.rope_theta, self.rope)
         k = apply_rope(self._project(x, "k", operands), positions, self.rope_theta, self.rope)
         v = self._project(x, "v", operands)
-        core = functools.partial(attention_core, implementation=self.implementation)
+        core = functools.partial(attention_core, implementation=self.implementation,
+                                 window=self.window)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths, segment_ids=segment_ids)

@@ -11,7 +11,11 @@ from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Rope
 from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS
 
-__all__ = ["ModelConfig", "REMAT_POLICIES"]
+__all__ = ["ModelConfig", "REMAT_POLICIES", "LAYER_TYPES"]
+
+# What a layer's attention is (transformers' ``layer_types`` names): every earlier token,
+# or the last ``sliding_window`` tokens.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # model.remat settings, in order of growing recomputation (jaxmp.models.transformer's
 # docstring says what each recomputes).
@@ -93,6 +97,12 @@ class ModelConfig:
         :class:`~jaxmp.models.moe.Router`.
       mlp_only_layers: layer indices with a dense FFN though ``>= first_dense_layers``
         (Qwen-MoE's ``mlp_only_layers``).
+      sliding_window: sliding-window attention (Mistral, Qwen2; Beltagy et al. 2020): a
+        query sees its own token and the ``sliding_window - 1`` tokens before it
+        (transformers' ``kv_idx > q_idx - sliding_window``); 0 = none.
+      layer_types: per layer, one of :data:`LAYER_TYPES` (transformers' ``layer_types``);
+        ``()`` = every layer ``sliding_attention`` when ``sliding_window > 0``, else every
+        layer ``full_attention`` (see :meth:`attention_window`).
       q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
         Multi-head Latent Attention (DeepSeek-V2/V3) when ``kv_lora_rank > 0``
         (:class:`~jaxmp.models.attention.MLAttention`; ``q_lora_rank`` 0 = a plain q
@@ -172,6 +182,14 @@ class ModelConfig:
         (), "layer indices with a dense FFN (Qwen-MoE), besides first_dense_layers",
         Kind(lambda v: isinstance(v, (tuple, list)) and all(is_int(i) and i >= 0 for i in v),
              "a tuple of layer indices"))
+    sliding_window: int = option(0, "sliding-window attention: a query sees itself and the "
+                                    "sliding_window - 1 tokens before it (0 = none)",
+                                 Int(0, 2**31 - 1))
+    layer_types: Tuple[str, ...] = option(
+        (), "per layer full_attention | sliding_attention (() = every layer sliding when "
+            "sliding_window > 0)",
+        Kind(lambda v: isinstance(v, (tuple, list)) and all(t in LAYER_TYPES for t in v),
+             f"a tuple of {' | '.join(LAYER_TYPES)}, one per layer"))
     q_lora_rank: int = option(0, "MLA: query latent width (0 = a plain q projection)", Int(0))
     kv_lora_rank: int = option(0, "MLA: key/value latent width (> 0 = Multi-head Latent "
                                   "Attention, DeepSeek-V2/V3)", Int(0))
@@ -225,6 +243,16 @@ class ModelConfig:
             need(self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
                  f"llama3 scaling needs rope_high_freq_factor={self.rope_high_freq_factor} > "
                  f"rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            need(len(self.layer_types) == self.num_layers,
+                 f"layer_types has {len(self.layer_types)} entries; it needs one per layer "
+                 f"(num_layers={self.num_layers}) or none")
+            need(self.sliding_window > 0 or "sliding_attention" not in self.layer_types,
+                 "layer_types names sliding_attention layers but sliding_window=0; give the "
+                 "window (tokens)")
+        need(not (self.is_mla and self.sliding_window),
+             f"sliding_window={self.sliding_window} is not defined for MLA (kv_lora_rank > 0)")
         need(all(0 <= i < self.num_layers for i in self.mlp_only_layers),
              f"mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in "
              f"[0, num_layers={self.num_layers})")
@@ -279,6 +307,13 @@ class ModelConfig:
         is the ``rope_<name>`` field here (MLA rotates its own ``qk_rope_head_dim``: dim 0)."""
         fields = {f.name: getattr(self, f"rope_{f.name}") for f in dataclasses.fields(Rope)}
         return Rope(**{**fields, "dim": 0 if self.is_mla else self.rope_dim})
+
+    def attention_window(self, i: int) -> int:
+        """Layer ``i``'s sliding window in tokens, 0 for full (causal) attention."""
+        if not self.sliding_window:
+            return 0
+        slides = not self.layer_types or self.layer_types[i] == "sliding_attention"
+        return self.sliding_window if slides else 0
 
     @property
     def num_dense_layers(self) -> int:

@@ -156,7 +156,8 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
     """The layer indices of each stack of the scanned layout, in layer order.
 
     A stack is a maximal run of consecutive layers of the same kind (dense FFN or MoE)
-    whose modules (``blocks/{i}/attn_norm``, ``.../attn``, ``.../ffn_norm``, ``.../mlp``
+    and attention window (:meth:`~jaxmp.models.ModelConfig.attention_window`) whose
+    modules (``blocks/{i}/attn_norm``, ``.../attn``, ``.../ffn_norm``, ``.../mlp``
     or ``.../moe``, ``.../moe/router``, ``.../moe/experts``, ``.../moe/shared_experts``)
     resolve to the same policies under ``rules`` (the model's rules, float32 islands
     included). Without per-layer rules there is one dense and one MoE stack.
@@ -165,7 +166,7 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
       e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers.
     """
     def signature(i):
-        return (config.is_moe_layer(i),
+        return (config.is_moe_layer(i), config.attention_window(i),
                 tuple(rules.resolve(f"blocks/{i}/{sub}")
                       for sub in _block_module_suffixes(config, i)))
 
@@ -217,7 +218,8 @@ class Block(nnx.Module):
                                   recompute_core=config.remat == "attention",
                                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                   qk_norm=config.qk_norm, qkv_bias=config.qkv_bias,
-                                  norm_eps=config.norm_eps, rope=config.rope, target=target)
+                                  norm_eps=config.norm_eps, rope=config.rope, target=target,
+                                  window=config.attention_window(index))
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm",
                                 rules=rules, rngs=rngs)
         if config.is_moe_layer(index):

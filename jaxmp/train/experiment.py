@@ -88,6 +88,7 @@ def parameter_bytes(config: ModelConfig, rules: Any) -> int:
         if not counts[moe]:
             continue
         one = dataclasses.replace(config, num_layers=1, scan_layers=False, mlp_only_layers=(),
+                                  layer_types=(),  # a window adds no parameter
                                   first_dense_layers=0 if moe else 1,
                                   num_experts=config.num_experts if moe else 0)
         model = nnx.eval_shape(lambda: MoETransformer(one, rules, rngs=nnx.Rngs(0)))

@@ -2,8 +2,9 @@
 each family's record (:data:`~jaxmp.models.hf.families.FAMILIES`).
 
 What the model computes is checked field by field: a field the family does not know, or a
-value jaxmp cannot represent exactly (a sliding window, an activation other than SiLU, FP8
-weights, ...) is a one-line ``ValueError`` naming the field; nothing is approximated.
+value jaxmp cannot represent exactly (a sliding window where the family has none, an
+activation other than SiLU, FP8 weights, ...) is a one-line ``ValueError`` naming the
+field; nothing is approximated.
 Fields that only concern training or generation in transformers are ignored
 (:data:`~jaxmp.models.hf.spec.IGNORED_FIELDS`).
 """
@@ -18,7 +19,7 @@ from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.spec import (ABSENT, COUNT, IGNORED_FIELDS, NEEDED, POSITIVE, STRING,
                                   Field, field_name, fixed, inexact, missing, non_finite,
                                   not_allowed, read_field, short)
-from jaxmp.models.config import ModelConfig
+from jaxmp.models.config import LAYER_TYPES, ModelConfig
 
 __all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "RUNTIME_FIELDS"]
 
@@ -143,6 +144,75 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                           f"a number > low_freq_factor={merged['low_freq_factor']}")
 
 
+def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
+                   out: Dict[str, Any]) -> None:
+    """``out``'s ``sliding_window`` and ``layer_types`` as transformers' model of the family
+    computes them (:attr:`Family.window`), or a one-line refusal: a window the family has
+    not, ``layer_types`` of the wrong length or names, or ones the family would not read.
+    A window no layer uses is no window (``sliding_window`` 0)."""
+    fam = FAMILIES[model_type]
+    n, types = vals["num_hidden_layers"], list(vals["layer_types"])
+    if types and len(types) != n:
+        raise not_allowed(model_type, "layer_types", hf["layer_types"],
+                          f"one entry per layer ({n}, num_hidden_layers; transformers refuses "
+                          f"another length)")
+    if any(t not in LAYER_TYPES for t in types):
+        raise inexact(model_type, "layer_types", hf["layer_types"],
+                      f"{' or '.join(LAYER_TYPES)} per layer")
+    window = vals["sliding_window"]
+    switch = fam.specs["use_sliding_window"].default is not ABSENT  # the family reads it
+    if switch and not vals["use_sliding_window"]:
+        window = None  # transformers: sliding_window = sliding_window if use_sliding_window
+    elif not switch and "use_sliding_window" in hf and fam.window:
+        raise inexact(model_type, "use_sliding_window", hf["use_sliding_window"],
+                      f"absent (transformers' {model_type} does not read it: sliding_window "
+                      f"alone decides)")
+    if not fam.window:
+        if window is not None:
+            raise inexact(model_type, "sliding_window", window,
+                          "None" + ("" if "sliding_window" in hf else
+                                    f" (absent: transformers' {model_type} default)"))
+        if "sliding_attention" in types:
+            raise inexact(model_type, "layer_types", hf["layer_types"], "only full_attention")
+        return
+    if window is None:  # no layer slides, whatever layer_types says (transformers too)
+        return
+    if fam.window == "uniform":
+        if any(t != "sliding_attention" for t in types):
+            raise inexact(model_type, "layer_types", hf["layer_types"],
+                          f"absent, or sliding_attention for every layer (transformers' "
+                          f"{model_type} does not read layer_types: sliding_window={window} "
+                          f"applies to every layer)")
+        out["sliding_window"] = int(window)
+        return
+    # layered: layer_types, or transformers' default: the layers from max_window_layers on
+    first = vals["max_window_layers"]
+    if not types and first >= n:
+        return
+    out["sliding_window"] = int(window)
+    if types and "full_attention" in types:
+        out["layer_types"] = tuple(types) if "sliding_attention" in types else ()
+        if not out["layer_types"]:
+            del out["sliding_window"]
+    elif not types and first > 0:  # counted before enumerated: n may be huge
+        out["layer_types"] = ("full_attention",) * first + ("sliding_attention",) * (n - first)
+
+
+def _write_window(config: ModelConfig, fam, hf: Dict[str, Any]) -> None:
+    """The sliding-window fields of ``config`` as the family writes them (the inverse of
+    :func:`_window_fields`; a family without windows writes none, and a model with a
+    window is then refused by the round trip of :func:`config_to_hf`)."""
+    if not fam.window:
+        return
+    window = config.sliding_window or None
+    hf["sliding_window"] = window
+    if fam.specs["use_sliding_window"].default is not ABSENT:
+        hf["use_sliding_window"] = window is not None
+    if fam.window == "layered" and window is not None:
+        hf["layer_types"] = [LAYER_TYPES[int(bool(config.attention_window(i)))]
+                             for i in range(config.num_layers)]
+
+
 def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     """ModelConfig fields for a transformers ``config.json``.
 
@@ -185,17 +255,8 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
             raise inexact(model_type, field_name(key), hf[key],
                           "the fields jaxmp.models.hf implements (unknown field)")
     vals = field_values(model_type, hf)
-    if vals["sliding_window"] is not None and vals.get("use_sliding_window") is not False:
-        raise inexact(model_type, "sliding_window", vals["sliding_window"],
-                      "None" + ("" if "sliding_window" in hf else
-                      f" (absent: transformers' {model_type} default)"))
-    if any(t != "full_attention" for t in vals["layer_types"]):
-        raise inexact(model_type, "layer_types", hf["layer_types"], "only full_attention")
-    if vals["layer_types"] and len(vals["layer_types"]) != vals["num_hidden_layers"]:
-        raise not_allowed(model_type, "layer_types", hf["layer_types"],
-                          f"one entry per layer ({vals['num_hidden_layers']}, "
-                          f"num_hidden_layers; transformers refuses another length)")
     out: Dict[str, Any] = {"num_experts": 0}
+    _window_fields(model_type, hf, vals, out)
     said: Dict[str, str] = {}  # ModelConfig field -> the config.json field that set it
     for key, field in fam.fields.items():
         if key not in vals:
@@ -243,6 +304,7 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
         hf[key] = list(value) if isinstance(value, tuple) else value
     if fam.write is not None:
         fam.write(config, hf)
+    _write_window(config, fam, hf)
     hf["rope_theta"] = config.rope_theta
     partial = (config.rope_dim or config.head_dim) / config.head_dim
     if partial != 1.0 or fam.specs["partial_rotary_factor"].default != 1.0:
@@ -313,7 +375,7 @@ def family_of(config: ModelConfig) -> str:
     Raises:
       ValueError: none maps (one line, naming the first field in the way), or two
         families' ``maps`` both hold (a family module's fault: a family that writes the
-        files of another, as Mistral Llama's, declares ``maps=None``).
+        files of another with nothing of its own, declares ``maps=None``).
     """
     found = [name for name, fam in FAMILIES.items() if fam.maps is not None and fam.maps(config)]
     if len(found) > 1:

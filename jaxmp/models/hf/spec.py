@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, is_int
 
-__all__ = ["Field", "Family", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
+__all__ = ["Field", "Family", "WINDOWS", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
            "common_specs", "COMMON_FIELDS", "COUNT", "COUNT0", "POSITIVE", "OBJECT", "STRING",
            "NAMES", "INDICES", "short", "field_name", "inexact", "not_allowed", "missing",
            "non_finite", "read_field"]
@@ -29,6 +29,9 @@ IGNORED_FIELDS = frozenset({
     "problem_type", "max_window_layers", "qk_head_dim", "head_dim_for_mla",
 })
 
+
+# How a family reads a sliding window (Family.window).
+WINDOWS = ("", "uniform", "layered")
 
 NEEDED = type("_Needed", (), {"__repr__": lambda self: "NEEDED"})()
 ABSENT = type("_Absent", (), {"__repr__": lambda self: "ABSENT"})()
@@ -80,11 +83,13 @@ def fixed(*values: Any, text: Optional[str] = None) -> Field:
 def common_specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Optional[int] = None,
            eps: float = 1e-6, theta: float = 10000.0, partial: float = 1.0,
            d_ff: Any = COUNT, window: Optional[int] = None, window_switch: Any = ABSENT,
-           mtp: int = 0, **extra: Field) -> Dict[str, Field]:
+           windows: bool = False, mtp: int = 0, **extra: Field) -> Dict[str, Field]:
     """A family's :attr:`Family.specs`: the fields every family reads, with the
     family's transformers defaults (``max_len``: ``max_position_embeddings``, ``eps``:
     ``rms_norm_eps``, ``window``: ``sliding_window``, ``window_switch``:
-    ``use_sliding_window``, ``mtp``: ``num_nextn_predict_layers``), and ``extra``."""
+    ``use_sliding_window``, ``mtp``: ``num_nextn_predict_layers``), and ``extra``.
+    ``windows``: the family computes sliding windows (:attr:`Family.window`), so
+    ``use_sliding_window`` may be true; else only false is exact."""
     specs = {
         "vocab_size": Field(COUNT), "hidden_size": Field(COUNT),
         "num_hidden_layers": Field(COUNT), "num_attention_heads": Field(COUNT),
@@ -105,7 +110,8 @@ def common_specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Opti
         "mlp_bias": fixed(False), "pretraining_tp": fixed(1),
         "router_jitter_noise": fixed(0.0, 0),
         "sliding_window": Field(COUNT, window, null=None),
-        "use_sliding_window": Field(Choice((False,), "False"), window_switch, exact=True),
+        "use_sliding_window": (Field(BOOL, window_switch) if windows else
+                               Field(Choice((False,), "False"), window_switch, exact=True)),
     }
     specs.update(extra)
     return specs
@@ -149,10 +155,17 @@ class Family:
       maps: ``maps(config) -> bool``: whether ``config``'s architecture is this family's
         (:func:`jaxmp.models.hf.family_of`; exactly one family maps any architecture that
         one can hold). None: never chosen by itself (a family that writes the same files
-        as another, as Mistral's those of Llama).
+        as another with nothing of its own).
       partial_rotary: transformers' model of the family rotates only
         ``partial_rotary_factor`` of each head (GLM-4.5); False: it rotates the whole head
         whatever the field says, so a factor other than 1 cannot be represented.
+      window: how transformers' model of the family reads a sliding window
+        (:data:`WINDOWS`): ``""`` it has none (``sliding_window`` must be null, every
+        ``layer_types`` entry ``full_attention``); ``"uniform"`` every layer slides by
+        ``sliding_window`` (Mistral, Mixtral, Qwen3-MoE; ``use_sliding_window`` where
+        the family has that switch), and ``layer_types``, which it does not read, must
+        agree; ``"layered"`` the layers ``layer_types`` names slide, or without it those
+        from ``max_window_layers`` on (Qwen2, Qwen3), when ``use_sliding_window`` is true.
     """
 
     model_type: str
@@ -166,8 +179,12 @@ class Family:
     write: Optional[Callable[[Any, Dict[str, Any]], None]] = None
     maps: Optional[Callable[[Any], bool]] = None
     partial_rotary: bool = False
+    window: str = ""
 
     def __post_init__(self):
+        if self.window not in WINDOWS:
+            raise ValueError(f"family {self.model_type}: window={self.window!r}; allowed: "
+                             f"{', '.join(map(repr, WINDOWS))}")
         extra = set(self.fields) - set(self.specs)  # every field a family maps is in its table
         if extra:
             raise ValueError(f"family {self.model_type}: fields {sorted(extra)} have no spec")

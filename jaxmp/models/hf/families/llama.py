@@ -18,4 +18,5 @@ FAMILY = Family(
     specs=common_specs(max_len=2048, attention_bias=fixed(
         False, text="false (jaxmp has no o_proj bias)")),
     write=_write,
-    maps=lambda c: not c.is_mla and not c.num_experts and not c.qk_norm and not c.qkv_bias)
+    maps=lambda c: (not c.is_mla and not c.num_experts and not c.qk_norm and not c.qkv_bias
+                    and not c.sliding_window))

@@ -1,5 +1,6 @@
 """Qwen3-MoE: Qwen3's attention, a softmax router with ``norm_topk_prob``, dense layers
-where ``mlp_only_layers`` or ``decoder_sparse_step`` say.
+where ``mlp_only_layers`` or ``decoder_sparse_step`` say; where ``use_sliding_window`` is
+true, a sliding window on every layer (transformers' model reads no ``layer_types``).
 
 transformers: ``models/qwen3_moe/configuration_qwen3_moe.py``.
 """
@@ -38,7 +39,8 @@ FAMILY = Family(
          mlp_only_layers="mlp_only_layers"),
     {"qk_norm": True, "score_fn": "softmax", "num_shared_experts": 0, "first_dense_layers": 0},
     {"block": "mlp", "experts": EXPERTS, "router": "gate"},
-    common_specs(max_len=32768, kv_heads=4, window=4096, window_switch=False, d_ff=COUNT0,
+    common_specs(max_len=32768, kv_heads=4, window=4096, window_switch=False, windows=True,
+                 d_ff=COUNT0,
                  attention_bias=fixed(False), **ROUTED,
                  num_experts=Field(COUNT), num_local_experts=Field(COUNT),
                  norm_topk_prob=Field(BOOL, False),
@@ -46,4 +48,5 @@ FAMILY = Family(
                  decoder_sparse_step=Field(COUNT, 1)),
     read=_read, write=_write,
     maps=lambda c: (not c.is_mla and c.num_experts and c.score_fn != "sigmoid"
-                    and not c.num_shared_experts and c.qk_norm))
+                    and not c.num_shared_experts and c.qk_norm),
+    window="uniform")
