@@ -41,6 +41,11 @@ FAMILIES = {
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=16, norm_topk_prob=False, mlp_only_layers=[1],
                       rope_scaling=YARN),
+    # Gemma 3: a local layer (window 5, its own RoPE base) then a global one (linear
+    # RoPE scaling); scores by query_pre_attn_scalar, GeGLU, (1 + w) norms.
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
+                        sliding_window_pattern=2, rope_local_base_freq=100.0,
+                        rope_scaling=dict(rope_type="linear", factor=4.0)),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=LLAMA3,
                     sliding_window=7),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
@@ -120,8 +125,9 @@ def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
 
 
 # A MoE with mlp_only_layers and an MLA MoE with a dense layer.
-# Qwen3: a sliding layer, then a full one (two stacks).
-@pytest.mark.parametrize("checkpoint", ["qwen3_moe", "deepseek_v3", "qwen3"], indirect=True)
+# Qwen3 and Gemma 3: a sliding layer, then a full one (two stacks).
+@pytest.mark.parametrize("checkpoint", ["qwen3_moe", "deepseek_v3", "qwen3", "gemma3_text"],
+                         indirect=True)
 def test_scanned_remat_layout_loads_the_same_logits(checkpoint):
     """The scanned layout (stacked layers, full remat) reads the same tensors."""
     family, path, ref, _ = checkpoint
@@ -218,7 +224,7 @@ def _write_config(tmp_path, **fields):
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(some_new_field=3), "some_new_field=3"),
-    (dict(rope_scaling=dict(rope_type="linear", factor=2.0)), "rope_type='linear'"),
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "rope_type='dynamic'"),
     (dict(rope_scaling=dict(LLAMA3, extra=1)), "rope_scaling.extra=1"),
 ])
 def test_unrepresentable_config_is_a_one_line_error(tmp_path, fields, message):
@@ -338,6 +344,48 @@ def test_init_from_trains_and_exports(tmp_path, monkeypatch):
     (tmp_path / "moved").rename(src)
     with pytest.raises(ValueError, match=r"model.num_heads=8 contradicts .*\(4\)"):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+def test_a_family_with_windows_trains_two_steps_from_init_from_and_exports(tmp_path, family):
+    """train.py's path (configs/finetune.py, model.init_from=DIR) for the families whose
+    windows, norms and embedding are new: two steps on a 2-device mesh with scanned layers
+    (a stack per window) at a learning rate too small to move float32 weights, then
+    ``export --format hf``: transformers' logits of the export are the original's."""
+    from jaxmp import export
+    from jaxmp.train.config import load_config
+    from jaxmp.train.loop import train_and_evaluate
+
+    torch.manual_seed(4)
+    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family],
+                                                          "vocab_size": 128})
+    original = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in original.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    src = tmp_path / "src"
+    original.save_pretrained(str(src))
+    _char_tokenizer(src)
+    tokens = np.random.RandomState(5).randint(0, 128, (2, 24))
+    ref = _hf_logits(original, tokens)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 300)
+    cfg = load_config("configs/finetune.py", [
+        f"model.init_from={src}", "precision.policy=fp32", "data.seq_len=32",
+        "train.batch_size=4", "optim.learning_rate=1e-30", "optim.warmup_steps=0",
+        f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
+        "model.remat=none", "model.scan_layers=True", "train.steps=2",
+        "train.sample_tokens=0", "train.eval_every=0"])
+    assert cfg.model.sliding_window == FAMILIES[family]["sliding_window"]
+    summary = train_and_evaluate(cfg, str(tmp_path / "run"), num_devices=2)
+    assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    out = tmp_path / "out"
+    assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
+                        "--format", "hf"]) == 0
+    assert json.load(open(out / "config.json"))["model_type"] == family
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    assert _rel_err(_hf_logits(back, tokens), ref) < 2e-4
 
 
 RELEASED = {  # parameters (total, active per token) from the model cards, in billions

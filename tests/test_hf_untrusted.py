@@ -51,8 +51,12 @@ DEEPSEEK_V2 = {**DEEPSEEK_V3, "model_type": "deepseek_v2", "n_group": None, "top
 GLM4_MOE = {"model_type": "glm4_moe", "vocab_size": V, "hidden_size": D, "num_hidden_layers": L,
             "num_attention_heads": H, "head_dim": HD, "intermediate_size": FF,
             "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4}
+GEMMA3 = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": D,
+          "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
+          "head_dim": HD, "intermediate_size": FF}
 FAMILY = {"llama": LLAMA, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL,
-          "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE}
+          "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE,
+          "gemma3_text": GEMMA3}
 
 
 def _one_line(info):
@@ -201,6 +205,23 @@ DROP = object()
     ("deepseek_v2", dict(topk_method="group_limited_greedy"),
      r"n_group=None is not allowed; allowed: an integer >= 1 with topk_method "
      r"group_limited_greedy"),
+    ("gemma3_text", dict(final_logit_softcapping=30.0),
+     r"final_logit_softcapping=30\.0 cannot be represented exactly; allowed: null"),
+    ("gemma3_text", dict(use_bidirectional_attention=True),
+     r"use_bidirectional_attention=True cannot be represented"),
+    ("gemma3_text", dict(hidden_activation="gelu"), r"hidden_activation='gelu' cannot be"),
+    ("gemma3_text", dict(query_pre_attn_scalar=0), r"query_pre_attn_scalar=0 is not allowed"),
+    ("gemma3_text", dict(tie_word_embeddings=False), r"tie_word_embeddings=False cannot be"),
+    ("gemma3_text", dict(sliding_window_pattern=0), r"sliding_window_pattern=0 is not allowed"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "linear",
+                                                                "factor": 2.0}}),
+     r"rope_parameters\.sliding_attention=.* cannot be represented exactly; allowed: "
+     r"\{rope_type: default, rope_theta\}"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_theta": -1.0}}),
+     r"rope_parameters\.sliding_attention\.rope_theta=-1\.0 is not allowed"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                          "chunked_attention": {}}),
+     r"rope_parameters\.chunked_attention=\{\} cannot be represented"),
     ("glm4_moe", dict(use_qk_norm="no"), r"use_qk_norm='no' is not allowed"),
     ("glm4_moe", dict(n_group=0), r"n_group=0 is not allowed"),
 ])
@@ -267,13 +288,22 @@ def _transformers_defaults(family):
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("transformers is not installed")
-    file = os.path.join(spec.submodule_search_locations[0], "models", family,
-                        f"configuration_{family}.py")
+    # A text model of a multimodal family is declared beside it (gemma3_text in gemma3/).
+    folder = family if os.path.isdir(os.path.join(spec.submodule_search_locations[0], "models",
+                                                  family)) else family.removesuffix("_text")
+    file = os.path.join(spec.submodule_search_locations[0], "models", folder,
+                        f"configuration_{folder}.py")
     assert os.path.isfile(file), (f"transformers has no model_type {family!r} ({file}): a "
                                   f"family's module is named after transformers' model_type")
     tree = ast.parse(open(file).read())
+
+    def declares(node):  # the class whose model_type = "<family>"
+        return any(isinstance(b, ast.Assign) and isinstance(b.targets[0], ast.Name)
+                   and b.targets[0].id == "model_type" and isinstance(b.value, ast.Constant)
+                   and b.value.value == family for b in node.body)
+
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef)
-               and n.name.endswith("Config"))
+               and n.name.endswith("Config") and declares(n))
     pairs = []
     for node in cls.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
@@ -290,6 +320,9 @@ def _transformers_defaults(family):
         except Exception:  # noqa: BLE001  a name or a call: no default to compare
             pass
     out.setdefault("default_theta", 10000.0)  # RotaryEmbeddingConfigMixin's
+    if isinstance(out["default_theta"], dict):  # Gemma 3: the global and the local layers'
+        out["rope_local_base_freq"] = out["default_theta"]["local"]
+        out["default_theta"] = out["default_theta"]["global"]
     return out
 
 
@@ -872,3 +905,28 @@ def test_a_damaged_tokenizer_json_beside_an_eos_token_is_one_line(tmp_path, text
                                          r"tokenizer\.json \(") as info:
         hf.tokenizer_eos(str(tmp_path))
     _one_line(info)
+
+
+def test_gemma3_reads_both_rope_layouts_and_its_layer_pattern():
+    """transformers' Gemma 3 config in its old fields (rope_theta, rope_local_base_freq,
+    rope_scaling) and its rope_parameters per layer type give one model; without
+    layer_types every sliding_window_pattern-th layer is global (transformers' rule:
+    sliding where (i + 1) % pattern), and with its defaults (pattern 6, window 4096,
+    theta 1e6 and 10000) the numbers are transformers' defaults."""
+    old = hf.config_from_hf({**GEMMA3, "num_hidden_layers": 4, "sliding_window_pattern": 2,
+                             "rope_theta": 5e5, "rope_local_base_freq": 50.0,
+                             "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    new = hf.config_from_hf({**GEMMA3, "num_hidden_layers": 4, "layer_types": [
+        "sliding_attention", "full_attention"] * 2, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 5e5}}})
+    assert old == new
+    assert (old["layer_types"], old["rope_local_theta"], old["rope_theta"], old["rope_scaling"],
+            old["rope_factor"]) == (("sliding_attention", "full_attention") * 2, 50.0, 5e5,
+                                    "linear", 8.0)
+    assert old["embed_scale"] == D ** 0.5 and old["norm_plus_one"] and old["post_norms"]
+    defaults = hf.config_from_hf({**GEMMA3, "num_hidden_layers": 7})
+    assert defaults["layer_types"] == ("sliding_attention",) * 5 + ("full_attention",) + (
+        "sliding_attention",)
+    assert (defaults["sliding_window"], defaults["rope_theta"], defaults["rope_local_theta"],
+            defaults["query_pre_attn_scalar"]) == (4096, 1e6, 10000.0, 256)

@@ -72,6 +72,14 @@ FEATURES = {
         d_expert=128, first_dense_layers=1, n_group=2, topk_group=1,
         routed_scaling_factor=2.5, score_fn="sigmoid", rope_layout="interleaved",
         rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=16),
+    # Gemma 3's: (1 + w) norms before and after each branch, GeGLU, a scaled embedding,
+    # query_pre_attn_scalar, local and global layers with their own RoPE.
+    "gemma3_local_global": dict(
+        d_model=128, num_heads=2, num_kv_heads=1, head_dim=128, qk_norm=True,
+        tie_embeddings=True, norm_plus_one=True, post_norms=True, embed_scale=128 ** 0.5,
+        query_pre_attn_scalar=96.0, mlp_activation="gelu_tanh", sliding_window=5,
+        layer_types=("sliding_attention", "full_attention"), rope_local_theta=100.0,
+        rope_scaling="linear", rope_factor=4.0),
 }
 
 
@@ -109,7 +117,12 @@ def test_features_run_under_mixed_and_fp8_policies(fp32_loss, policy):
     (dict(num_kv_heads=3), "num_kv_heads=3 must divide num_heads=4"),
     (dict(head_dim=7), "head_dim=7 must be even"),
     (dict(rope_dim=10), "rope_dim=10 must be even and at most head_dim=8"),
-    (dict(rope_scaling="linear"), "rope_scaling='linear' must be one of none, llama3, yarn"),
+    (dict(rope_scaling="dynamic"), "rope_scaling='dynamic' must be one of none, linear, "
+                                   "llama3, yarn"),
+    (dict(rope_scaling="linear", rope_factor=0.0), "rope_scaling='linear' needs rope_factor > 0"),
+    (dict(mlp_activation="relu"), "mlp_activation='relu' must be one of silu, gelu_tanh"),
+    (dict(rope_local_theta=10.0), "rope_local_theta=10.0 is the base of sliding-window layers, "
+                                  "and sliding_window=0"),
     (dict(rope_scaling="yarn", rope_factor=4.0), "rope_original_max_len >= 1"),
     (dict(num_experts=4, d_expert=8, n_group=3), "n_group=3 must divide num_experts=4"),
     (dict(mlp_only_layers=(5,)), r"mlp_only_layers=\[5\] must be layer indices"),

@@ -354,6 +354,10 @@ class Attention(nnx.Module):
       norm_eps: epsilon of the q/k norms.
       rope: a :class:`~jaxmp.models.layers.Rope`; None = plain RoPE of base ``rope_theta``.
       window: a sliding window in tokens (:func:`attention_core`); 0 = full attention.
+      scale: the scores' scale; None = ``head_dim ** -0.5`` (Gemma:
+        ``query_pre_attn_scalar ** -0.5``).
+      norm_plus_one: the q/k norms' gain is ``1 + scale``
+        (:class:`~jaxmp.models.layers.RMSNorm`; Gemma).
 
     Parameters: ``wq`` [d_model, H, head_dim], ``wk``, ``wv`` [d_model, K, head_dim]
     (``embed``, ``heads``, ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``,
@@ -369,9 +373,11 @@ class Attention(nnx.Module):
                  implementation: str = "reference", recompute_core: bool = False,
                  num_kv_heads: int = 0, head_dim: int = 0, qk_norm: bool = False,
                  qkv_bias: bool = False, norm_eps: float = 1e-6, rope: Optional[Rope] = None,
-                 target: Optional[target.Target] = None, window: int = 0):
+                 target: Optional[target.Target] = None, window: int = 0,
+                 scale: Optional[float] = None, norm_plus_one: bool = False):
         self.path = path
         self.window = int(window)
+        self.scale = scale
         self.policy: Policy = rules.resolve(path)
         self.rope_theta = rope_theta
         self.rope = rope
@@ -394,9 +400,9 @@ class Attention(nnx.Module):
                                                ("heads", "head_dim")))
         if qk_norm:
             self.q_norm = RMSNorm(k, norm_eps, path=f"{path}/q_norm", rules=rules, rngs=rngs,
-                                  axis="head_dim")
+                                  axis="head_dim", plus_one=norm_plus_one)
             self.k_norm = RMSNorm(k, norm_eps, path=f"{path}/k_norm", rules=rules, rngs=rngs,
-                                  axis="head_dim")
+                                  axis="head_dim", plus_one=norm_plus_one)
 
     def _project(self, x, name, operands):
         p = self.policy
@@ -427,7 +433,7 @@ class Attention(nnx.Module):
         k = apply_rope(self._project(x, "k", operands), positions, self.rope_theta, self.rope)
         v = self._project(x, "v", operands)
         core = functools.partial(attention_core, implementation=self.implementation,
-                                 window=self.window)
+                                 window=self.window, scale=self.scale)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths, segment_ids=segment_ids)

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional, Tuple
 
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, check, is_int, option
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
-from jaxmp.models.layers import ROPE_LAYOUTS, ROPE_SCALINGS, Rope
+from jaxmp.models.layers import MLP_ACTIVATIONS, ROPE_LAYOUTS, ROPE_SCALINGS, Rope
 from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS
 
 __all__ = ["ModelConfig", "REMAT_POLICIES", "LAYER_TYPES"]
@@ -103,6 +103,19 @@ class ModelConfig:
       layer_types: per layer, one of :data:`LAYER_TYPES` (transformers' ``layer_types``);
         ``()`` = every layer ``sliding_attention`` when ``sliding_window > 0``, else every
         layer ``full_attention`` (see :meth:`attention_window`).
+      rope_local_theta: the RoPE base of the sliding-window layers, which rotate by plain
+        RoPE whatever ``rope_scaling`` says (Gemma 3's ``rope_local_base_freq``); 0 = every
+        layer's RoPE is the one ``rope_*`` describes.
+      norm_plus_one: every RMSNorm's gain is ``1 + scale`` (Gemma; weights stored around 0).
+      post_norms: a norm after the attention and after the FFN too, before each residual
+        add (Gemma 2/3's ``post_attention_layernorm``, ``post_feedforward_layernorm``):
+        modules ``blocks/{i}/post_attn_norm``, ``.../post_ffn_norm``.
+      embed_scale: the embedding rows' multiplier (Gemma: ``sqrt(d_model)``).
+      query_pre_attn_scalar: the attention scores' scale is ``query_pre_attn_scalar ** -0.5``
+        (Gemma); 0 = ``head_dim ** -0.5``.
+      mlp_activation: the gated FFN's activation, a key of
+        :data:`~jaxmp.models.layers.MLP_ACTIVATIONS`: ``silu`` (SwiGLU) or ``gelu_tanh``
+        (GeGLU, Gemma).
       q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim:
         Multi-head Latent Attention (DeepSeek-V2/V3) when ``kv_lora_rank > 0``
         (:class:`~jaxmp.models.attention.MLAttention`; ``q_lora_rank`` 0 = a plain q
@@ -190,6 +203,17 @@ class ModelConfig:
             "sliding_window > 0)",
         Kind(lambda v: isinstance(v, (tuple, list)) and all(t in LAYER_TYPES for t in v),
              f"a tuple of {' | '.join(LAYER_TYPES)}, one per layer"))
+    rope_local_theta: float = option(0.0, "RoPE base of the sliding-window layers, plain RoPE "
+                                          "(Gemma 3; 0 = as every layer)", Real(0))
+    norm_plus_one: bool = option(False, "RMSNorm gains are 1 + scale (Gemma)", BOOL)
+    post_norms: bool = option(False, "a norm after attention and after the FFN too (Gemma)",
+                              BOOL)
+    embed_scale: float = option(1.0, "multiplier of the embedding rows (Gemma: sqrt(d_model))",
+                                _POSITIVE)
+    query_pre_attn_scalar: float = option(0.0, "attention scores scaled by its -1/2 power "
+                                               "(Gemma; 0 = head_dim)", Real(0))
+    mlp_activation: str = option("silu", "gated FFN activation: silu (SwiGLU) | gelu_tanh "
+                                         "(GeGLU, Gemma)", Choice(tuple(MLP_ACTIVATIONS)))
     q_lora_rank: int = option(0, "MLA: query latent width (0 = a plain q projection)", Int(0))
     kv_lora_rank: int = option(0, "MLA: key/value latent width (> 0 = Multi-head Latent "
                                   "Attention, DeepSeek-V2/V3)", Int(0))
@@ -234,7 +258,10 @@ class ModelConfig:
                                                f"with kv_lora_rank > 0 (MLA)")
             need(not (self.qk_norm or self.qkv_bias),
                  "qk_norm and qkv_bias are not defined for MLA (kv_lora_rank > 0)")
-        if self.rope_scaling != "none":
+        if self.rope_scaling == "linear":
+            need(self.rope_factor > 0, f"rope_scaling='linear' needs rope_factor > 0 (got "
+                                       f"{self.rope_factor})")
+        elif self.rope_scaling != "none":
             need(self.rope_factor > 0 and self.rope_original_max_len >= 1,
                  f"rope_scaling={self.rope_scaling!r} needs rope_factor > 0 (got "
                  f"{self.rope_factor}) and rope_original_max_len >= 1 (got "
@@ -253,6 +280,11 @@ class ModelConfig:
                  "window (tokens)")
         need(not (self.is_mla and self.sliding_window),
              f"sliding_window={self.sliding_window} is not defined for MLA (kv_lora_rank > 0)")
+        need(not (self.is_mla and (self.norm_plus_one or self.query_pre_attn_scalar)),
+             "norm_plus_one and query_pre_attn_scalar are not defined for MLA (kv_lora_rank > 0)")
+        need(not (self.rope_local_theta and not self.sliding_window),
+             f"rope_local_theta={self.rope_local_theta} is the base of sliding-window layers, "
+             f"and sliding_window=0")
         need(all(0 <= i < self.num_layers for i in self.mlp_only_layers),
              f"mlp_only_layers={list(self.mlp_only_layers)} must be layer indices in "
              f"[0, num_layers={self.num_layers})")
@@ -307,6 +339,13 @@ class ModelConfig:
         is the ``rope_<name>`` field here (MLA rotates its own ``qk_rope_head_dim``: dim 0)."""
         fields = {f.name: getattr(self, f"rope_{f.name}") for f in dataclasses.fields(Rope)}
         return Rope(**{**fields, "dim": 0 if self.is_mla else self.rope_dim})
+
+    def layer_rope(self, i: int) -> Rope:
+        """Layer ``i``'s :class:`~jaxmp.models.layers.Rope`: :attr:`rope`, or for a
+        sliding-window layer with ``rope_local_theta`` plain RoPE of that base."""
+        if self.rope_local_theta and self.attention_window(i):
+            return dataclasses.replace(self.rope, theta=self.rope_local_theta, scaling="none")
+        return self.rope
 
     def attention_window(self, i: int) -> int:
         """Layer ``i``'s sliding window in tokens, 0 for full (causal) attention."""

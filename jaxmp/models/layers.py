@@ -35,7 +35,7 @@ from jaxmp.precision.policy import Policy, PolicyRules
 
 __all__ = ["make_param", "RMSNorm", "Embed", "Head", "SwiGLU", "apply_rope", "FP8State",
            "add_fp8_states", "matmul", "Rope", "ROPE_LAYOUTS",
-           "ROPE_SCALINGS"]
+           "ROPE_SCALINGS", "MLP_ACTIVATIONS"]
 
 
 class FP8State(nnx.Variable):
@@ -159,16 +159,20 @@ class RMSNorm(nnx.Module):
     from ``x`` itself when the compute dtype holds every value of ``x``'s dtype.
     Parameter ``scale`` [dim] (logical axis ``axis``, default ``embed``; ``head_dim`` for
     the per-head q/k norms of Qwen3, None for MLA's latent norms), ones, in
-    ``policy.param_dtype``.
+    ``policy.param_dtype``. With ``plus_one`` (Gemma's norms; Qwen3-Next's "zero-centred"
+    ones) the gain is ``1 + scale``, added in float32 to the scale in the compute dtype
+    (transformers' ``Gemma3RMSNorm``: ``(1.0 + weight.float())``), and ``scale`` starts
+    at zeros.
     """
 
     def __init__(self, dim: int, eps: float, *, path: str, rules: PolicyRules, rngs: nnx.Rngs,
-                 axis: Optional[str] = "embed"):
+                 axis: Optional[str] = "embed", plus_one: bool = False):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.eps = eps
-        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), self.policy.param_dtype,
-                                (axis,))
+        self.plus_one = bool(plus_one)
+        init = nnx.initializers.zeros if plus_one else nnx.initializers.ones
+        self.scale = make_param(rngs, init, (dim,), self.policy.param_dtype, (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[..., dim] -> [..., dim] in ``policy.output_dtype``."""
@@ -179,7 +183,10 @@ class RMSNorm(nnx.Module):
         # copy of x for the backward pass. A narrowing one rounds x, as the policy says.
         if jnp.promote_types(x.dtype, p.compute_dtype) != p.compute_dtype:
             x = p.cast_to_compute(x)
-        y = ops.rms_norm(x, p.cast_to_compute(self.scale[...]), self.eps, dtype=p.compute_dtype)
+        scale = p.cast_to_compute(self.scale[...])
+        if self.plus_one:
+            scale = 1.0 + scale.astype(jnp.float32)
+        y = ops.rms_norm(x, scale, self.eps, dtype=p.compute_dtype)
         return p.cast_to_output(y)
 
 
@@ -187,7 +194,8 @@ class Embed(nnx.Module):
     """Token embedding: table [vocab, d_model] (``vocab``, ``embed``).
 
     The table is normal(0.02) (GPT-2) in ``policy.param_dtype``; looked-up rows are cast
-    to the compute, then the output dtype.
+    to the compute dtype, multiplied by ``scale`` (Gemma's ``sqrt(d_model)``;
+    ``ModelConfig.embed_scale``), then cast to the output dtype.
 
     With ``head_path`` (tied embeddings, ``ModelConfig.tie_embeddings``) the table is the
     output projection too: :meth:`attend` multiplies by its transpose in the policy that
@@ -198,9 +206,10 @@ class Embed(nnx.Module):
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, path: str, rules: PolicyRules,
-                 rngs: nnx.Rngs, head_path: Optional[str] = None):
+                 rngs: nnx.Rngs, head_path: Optional[str] = None, scale: float = 1.0):
         self.path = path
         self.policy: Policy = rules.resolve(path)
+        self.scale = float(scale)
         self.table = make_param(rngs, nnx.initializers.normal(0.02), (vocab_size, d_model),
                                 self.policy.param_dtype, ("vocab", "embed"))
         self.head_policy: Optional[Policy] = None
@@ -217,9 +226,13 @@ class Embed(nnx.Module):
         return ops.cast_matmul(p.cast_to_compute(x), self.table[...], "...d,vd->...v")
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """int [B, T] -> [B, T, d_model] in ``policy.output_dtype``."""
-        return self.policy.cast_to_output(
-            self.policy.cast_to_compute(jnp.take(self.table[...], tokens, axis=0)))
+        """int [B, T] -> [B, T, d_model] in ``policy.output_dtype``; the rows times
+        ``scale`` (in the compute dtype, as transformers' ``Gemma3TextScaledWordEmbedding``
+        multiplies in the weights' dtype) where it is not 1."""
+        rows = self.policy.cast_to_compute(jnp.take(self.table[...], tokens, axis=0))
+        if self.scale != 1.0:
+            rows = rows * jnp.asarray(self.scale, rows.dtype)
+        return self.policy.cast_to_output(rows)
 
 
 class Head(nnx.Module):
@@ -248,13 +261,21 @@ class Head(nnx.Module):
         return matmul(self, p.cast_to_compute(x), "kernel", operands=operands)
 
 
+# The gated FFN's activations (ModelConfig.mlp_activation): SiLU (SwiGLU) or GELU with
+# the tanh approximation (GeGLU; transformers' "gelu_pytorch_tanh", Gemma).
+MLP_ACTIVATIONS = {"silu": jax.nn.silu,
+                   "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 def _swiglu(module, x, operands=None):
-    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd.
+    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): (silu(x Wg) * x Wu) Wd,
+    or GeGLU with ``module.activation == "gelu_tanh"`` (:data:`MLP_ACTIVATIONS`).
 
     x in the compute dtype; the (master) weights ``w_gate``, ``w_up``, ``w_down`` of
     ``module`` are multiplied by :func:`matmul` (cast by ``ops.cast_matmul``, or FP8).
     """
-    h = (jax.nn.silu(matmul(module, x, "w_gate", operands=operands))
+    act = MLP_ACTIVATIONS[getattr(module, "activation", "silu")]
+    h = (act(matmul(module, x, "w_gate", operands=operands))
          * matmul(module, x, "w_up", operands=operands))
     return matmul(module, h, "w_down", operands=operands)
 
@@ -270,6 +291,7 @@ class SwiGLU(nnx.Module):
       rngs: NNX rngs.
       init_std: std of the input projections (normal init).
       out_std: std of the output projection (scaled down for residual branches, GPT-2).
+      activation: a key of :data:`MLP_ACTIVATIONS` (``"gelu_tanh"``: GeGLU).
 
     Parameters: ``w_gate``, ``w_up`` [d_model, d_hidden] (``embed``, ``mlp``), ``w_down``
     [d_hidden, d_model] (``mlp``, ``embed``), in ``policy.param_dtype``; under delayed FP8
@@ -277,9 +299,11 @@ class SwiGLU(nnx.Module):
     """
 
     def __init__(self, d_model: int, d_hidden: int, *, path: str, rules: PolicyRules,
-                 rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02):
+                 rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
+                 activation: str = "silu"):
         self.path = path
         self.policy: Policy = rules.resolve(path)
+        self.activation = activation
         dt = self.policy.param_dtype
         self.w_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, d_hidden), dt,
                                  ("embed", "mlp"))
@@ -327,7 +351,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0,
 
 
 ROPE_LAYOUTS = ("half", "interleaved")
-ROPE_SCALINGS = ("none", "llama3", "yarn")
+ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,11 +365,13 @@ class Rope:
       layout: ``"half"`` pairs dimension ``i`` with ``i + dim/2`` (GPT-NeoX / LLaMA);
         ``"interleaved"`` pairs ``2i`` with ``2i + 1`` (RoFormer, DeepSeek's
         ``rope_interleave``).
-      scaling: ``"none"``, ``"llama3"`` (Llama 3.1 frequency-band interpolation) or
+      scaling: ``"none"``, ``"linear"`` (position interpolation, Chen et al. 2023: every
+        frequency divided by ``factor``; Gemma 3's global layers), ``"llama3"`` (Llama 3.1
+        frequency-band interpolation) or
         ``"yarn"`` (Peng et al. 2023, YaRN, with DeepSeek's ``mscale`` /
         ``mscale_all_dim``); formulas as transformers' ``modeling_rope_utils``
         (``_compute_llama3_parameters``, ``_compute_yarn_parameters`` with ``truncate``).
-      factor: context extension factor (llama3, yarn).
+      factor: context extension factor (linear, llama3, yarn).
       original_max_len: the pre-extension context (llama3, yarn).
       low_freq_factor, high_freq_factor: llama3's band edges.
       beta_fast, beta_slow: yarn's ramp edges in rotations.
@@ -375,6 +401,8 @@ class Rope:
         """``(inverse frequencies float64 [dim/2], attention factor)`` for ``dim`` rotated
         dimensions; the factor multiplies cos and sin (1 unless yarn)."""
         inv = 1.0 / self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        if self.scaling == "linear":
+            return inv / self.factor, 1.0
         if self.scaling == "llama3":
             low_wl = self.original_max_len / self.low_freq_factor
             high_wl = self.original_max_len / self.high_freq_factor

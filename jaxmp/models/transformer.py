@@ -7,6 +7,9 @@ untied output head; logits are returned in the head's compute dtype, for
     h = h + attn(attn_norm(h))      # causal multi-head attention with RoPE
     h = h + ffn(ffn_norm(h))        # SwiGLU for i < first_dense_layers, else MoE
 
+(with ``post_norms``, Gemma's: ``h + post_attn_norm(attn(attn_norm(h)))`` and
+``h + post_ffn_norm(ffn(ffn_norm(h)))``)
+
 Module paths (what :class:`~jaxmp.precision.policy.PolicyRules` patterns are matched against; each
 is the module's attribute path in the model, ``/``-joined, and every module resolves its
 policy once, at construction)::
@@ -16,7 +19,9 @@ policy once, at construction)::
     blocks/{i}/attn                    attention (q, k, v, o projections; MLA's too)
     blocks/{i}/attn/q_norm, k_norm     per-head q/k RMSNorm       (qk_norm, Qwen3)
     blocks/{i}/attn/q_a_norm, kv_a_norm  MLA's latent RMSNorms   (kv_lora_rank > 0)
+    blocks/{i}/post_attn_norm          RMSNorm after attention    (post_norms, Gemma)
     blocks/{i}/ffn_norm                RMSNorm before the FFN
+    blocks/{i}/post_ffn_norm           RMSNorm after the FFN      (post_norms, Gemma)
     blocks/{i}/mlp                     dense SwiGLU FFN      (i < first_dense_layers or
                                        i in mlp_only_layers)
     blocks/{i}/moe                     MoE layer (sets only its output dtype)
@@ -101,6 +106,7 @@ Rematerialization (``ModelConfig.remat``, :data:`REMAT_POLICIES`), per block:
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Tuple
 
@@ -145,7 +151,8 @@ def _std(config: ModelConfig):
 
 def _block_module_suffixes(config: ModelConfig, i: int) -> Tuple[str, ...]:
     """The paths, relative to ``blocks/{i}``, of layer ``i``'s modules that have a policy."""
-    common = ("attn_norm", "attn", "ffn_norm")
+    common = ("attn_norm", "attn", "ffn_norm") + (
+        ("post_attn_norm", "post_ffn_norm") if config.post_norms else ())
     if not config.is_moe_layer(i):
         return common + ("mlp",)
     shared = ("moe/shared_experts",) if config.num_shared_experts > 0 else ()
@@ -198,8 +205,9 @@ class Block(nnx.Module):
         path = f"blocks/{index}"
         self.layers = (index,)
         std, out_std = _std(config)
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/attn_norm",
-                                 rules=rules, rngs=rngs)
+        norm = functools.partial(RMSNorm, config.d_model, config.norm_eps, rules=rules,
+                                 rngs=rngs, plus_one=config.norm_plus_one)
+        self.attn_norm = norm(path=f"{path}/attn_norm")
         if config.is_mla:
             self.attn = MLAttention(config.d_model, config.num_heads,
                                     q_lora_rank=config.q_lora_rank,
@@ -218,10 +226,15 @@ class Block(nnx.Module):
                                   recompute_core=config.remat == "attention",
                                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                   qk_norm=config.qk_norm, qkv_bias=config.qkv_bias,
-                                  norm_eps=config.norm_eps, rope=config.rope, target=target,
-                                  window=config.attention_window(index))
-        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, path=f"{path}/ffn_norm",
-                                rules=rules, rngs=rngs)
+                                  norm_eps=config.norm_eps, rope=config.layer_rope(index),
+                                  target=target, window=config.attention_window(index),
+                                  scale=(config.query_pre_attn_scalar ** -0.5
+                                         if config.query_pre_attn_scalar else None),
+                                  norm_plus_one=config.norm_plus_one)
+        self.ffn_norm = norm(path=f"{path}/ffn_norm")
+        if config.post_norms:  # Gemma's sandwich: each branch normalized before its add
+            self.post_attn_norm = norm(path=f"{path}/post_attn_norm")
+            self.post_ffn_norm = norm(path=f"{path}/post_ffn_norm")
         if config.is_moe_layer(index):
             self.moe = MoE(config.d_model, config.num_experts, config.num_shared_experts,
                            config.top_k,
@@ -234,8 +247,8 @@ class Block(nnx.Module):
                            group_score=config.group_score, target=target)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
-                              rngs=rngs,
-                              init_std=std, out_std=out_std)
+                              rngs=rngs, init_std=std, out_std=out_std,
+                              activation=config.mlp_activation)
 
     def __call__(self, h: jax.Array, *, expert_axis: Optional[str] = None,
                  dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
@@ -243,8 +256,11 @@ class Block(nnx.Module):
                  segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
                  operands: Optional[dict] = None):
         """One block; the keyword arguments are :meth:`MoETransformer.__call__`'s."""
-        h = h + self.attn(self.attn_norm(h), segment_ids=segment_ids, positions=positions,
-                          operands=operands).astype(h.dtype)
+        y = self.attn(self.attn_norm(h), segment_ids=segment_ids, positions=positions,
+                      operands=operands)
+        if hasattr(self, "post_attn_norm"):
+            y = self.post_attn_norm(y)
+        h = h + y.astype(h.dtype)
         stats = None
         if hasattr(self, "moe"):
             y, stats = self.moe(self.ffn_norm(h), expert_axis=expert_axis,
@@ -252,6 +268,8 @@ class Block(nnx.Module):
                                 operands=operands)
         else:
             y = self.mlp(self.ffn_norm(h), operands=operands)
+        if hasattr(self, "post_ffn_norm"):
+            y = self.post_ffn_norm(y)
         return h + y.astype(h.dtype), stats
 
 
@@ -390,7 +408,8 @@ class MoETransformer(nnx.Module):
         self.config = config
         rngs = ParamKeys(rngs)  # the same keys as rngs.params(), drawn in time linear in layers
         self.embed = Embed(config.vocab_size, config.d_model, path="embed", rules=rules, rngs=rngs,
-                           head_path="head" if config.tie_embeddings else None)
+                           head_path="head" if config.tie_embeddings else None,
+                           scale=config.embed_scale)
         target = target or compile_target.current()
         blocks = [Block(config, i, rules=rules, rngs=rngs, target=target)
                   for i in range(config.num_layers)]
@@ -400,7 +419,7 @@ class MoETransformer(nnx.Module):
         else:
             self.blocks = nnx.List(blocks)
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, path="final_norm", rules=rules,
-                                  rngs=rngs)
+                                  rngs=rngs, plus_one=config.norm_plus_one)
         if not config.tie_embeddings:
             self.head = Head(config.d_model, config.vocab_size, path="head", rules=rules,
                              rngs=rngs)

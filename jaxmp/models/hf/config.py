@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from jaxmp._checks import Choice, Real
 from jaxmp.models.hf.families import FAMILIES
-from jaxmp.models.hf.spec import (ABSENT, COUNT, IGNORED_FIELDS, NEEDED, POSITIVE, STRING,
+from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, NEEDED, POSITIVE,
+                                  STRING,
                                   Field, field_name, fixed, inexact, missing, non_finite,
                                   not_allowed, read_field, short)
 from jaxmp.models.config import LAYER_TYPES, ModelConfig
@@ -37,6 +38,7 @@ _ROPE_PARAMS: Dict[str, Field] = {
 }
 _ROPE_TYPES = {
     "default": (),
+    "linear": ("factor",),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
                "high_freq_factor"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
@@ -129,8 +131,10 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
             raise missing(model_type, f"{prefix}.{key}", _ROPE_PARAMS[key].allowed.allowed,
                           f" (rope_type {kind} needs it)")
     out["rope_scaling"] = kind
-    out["rope_original_max_len"] = int(merged["original_max_position_embeddings"])
     out["rope_factor"] = float(merged["factor"])
+    if kind == "linear":
+        return
+    out["rope_original_max_len"] = int(merged["original_max_position_embeddings"])
     names = ({"low_freq_factor": "rope_low_freq_factor",
               "high_freq_factor": "rope_high_freq_factor"} if kind == "llama3" else
              {"beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
@@ -185,8 +189,11 @@ def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                           f"applies to every layer)")
         out["sliding_window"] = int(window)
         return
+    if not types and "sliding_window_pattern" in vals:  # Gemma 3: every pattern-th is global
+        every = vals["sliding_window_pattern"]
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
     # layered: layer_types, or transformers' default: the layers from max_window_layers on
-    first = vals["max_window_layers"]
+    first = vals.get("max_window_layers", 0)
     if not types and first >= n:
         return
     out["sliding_window"] = int(window)
@@ -309,7 +316,9 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
     partial = (config.rope_dim or config.head_dim) / config.head_dim
     if partial != 1.0 or fam.specs["partial_rotary_factor"].default != 1.0:
         hf["partial_rotary_factor"] = partial  # said whenever the family's default is not 1
-    if config.rope_scaling != "none":
+    if config.rope_scaling == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": config.rope_factor}
+    elif config.rope_scaling != "none":
         scaling = {"rope_type": config.rope_scaling, "factor": config.rope_factor,
                    "original_max_position_embeddings": config.rope_original_max_len}
         if config.rope_scaling == "llama3":
@@ -340,6 +349,17 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
 _MOE_FIELDS = ("num_shared_experts", "top_k", "d_expert", "first_dense_layers", "score_fn",
                "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
                "group_score", "mlp_only_layers")
+# The ModelConfig fields of the rope_scaling parameters, and those each scaling reads.
+_SCALING_PARAMS = ("rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+                   "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
+                   "rope_mscale_all_dim")
+_PARAMS_OF = {
+    "none": (), "linear": ("rope_factor",),
+    "llama3": ("rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+               "rope_high_freq_factor"),
+    "yarn": ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
+             "rope_mscale", "rope_mscale_all_dim"),
+}
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim")
 
@@ -357,14 +377,7 @@ def _relevant_fields(config: ModelConfig) -> List[str]:
         skip |= {"head_dim", "num_kv_heads", "qk_norm", "qkv_bias", "rope_dim"}
     else:
         skip |= set(_MLA_FIELDS)
-    if config.rope_scaling == "none":
-        skip |= {f.name for f in dataclasses.fields(config)
-                 if f.name.startswith("rope_") and f.name not in ("rope_theta", "rope_dim",
-                                                                  "rope_layout", "rope_scaling")}
-    elif config.rope_scaling == "llama3":
-        skip |= {"rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"}
-    else:
-        skip |= {"rope_low_freq_factor", "rope_high_freq_factor"}
+    skip |= set(_SCALING_PARAMS) - set(_PARAMS_OF[config.rope_scaling])
     return [f.name for f in dataclasses.fields(config) if f.name not in skip]
 
 
@@ -377,7 +390,9 @@ def family_of(config: ModelConfig) -> str:
         families' ``maps`` both hold (a family module's fault: a family that writes the
         files of another with nothing of its own, declares ``maps=None``).
     """
-    found = [name for name, fam in FAMILIES.items() if fam.maps is not None and fam.maps(config)]
+    used = {name for name, test in FEATURES.items() if test(config)}
+    found = [name for name, fam in FAMILIES.items()
+             if fam.maps is not None and used <= fam.features and fam.maps(config)]
     if len(found) > 1:
         raise ValueError(f"families {', '.join(found)} all map this architecture; each "
                          f"architecture belongs to one family (give the other maps=None)")

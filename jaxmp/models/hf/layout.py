@@ -54,6 +54,10 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
         "attn_norm/scale": (f"{p}.input_layernorm.weight", "same"),
         "ffn_norm/scale": (f"{p}.post_attention_layernorm.weight", "same"),
     }
+    if config.post_norms:  # Gemma 2/3: the norm after attention is transformers' "post"
+        t.update({"post_attn_norm/scale": (f"{p}.post_attention_layernorm.weight", "same"),
+                  "ffn_norm/scale": (f"{p}.pre_feedforward_layernorm.weight", "same"),
+                  "post_ffn_norm/scale": (f"{p}.post_feedforward_layernorm.weight", "same")})
     a = f"{p}.self_attn"
     if config.is_mla:
         if config.q_lora_rank:

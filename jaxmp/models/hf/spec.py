@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, is_int
 
-__all__ = ["Field", "Family", "WINDOWS", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
+__all__ = ["Field", "Family", "WINDOWS", "FEATURES", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
            "common_specs", "COMMON_FIELDS", "COUNT", "COUNT0", "POSITIVE", "OBJECT", "STRING",
            "NAMES", "INDICES", "short", "field_name", "inexact", "not_allowed", "missing",
            "non_finite", "read_field"]
@@ -32,6 +32,19 @@ IGNORED_FIELDS = frozenset({
 
 # How a family reads a sliding window (Family.window).
 WINDOWS = ("", "uniform", "layered")
+
+# Architecture features that only some families have, each a test of a ModelConfig
+# (Family.features): a family is chosen for a model (family_of) only when it has every
+# feature the model uses, so a feature added for one family needs no other family's
+# ``maps`` to exclude it.
+FEATURES: Dict[str, Callable[[Any], bool]] = {
+    "norm_plus_one": lambda c: c.norm_plus_one,
+    "post_norms": lambda c: c.post_norms,
+    "embed_scale": lambda c: c.embed_scale != 1.0,
+    "query_pre_attn_scalar": lambda c: c.query_pre_attn_scalar != 0,
+    "mlp_activation": lambda c: c.mlp_activation != "silu",
+    "rope_local_theta": lambda c: c.rope_local_theta != 0,
+}
 
 NEEDED = type("_Needed", (), {"__repr__": lambda self: "NEEDED"})()
 ABSENT = type("_Absent", (), {"__repr__": lambda self: "ABSENT"})()
@@ -165,7 +178,11 @@ class Family:
         ``sliding_window`` (Mistral, Mixtral, Qwen3-MoE; ``use_sliding_window`` where
         the family has that switch), and ``layer_types``, which it does not read, must
         agree; ``"layered"`` the layers ``layer_types`` names slide, or without it those
-        from ``max_window_layers`` on (Qwen2, Qwen3), when ``use_sliding_window`` is true.
+        from ``max_window_layers`` on (Qwen2, Qwen3), when ``use_sliding_window`` is true
+        (Gemma 3, whose specs hold ``sliding_window_pattern``: every layer but each
+        ``pattern``-th, with no switch).
+      features: the names of :data:`FEATURES` the family has; a model using another is
+        not the family's (:func:`~jaxmp.models.hf.family_of`).
     """
 
     model_type: str
@@ -180,8 +197,13 @@ class Family:
     maps: Optional[Callable[[Any], bool]] = None
     partial_rotary: bool = False
     window: str = ""
+    features: frozenset = frozenset()
 
     def __post_init__(self):
+        unknown = set(self.features) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"family {self.model_type}: features {sorted(unknown)}; allowed: "
+                             f"{', '.join(FEATURES)}")
         if self.window not in WINDOWS:
             raise ValueError(f"family {self.model_type}: window={self.window!r}; allowed: "
                              f"{', '.join(map(repr, WINDOWS))}")
