@@ -6,6 +6,7 @@ bias where the family has one. The reference logits are transformers' own forwar
 """
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -46,6 +47,11 @@ FAMILIES = {
     "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
                         sliding_window_pattern=2, rope_local_base_freq=100.0,
                         rope_scaling=dict(rope_type="linear", factor=4.0)),
+    # Gemma 3 multimodal: the text model above inside, a tiny vision tower beside it.
+    "gemma3": dict(vision_config=dict(model_type="siglip_vision_model", hidden_size=16,
+                                      intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, image_size=28, patch_size=14),
+                   mm_tokens_per_image=4),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=LLAMA3,
                     sliding_window=7),
     "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
@@ -86,7 +92,11 @@ def checkpoint(request, tmp_path_factory):
     """(family, directory, transformers' logits on TOKENS, jaxmp's model from the directory)."""
     family = request.param
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
+    if family == "gemma3":  # a wrapper: the text model's fields are its text_config
+        text = dict(BASE, **FAMILIES["gemma3_text"], model_type="gemma3_text")
+        config = transformers.AutoConfig.for_model(family, text_config=text, **FAMILIES[family])
+    else:
+        config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms at 1 and a zero bias would hide a mapping error
         for name, p in model.named_parameters():
@@ -97,7 +107,10 @@ def checkpoint(request, tmp_path_factory):
                 b.copy_(0.1 * torch.randn_like(b))
     path = str(tmp_path_factory.mktemp(family))
     model.save_pretrained(path)
-    return family, path, _hf_logits(model), from_pretrained(path, "fp32", attention="reference")
+    with warnings.catch_warnings():  # gemma3's skipped vision tensors: their own test
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ours = from_pretrained(path, "fp32", attention="reference")
+    return family, path, _hf_logits(model), ours
 
 
 def test_every_family_is_compared_with_transformers():
@@ -117,7 +130,8 @@ def test_from_pretrained_logits_match_transformers(checkpoint):
 def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
     family, _, ref, model = checkpoint
     written = save_pretrained(model, str(tmp_path))
-    assert written == family  # Mistral's windows are not Llama's
+    # Mistral's windows are not Llama's; a multimodal Gemma 3 writes its text model
+    assert written == (hf.FAMILIES[family].text_of or family)
     config = json.load(open(tmp_path / "config.json"))
     assert config["model_type"] == written and config["architectures"]
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
@@ -125,6 +139,42 @@ def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
 
 
 # A MoE with mlp_only_layers and an MLA MoE with a dense layer.
+@pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
+def test_a_multimodal_gemma3_loads_its_text_model_under_either_naming(checkpoint, tmp_path):
+    """The vision tower and projector are skipped with a warning naming them; the text
+    model reads the same from transformers 5's names (model.language_model.*) and from the
+    released files' (language_model.model.*, language_model.lm_head.weight)."""
+    from safetensors.numpy import load_file, save_file
+
+    _, path, ref, _ = checkpoint
+    with pytest.warns(RuntimeWarning, match=r"tensor\(s\) of the gemma3 checkpoint are not "
+                                            r"the text model's .*vision_tower"):
+        assert _rel_err(_logits(from_pretrained(path, "fp32", attention="reference")),
+                        ref) < 2e-4
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    renamed = {}
+    for name, x in tensors.items():
+        for new, old in (("model.language_model.", "language_model.model."),
+                         ("model.vision_tower.", "vision_tower."),
+                         ("model.multi_modal_projector.", "multi_modal_projector."),
+                         ("lm_head.", "language_model.lm_head.")):
+            if name.startswith(new):
+                name = old + name[len(new):]
+                break
+        renamed[name] = x
+    assert any(n.startswith("language_model.model.layers.") for n in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    with pytest.warns(RuntimeWarning):
+        old = from_pretrained(str(tmp_path), "fp32", attention="reference")
+    assert _rel_err(_logits(old), ref) < 2e-4
+    bad = dict(json.load(open(tmp_path / "config.json")), vocab_size=96)
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"^config\.json \(gemma3\): vocab_size=96 cannot be "
+                                         r"represented exactly"):
+        from_pretrained(str(tmp_path))
+
+
 # Qwen3 and Gemma 3: a sliding layer, then a full one (two stacks).
 @pytest.mark.parametrize("checkpoint", ["qwen3_moe", "deepseek_v3", "qwen3", "gemma3_text"],
                          indirect=True)

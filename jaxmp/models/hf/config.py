@@ -22,7 +22,8 @@ from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, NEEDE
                                   not_allowed, read_field, short)
 from jaxmp.models.config import LAYER_TYPES, ModelConfig
 
-__all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "RUNTIME_FIELDS"]
+__all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "text_config",
+           "RUNTIME_FIELDS"]
 
 # rope_scaling / rope_parameters keys: their types, and the rope_type(s) that read them.
 _ROPE_PARAMS: Dict[str, Field] = {
@@ -148,6 +149,32 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                           f"a number > low_freq_factor={merged['low_freq_factor']}")
 
 
+def text_config(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
+    """``(the text model's config.json, the wrapper's model_type)`` of a multimodal wrapper
+    (:attr:`Family.text_of`: its ``text_config``, whose ``model_type`` is the text family's
+    or absent), its own fields checked; ``(hf, None)`` for any other config.json.
+
+    Raises:
+      ValueError: a wrapper field unknown, missing, ill-typed or not representable (one line
+        naming it), or a ``text_config`` of another family.
+    """
+    fam = FAMILIES.get(hf.get("model_type")) if isinstance(hf, dict) and isinstance(
+        hf.get("model_type"), str) else None
+    if fam is None or not fam.text_of:
+        return hf, None
+    wrapper = fam.model_type
+    for key in hf:
+        if key not in fam.specs and key not in IGNORED_FIELDS:
+            raise inexact(wrapper, field_name(key), hf[key],
+                          "the fields jaxmp.models.hf implements (unknown field)")
+    vals = field_values(wrapper, hf)
+    text = dict(vals["text_config"])
+    kind = text.setdefault("model_type", fam.text_of)
+    if kind != fam.text_of:
+        raise not_allowed(wrapper, "text_config.model_type", kind, repr(fam.text_of))
+    return text, wrapper
+
+
 def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                    out: Dict[str, Any]) -> None:
     """``out``'s ``sliding_window`` and ``layer_types`` as transformers' model of the family
@@ -252,8 +279,12 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     if bad is not None:
         raise ValueError(f"config.json: {bad[0]}={bad[1]!r} is not a finite number; "
                          f"allowed: finite numbers only")
+    text, wrapper = text_config(hf)
+    if wrapper is not None:  # a multimodal checkpoint: its text model is what jaxmp reads
+        return config_from_hf(text)
     model_type = hf.get("model_type")
-    if not isinstance(model_type, str) or model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES or \
+            FAMILIES[model_type].text_of:
         raise ValueError(f"config.json: model_type={short(model_type)} is not supported; "
                          f"allowed: {', '.join(FAMILIES)}")
     fam = FAMILIES[model_type]

@@ -148,6 +148,7 @@ class Files:
     def __init__(self, path: str):
         self.path, self._safe_open = path, safetensors_module().safe_open
         self._headers: Dict[str, Dict[str, Tuple[Tuple[int, ...], str]]] = {}
+        self._real: Dict[str, str] = {}  # our name -> the file's (take_text_model)
         index = os.path.join(path, INDEX)
         if regular_file(index, INDEX, missing_ok=True):
             weight_map = read_json(index, INDEX).get("weight_map")
@@ -160,12 +161,46 @@ class Files:
                                      f"file inside the checkpoint directory; allowed: a plain "
                                      f"file name (no path separator, not '..')")
             self.indexed, self.weight_map = True, weight_map
+            self._index = dict(weight_map)  # as the index says, whatever take_text_model keeps
         elif regular_file(os.path.join(path, SINGLE), SINGLE, missing_ok=True):
             self.indexed, self.weight_map = False, {}
             self.weight_map = dict.fromkeys(self._header(SINGLE), SINGLE)
+            self._index = dict(self.weight_map)
         else:
             raise ValueError(f"{path}: neither model.safetensors nor "
                              f"model.safetensors.index.json found")
+
+    def take_text_model(self, prefixes) -> List[str]:
+        """Names a wrapper's text-model tensors as a text checkpoint's (``model.*``,
+        ``lm_head.weight``) and leaves out the rest; returns the names left out.
+
+        Args:
+          prefixes: ``((prefix, head), ...)`` (:attr:`~jaxmp.models.hf.spec.Family.text_prefixes`):
+            the first whose prefix names some tensor is the checkpoint's.
+
+        Raises:
+          ValueError: no tensor is named under any of the prefixes.
+        """
+        for prefix, head in prefixes:
+            if any(n.startswith(prefix) for n in self.weight_map):
+                break
+        else:
+            raise ValueError(f"{self.path}: no tensor of the text model (named "
+                             f"{' or '.join(p + '...' for p, _ in prefixes)})")
+        kept, left = {}, []
+        for name, file in self.weight_map.items():
+            ours = ("model." + name[len(prefix):] if name.startswith(prefix) else
+                    "lm_head.weight" if name == head else None)
+            if ours is None:
+                left.append(name)
+            else:
+                kept[ours], self._real[ours] = file, name
+        self.weight_map = kept
+        return sorted(left)
+
+    def real_name(self, name: str) -> str:
+        """The tensor's name in its file (a wrapper's text model is read under another)."""
+        return self._real.get(name, name)
 
     def _header(self, file: str) -> Dict[str, Tuple[Tuple[int, ...], str]]:
         """``{tensor: (shape, dtype)}`` of weight file ``file`` (its header, read once)."""
@@ -182,7 +217,7 @@ class Files:
                 raise ValueError(f"{full}: not a readable safetensors file "
                                  f"({one_line(e)})") from None
             if self.indexed:
-                extra = sorted(k for k in header if self.weight_map.get(k) != file)
+                extra = sorted(k for k in header if self._index.get(k) != file)
                 if extra:
                     raise ValueError(f"{full}: holds {len(extra)} tensor(s) that {INDEX} "
                                      f"does not map to it: {first_names(extra)}")
@@ -195,10 +230,10 @@ class Files:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
         file = self.weight_map[name]
         header = self._header(file)
-        if name not in header:
-            raise ValueError(f"{self.path}: {file} has no tensor {name!r} (the index says "
-                             f"it has)")
-        return header[name]
+        if self.real_name(name) not in header:
+            raise ValueError(f"{self.path}: {file} has no tensor {self.real_name(name)!r} "
+                             f"(the index says it has)")
+        return header[self.real_name(name)]
 
     def shape(self, name: str) -> Tuple[int, ...]:
         """The tensor's shape, from its file's header (each file's header is read once)."""
@@ -219,7 +254,7 @@ class Files:
         file = os.path.join(self.path, self.weight_map[name])
         try:
             with self._safe_open(file, "np") as f:
-                x = np.asarray(f.get_slice(name)[index])
+                x = np.asarray(f.get_slice(self.real_name(name))[index])
         except Exception as e:  # noqa: BLE001  SafetensorError, OSError
             raise ValueError(f"{file}: cannot read tensor {name} ({one_line(e)})") from None
         if not all_finite(x):

@@ -16,6 +16,7 @@ memory-mapped file (``safe_open(...).get_slice``); host memory holds one slice a
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.models.hf.config import RUNTIME_FIELDS, config_from_hf, field_values
+from jaxmp.models.hf.config import RUNTIME_FIELDS, config_from_hf, field_values, text_config
+from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import (FLOAT_DTYPES, SKIPPED, Files, all_finite, check_directory,
                                    first_names, read_config, safetensors_module)
 from jaxmp.models.hf.layout import (global_table, layer_table, norm_index, param_sources,
@@ -218,11 +220,18 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
     check_directory(path)
     hf = read_config(path)
     config_from_hf(hf)
-    family = hf["model_type"]
+    text, wrapper = text_config(hf)
+    family = text["model_type"]
     files = Files(path)
-    layers = hf["num_hidden_layers"]
+    if wrapper is not None:  # a multimodal checkpoint: the text model's tensors alone
+        left = files.take_text_model(FAMILIES[wrapper].text_prefixes)
+        if left:
+            warnings.warn(f"{path}: {len(left)} tensor(s) of the {wrapper} checkpoint are not "
+                          f"the text model's and are not read (the vision tower and "
+                          f"projector: {first_names(left)})", RuntimeWarning, stacklevel=3)
+    layers = field_values(family, text)["num_hidden_layers"]
     _check_names(files, config, family,
-                 range(layers, layers + field_values(family, hf)["num_nextn_predict_layers"]))
+                 range(layers, layers + field_values(family, text)["num_nextn_predict_layers"]))
     abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0),
                                                      target=target))
     sources = param_sources(abstract, family)

@@ -183,6 +183,14 @@ class Family:
         ``pattern``-th, with no switch).
       features: the names of :data:`FEATURES` the family has; a model using another is
         not the family's (:func:`~jaxmp.models.hf.family_of`).
+      text_of: a multimodal wrapper (Gemma 3's ``gemma3``): its ``text_config`` is a
+        config.json of family ``text_of``, which is what jaxmp reads (the wrapper's own
+        fields are checked by ``specs``), and its text model's tensors are those named
+        under one of ``text_prefixes`` (the checkpoint's other tensors, the vision tower's
+        and the projector's, are skipped with a warning). ``""``: a text family.
+      text_prefixes: ``((prefix, head), ...)``: where a wrapper's checkpoint keeps the
+        text model's ``model.*`` tensors and its ``lm_head.weight``, one pair per naming
+        transformers has used.
     """
 
     model_type: str
@@ -198,6 +206,8 @@ class Family:
     partial_rotary: bool = False
     window: str = ""
     features: frozenset = frozenset()
+    text_of: str = ""
+    text_prefixes: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self):
         unknown = set(self.features) - set(FEATURES)
