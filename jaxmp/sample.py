@@ -196,6 +196,9 @@ def chat_prompt(workdir, tokenizer, message: str, system: Optional[str] = None):
     text, _ = chat.render_conversation(chat.check_messages(messages, "--chat"), template,
                                        add_generation_prompt=True, **tokens)
     ids = np.asarray(inner.encode(text, add_special_tokens=False).ids, np.int32)
+    if not ids.size:
+        raise ValueError(f"--chat: the run's chat template ({chat.KEPT_TEMPLATE}) renders the "
+                         f"message as no token")
     return ids, chat.end_of_turn_ids(template, inner, tokens)
 
 

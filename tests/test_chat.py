@@ -230,3 +230,79 @@ def test_a_damaged_copy_of_the_special_tokens_is_one_line(tmp_path, content, mat
     with pytest.raises(ValueError, match=match) as info:
         kept_chat_tokens(tmp_path)
     assert str(info.value).startswith(str(tmp_path / KEPT_TOKENS)) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{{ 1 / 0 }}", r"^chat template raised ZeroDivisionError: "),
+    ("{{ messages[0]['content'] + none }}", r"^chat template raised TypeError: "),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", r"^chat template raised RecursionError"),
+])
+def test_a_template_failing_in_python_is_one_line_too(template, match):
+    """Not only Jinja's own errors: 1/0, None + str (a tool-call message with null
+    content through a template that concatenates it), endless recursion."""
+    with pytest.raises(ValueError, match=match) as info:
+        render_conversation(CONVERSATIONS[0], template)
+    assert "\n" not in str(info.value)
+
+
+def test_a_tokenizer_config_json_file_is_read_for_its_template(tokenizer_dir, tmp_path):
+    """data.chat_template naming a tokenizer_config.json takes its chat_template (it was
+    rendered as a template of JSON text); blank templates and unhashable names are one line."""
+    directory = _with_template(tokenizer_dir, CHATML_GEN)
+    file = str(tokenizer_dir / "tokenizer_config.json")
+    assert load_chat_template(file) == (CHATML_GEN, f"{file} (chat_template)")
+    (tmp_path / "blank.jinja").write_text("  \n")
+    with pytest.raises(ValueError, match=r"blank\.jinja: the chat template is empty"):
+        load_chat_template(str(tmp_path / "blank.jinja"))
+    _with_template(tokenizer_dir, "   ")
+    with pytest.raises(ValueError, match=r"chat_template='   ' is not a template"):
+        load_chat_template(directory)
+    _with_template(tokenizer_dir, [{"name": ["x"], "template": "t"}])
+    with pytest.raises(ValueError, match=r"has no template named 'default'"):
+        load_chat_template(directory)
+
+
+def test_the_end_of_turn_is_a_special_token_and_a_system_only_template_is_probed(tokenizer_dir):
+    """A template that writes a line break before its end-of-turn token (DeepSeek-Coder's
+    '\\n<|EOT|>\\n') stops at the token, not at every line break; one that requires a
+    system message is probed with one."""
+    from tokenizers import Tokenizer
+
+    from jaxmp.train.chat import end_of_turn_ids
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eot = tok.token_to_id("<|eot_id|>")
+    coder = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n<|eot_id|>\\n' }}"
+             "{% endfor %}")
+    assert end_of_turn_ids(coder, tok, {}) == [eot]
+    system_first = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system "
+                    "message first') }}{% endif %}" + CHATML)
+    assert end_of_turn_ids(system_first, tok, {"eos_token": "<|eot_id|>"}) == [
+        tok.token_to_id("<|im_end|>"), eot]
+
+
+@pytest.mark.parametrize("message, match", [
+    ({"role": "assistant", "content": None, "tool_calls": "x"}, r"tool_calls='x'; allowed: on "
+                                                                r"an assistant message"),
+    ({"role": "user", "content": None, "tool_calls": [{"name": "f"}]}, r"message 0 \(user\) has "
+                                                                       r"tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [1]}, r"a non-empty list of objects"),
+])
+def test_tool_calls_are_an_assistants_list_of_objects(tokenizer_dir, message, match):
+    from jaxmp.train.chat import check_messages
+
+    with pytest.raises(ValueError, match=match):
+        check_messages([message])
+    assert check_messages([{"role": "assistant", "content": None,
+                            "tool_calls": [{"name": "f", "arguments": {}}]}])
+    with pytest.raises(ValueError, match=r"got an empty list"):
+        check_messages([])
+
+
+def test_generation_marks_in_a_comment_are_no_marks(tokenizer_dir):
+    """A template that only mentions {% generation %} in a Jinja comment has no marks:
+    its assistant turns come from prefixes (it learned nothing before)."""
+    commented = "{# supports {% generation %} blocks #}" + CHATML
+    ids, mask = encode_conversation(CONVERSATIONS[1], _with_template(tokenizer_dir, commented))
+    plain, want = encode_conversation(CONVERSATIONS[1], _with_template(tokenizer_dir, CHATML))
+    assert ids.tolist() == plain.tolist() and mask.tolist() == want.tolist() and mask.any()

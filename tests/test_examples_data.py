@@ -17,9 +17,9 @@ RECORDS = [{"prompt": f"Q{i}: what is {i} + {i}?", "completion": f" {2 * i}."}
 
 def _config(path, **data):
     import ml_collections
-    return ml_collections.ConfigDict(dict(path=str(path), seq_len=32, eval_fraction=0.0,
-                                          num_eval_batches=0, max_tokens=0, tokenizer="bytes",
-                                          **data))
+    return ml_collections.ConfigDict({**dict(path=str(path), seq_len=32, eval_fraction=0.0,
+                                             num_eval_batches=0, max_tokens=0,
+                                             tokenizer="bytes"), **data})
 
 
 def _jsonl(tmp_path, records):
@@ -218,6 +218,7 @@ def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_
     model = transformers.AutoModelForCausalLM.from_pretrained(str(exported)).float().eval()
     eot = hf.convert_tokens_to_ids("<|eot_id|>")
     assert model.generation_config.eos_token_id in (eot, [eot])
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (hf.bos_token_id, eot)
     message = "apple river stone cloud"
     prompt = hf.apply_chat_template([{"role": "user", "content": message}],
                                     add_generation_prompt=True, tokenize=True,
@@ -242,3 +243,149 @@ def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_
     with pytest.raises(ValueError, match=r"^the chat template is not the one the checkpoint "
                                          r"was trained with"):
         pipeline(config(4).data, global_batch_size=8, seed=0).check_state(state)
+
+
+def _chat_tokenizer(tmp_path, template):
+    """A byte-level BPE with ChatML's tokens and ``template`` in its directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(WORDS * 10 + ["user assistant"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return str(d / "tokenizer.json")
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_what_a_chat_corpus_cannot_train_is_one_line_naming_its_cause(tmp_path):
+    """Truncation that cuts every assistant turn is refused before training (it trained on
+    nothing and was taken for divergence); an eval split too small for a row says how to
+    fix it; a template that does not compile is named by its file, not by a record."""
+    convs = _conversations(12)
+    tok = _chat_tokenizer(tmp_path, CHATML)
+    data = _jsonl(tmp_path, [{"messages": c} for c in convs])
+    base = dict(format="chat", tokenizer=tok)
+    with pytest.raises(ValueError, match=r"^the train rows hold no token to learn \(data\.loss_on="
+                                         r".*data\.truncate=truncate, data\.seq_len=6\)"):
+        create_pipeline(_config(data, seq_len=6, truncate="truncate", **base),
+                        global_batch_size=2, seed=0)
+    with pytest.raises(ValueError, match=r"^no row of data\.seq_len=32 tokens: the eval split's "
+                                         r"examples hold .* set data\.num_eval_batches=0"):
+        create_pipeline(_config(data, packing="concat", eval_fraction=1e-9, num_eval_batches=1,
+                                **base), global_batch_size=2, seed=0)
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match=rf"^{bad}: chat template does not compile"):
+        create_pipeline(_config(data, chat_template=str(bad), **base), global_batch_size=2,
+                        seed=0)
+
+
+def test_a_mixed_file_says_what_each_format_learns(tmp_path, capsys):
+    """Chat and prompt/completion records in one file: each learns its own tokens, and
+    the banner's words say so per format; loss_on=completion on text names the one
+    allowed value once."""
+    tok = _chat_tokenizer(tmp_path, CHATML)
+    records = [{"messages": c} for c in _conversations(8)] + RECORDS[:8]
+    pipe = create_pipeline(_config(_jsonl(tmp_path, records), tokenizer=tok),
+                           global_batch_size=2, seed=0)
+    assert pipe.examples.startswith("chat and prompt_completion, packing isolated (chat: loss "
+                                    "on assistant and prompt_completion: loss on completion)")
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "some words " * 20}) + "\n")
+    with pytest.raises(ValueError, match=r"data\.loss_on='completion' does not apply to text "
+                                         r"records .*; allowed: all$"):
+        create_pipeline(_config(text, loss_on="completion"), global_batch_size=2, seed=0)
+
+
+def test_json_records_in_a_json_file_are_refused_under_auto(tmp_path):
+    """A .json file of JSON lines or a JSON array of records (what datasets' to_json
+    writes) was trained as raw text under data.format=auto; text in a .json file that is
+    no record still reads as text, and format=text keeps reading it."""
+    lines = tmp_path / "lines.json"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(RECORDS))
+    for f in (lines, array):
+        with pytest.raises(ValueError, match=rf"^{f}: a \.json file of JSON records, which "
+                                             rf"data\.format=auto would train on as text"):
+            create_pipeline(_config(f), global_batch_size=2, seed=0)
+        create_pipeline(_config(f, format="text"), global_batch_size=2, seed=0)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"name": "a package", "version": "1.0"}) * 40)
+    create_pipeline(_config(other), global_batch_size=2, seed=0)
+
+
+def test_a_template_that_reads_the_time_cannot_resume_into_other_examples(tmp_path):
+    """Same template text, other renderings (strftime_now): the examples' digest refuses
+    the resume in one line, where the batches would have differed silently."""
+    clock = ("{{ strftime_now('%f') }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + "
+             "'\\n' }}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + "
+             "'<|im_end|>' }}{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>' }}"
+             "{% endif %}{% endfor %}")
+    tok = _chat_tokenizer(tmp_path, clock)
+    data = _jsonl(tmp_path, [{"messages": c} for c in _conversations(8)])
+    config = _config(data, tokenizer=tok)
+    state = create_pipeline(config, global_batch_size=2, seed=0).get_state()
+    with pytest.raises(ValueError, match=r"^the examples are not the ones the checkpoint was "
+                                         r"trained on .*strftime_now"):
+        create_pipeline(config, global_batch_size=2, seed=0).check_state(state)
+    (tmp_path / "b").mkdir()
+    steady = _config(data, tokenizer=_chat_tokenizer(tmp_path / "b", CHATML))
+    state = create_pipeline(steady, global_batch_size=2, seed=0).get_state()
+    create_pipeline(steady, global_batch_size=2, seed=0).check_state(state)  # same: resumes
+
+
+def test_a_signal_stops_a_chat_template_that_never_ends(tmp_path):
+    """A template is code from the internet: one that loops for ever (10**10 iterations)
+    is stopped by SIGTERM while the data is read (the trainer's start-up), at once: it
+    was ignored until the read ended. A second signal 300 s on turns a regression into a
+    KeyboardInterrupt here rather than a hang."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from jaxmp.train import train_and_evaluate
+    from jaxmp.train.signals import Interrupted, compile_in_progress
+
+    endless = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+               "{% endfor %}" + CHATML)
+    tok = _chat_tokenizer(tmp_path, endless)
+    config = small_config({"vocab_size": 320}, steps=2, sample_tokens=0)
+    config.data.update(dict(path=str(_jsonl(tmp_path, [{"messages": c}
+                                                       for c in _conversations(4)])),
+                            tokenizer=tok, seq_len=32, eval_fraction=0.0, num_eval_batches=0,
+                            max_tokens=0))
+    original = signal.getsignal(signal.SIGTERM)
+    done = threading.Event()
+
+    def send():  # once the trainer's handler is in place, and again much later
+        while signal.getsignal(signal.SIGTERM) is original and not done.wait(0.05):
+            pass
+        if not done.wait(0.5):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if not done.wait(300):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(Interrupted) as info:
+            train_and_evaluate(config, str(tmp_path / "run"), num_devices=1)
+    finally:
+        done.set()
+        sender.join()
+        while compile_in_progress():  # the step's background compile, left to finish
+            time.sleep(0.1)          # (a process leaving under it aborts)
+    assert info.value.startup and "SIGTERM during start-up" in str(info.value)
+    assert signal.getsignal(signal.SIGTERM) is original  # the handler is put back

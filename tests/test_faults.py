@@ -701,3 +701,24 @@ def test_a_lost_peer_is_the_survivors_one_line_however_the_race_goes(tmp_path, v
     for bad in ("Traceback", "Fatal Python error", "client.h", "Terminating process",
                 "terminate called"):
         assert bad not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("ema, loss, divergent", [
+    (3e-7, 3e-5, False),  # a run that has memorized its data: 100x, yet no spike
+    (0.03, 0.095, False),  # over 3x, under the floor
+    (0.05, 0.2, True),    # over 3x and over the floor
+    (0.2, 0.59, False),   # under 3x
+])
+def test_a_loss_spike_is_three_times_the_running_mean_and_above_the_floor(ema, loss, divergent):
+    """DivergenceCheck's loss test by hand: loss > 3 x running mean and loss >
+    LOSS_SPIKE_FLOOR (0.1 nats per trained token)."""
+    from types import SimpleNamespace
+    import jax.numpy as jnp
+    from jaxmp.train import step
+
+    state = SimpleNamespace(loss_ema=jnp.float32(ema), grad_norm_ema=jnp.float32(1.0),
+                            divergent_steps=jnp.int32(0))
+    health = step._health(state, jnp.float32(loss), jnp.float32(1.0), jnp.bool_(True),
+                          step.DivergenceCheck())
+    assert bool(health.divergent) is divergent
+    assert step.LOSS_SPIKE_FLOOR == 0.1

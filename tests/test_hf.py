@@ -390,6 +390,9 @@ def test_init_from_trains_and_exports(tmp_path, monkeypatch):
     assert _rel_err(_hf_logits(back, tokens), ref) < 2e-4
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.eos_token == "</s>" and tok.convert_tokens_to_ids("</s>") == eos
+    # config.json's ids are the tokenizer's, not LlamaConfig's defaults (bos 1, eos 2)
+    exported = transformers.AutoConfig.from_pretrained(str(out))
+    assert (exported.bos_token_id, exported.eos_token_id) == (None, eos)
     assert tok("ab")["input_ids"] == [ord("a") - 32, ord("b") - 32]
     (tmp_path / "moved").rename(src)
     with pytest.raises(ValueError, match=r"model.num_heads=8 contradicts .*\(4\)"):

@@ -464,7 +464,10 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     ``chat_template``, ``bos_token``, ``eos_token``, ..., so that ``apply_chat_template``
     renders as training did, with a ``generation_config.json`` whose ``eos_token_id`` is
     the template's end-of-turn tokens, :func:`jaxmp.train.chat.end_of_turn_ids`, where
-    ``generate`` stops), which ``transformers.AutoTokenizer`` reads; the byte tokenizer is
+    ``generate`` stops), which ``transformers.AutoTokenizer`` reads, and config.json's
+    ``bos_token_id`` and ``eos_token_id`` are those tokens' ids (null for a bos token the
+    run has none of; transformers' config classes would default to others); the byte
+    tokenizer is
     written as the same ids in that form (:meth:`ByteTokenizer.to_hf`), and a SentencePiece
     model as its ``tokenizers`` counterpart (:meth:`SentencePieceTokenizer.to_hf`, which
     says where the two can differ), with the ``.model`` file beside it. As with
@@ -521,10 +524,19 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
         if isinstance(tokenizer, HFTokenizer):
             file = tokenizer.save(directory).name
             eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
+            special = {"eos_token": eos, **tokens}
             (directory / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, **tokens,
+                {"tokenizer_class": "PreTrainedTokenizerFast", **special,
                  **({"chat_template": template} if template else {})}, indent=2,
                 ensure_ascii=False) + "\n")
+            # config.json's token ids are the tokenizer's (transformers' config classes
+            # default to others: LlamaConfig's bos 1 and eos 2).
+            written = directory / "config.json"
+            fields = json.loads(written.read_text())
+            fields.update({f"{k}_id": tokenizer.tokenizer.token_to_id(special[k])
+                           if k in special else None for k in ("bos_token", "eos_token")},
+                          pad_token_id=None)
+            written.write_text(json.dumps(fields, indent=2) + "\n")
         if stops:
             (directory / "generation_config.json").write_text(json.dumps(
                 {"eos_token_id": stops if len(stops) > 1 else stops[0]}, indent=2) + "\n")

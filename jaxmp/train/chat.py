@@ -40,6 +40,7 @@ import numpy as np
 
 __all__ = ["ROLES", "load_chat_template", "special_tokens", "render_conversation",
            "encode_conversation", "encode_messages", "check_messages", "check_special_tokens",
+           "compile_template",
            "end_of_turn_ids", "MIN_JINJA2", "KEPT_TEMPLATE", "KEPT_TOKENS", "keep_chat_template",
            "kept_chat_template", "kept_chat_tokens"]
 
@@ -53,6 +54,7 @@ ROLES = ("system", "user", "assistant", "tool")
 # The oldest Jinja2 whose sandbox has no known escape (transformers' floor for templates).
 MIN_JINJA2 = (3, 1, 6)
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_COMMENT = re.compile(r"\{#.*?#\}", re.S)
 # Markup a template writes that must be one token of the tokenizer: the <|...|> tokens of
 # ChatML, Llama 3, GLM and Phi (DeepSeek's with fullwidth bars, U+FF5C) and Gemma's
 # <start_of_turn> / <end_of_turn>.
@@ -83,8 +85,8 @@ def _read_text(file: str, what: str) -> str:
         raise ValueError(f"{file}: the {what} is not UTF-8 text (byte {e.start})") from None
 
 
-def _tokenizer_config(directory: str) -> Dict[str, Any]:
-    file = os.path.join(directory, "tokenizer_config.json")
+def _tokenizer_config(directory: str, name: str = "tokenizer_config.json") -> Dict[str, Any]:
+    file = os.path.join(directory, name)
     if not os.path.isfile(file):
         return {}
     try:
@@ -101,7 +103,8 @@ def load_chat_template(path: str, name: str = "default") -> Tuple[str, str]:
 
     Args:
       path: a tokenizer directory (its ``chat_template.jinja``, else its
-        ``tokenizer_config.json``'s ``chat_template``), or a template file (any other
+        ``tokenizer_config.json``'s ``chat_template``), a ``.json`` file (such a
+        ``tokenizer_config.json``: its ``chat_template``), or a template file (any other
         path: its whole text).
       name: which of a list of named templates (``tokenizer_config.json`` may hold
         ``[{"name": ..., "template": ...}]``).
@@ -111,29 +114,38 @@ def load_chat_template(path: str, name: str = "default") -> Tuple[str, str]:
 
     Raises:
       ValueError: one line naming the file: no template there, a template that is not a
-        string, an unknown name, a file that is not UTF-8 or not JSON.
+        string or is blank, an unknown name, a file that is not UTF-8 or not JSON.
     """
-    if not os.path.isdir(path):
-        return _read_text(path, "chat template"), path
+    if not os.path.isdir(path) and not path.lower().endswith(".json"):
+        return _nonblank(_read_text(path, "chat template"), path), path
     jinja_file = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja_file):
-        return _read_text(jinja_file, "chat template"), jinja_file
-    config_file = os.path.join(path, "tokenizer_config.json")
-    template = _tokenizer_config(path).get("chat_template")
+    if os.path.isdir(path) and os.path.isfile(jinja_file):
+        return _nonblank(_read_text(jinja_file, "chat template"), jinja_file), jinja_file
+    # a directory's tokenizer_config.json, or such a file named itself: its chat_template
+    config_file = os.path.join(path, "tokenizer_config.json") if os.path.isdir(path) else path
+    template = _tokenizer_config(os.path.dirname(config_file) or ".",
+                                 os.path.basename(config_file)).get("chat_template")
     if template is None:
         raise ValueError(f"{path}: no chat template (neither chat_template.jinja nor "
                          f"tokenizer_config.json's chat_template); give one with "
                          f"data.chat_template=FILE")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in template
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)}
         if name not in named:
             raise ValueError(f"{config_file}: chat_template has no template named {name!r}; "
                              f"it has {sorted(map(str, named))}")
         template = named[name]
-    if not isinstance(template, str) or not template:
+    if not isinstance(template, str) or not template.strip():
         raise ValueError(f"{config_file}: chat_template={str(template)[:60]!r} is not a "
                          f"template; allowed: a non-empty string or a list of named ones")
     return template, f"{config_file} (chat_template)"
+
+
+def _nonblank(template: str, file: str) -> str:
+    if not template.strip():
+        raise ValueError(f"{file}: the chat template is empty")
+    return template
 
 
 def special_tokens(directory: str) -> Dict[str, str]:
@@ -155,12 +167,15 @@ def check_messages(messages: Any, where: str = "conversation") -> List[Dict[str,
 
     Raises:
       ValueError: one line naming ``where`` and the message: not a list of objects, a role
-        outside :data:`ROLES`, content that is neither a string nor null (tool calls), or
-        an empty one.
+        outside :data:`ROLES`, content that is neither a string nor null (an assistant's
+        tool calls: ``tool_calls`` a non-empty list of objects), an empty one, or
+        ``tool_calls`` anywhere else.
     """
+    messages = list(messages) if isinstance(messages, tuple) else messages
     if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}} "
-                         f"objects, got {type(messages).__name__}")
+                         f"objects, got {got}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: message {i} is {type(m).__name__}, not an object "
@@ -169,7 +184,13 @@ def check_messages(messages: Any, where: str = "conversation") -> List[Dict[str,
             raise ValueError(f"{where}: message {i} has role {m.get('role')!r}; allowed: "
                              f"{', '.join(ROLES)}")
         content = m.get("content")
-        if content is None and m.get("tool_calls"):
+        calls = m.get("tool_calls")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)
+                                  or not calls or not all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f"{where}: message {i} ({m['role']}) has tool_calls="
+                             f"{str(calls)[:40]!r}; allowed: on an assistant message, a "
+                             f"non-empty list of objects")
+        if content is None and calls:
             continue
         if not isinstance(content, str):
             raise ValueError(f"{where}: message {i} ({m['role']}) has content of type "
@@ -209,29 +230,35 @@ def check_special_tokens(template: str, tokenizer, variables: Dict[str, Any],
 
 
 def end_of_turn_ids(template: str, tokenizer, variables: Dict[str, Any]) -> List[int]:
-    """The ids that end an assistant's turn, where sampling stops: the first token the
-    template writes after an assistant message's content (``<|im_end|>``, ``<|eot_id|>``,
-    ``<end_of_turn>``, ...), and the ``eos_token`` it is given, in that order, each once.
+    """The ids that end an assistant's turn, where sampling stops: the first special
+    (added) token the template writes after an assistant message's content
+    (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, DeepSeek-Coder's ``<|EOT|>`` after
+    its line break: text such as a line break never stops a reply), then the
+    ``eos_token`` it is given, each once. The template is probed with a system, a user
+    and an assistant message, or without the system one where it refuses that.
 
     Raises:
-      ValueError: the template fails to render a two-message conversation, or neither
-        token is found (one line).
+      ValueError: the template fails to render both probes, or neither token is found
+        (one line).
     """
     probe = "jaxmp-end-of-turn-probe"
-    text, _ = render_conversation([{"role": "user", "content": "?"},
-                                   {"role": "assistant", "content": probe}], template,
-                                  **variables)
+    turns = [{"role": "user", "content": "?"}, {"role": "assistant", "content": probe}]
+    try:
+        text, _ = render_conversation([{"role": "system", "content": "."}] + turns, template,
+                                      **variables)
+    except ValueError:  # a template without system messages
+        text, _ = render_conversation(turns, template, **variables)
+    added = set(tokenizer.get_added_tokens_decoder())
     ids: List[int] = []
     after = text[text.rfind(probe) + len(probe):] if probe in text else ""
-    if after.strip():
-        ids.append(tokenizer.encode(after.lstrip(" "), add_special_tokens=False).ids[0])
+    ids += [i for i in tokenizer.encode(after, add_special_tokens=False).ids if i in added][:1]
     eos = variables.get("eos_token")
     if isinstance(eos, str) and eos and tokenizer.token_to_id(eos) is not None:
         if tokenizer.token_to_id(eos) not in ids:
             ids.append(tokenizer.token_to_id(eos))
     if not ids:
-        raise ValueError("chat template: no end-of-turn token (nothing follows an assistant "
-                         "message, and there is no eos_token)")
+        raise ValueError("chat template: no end-of-turn token (no special token follows an "
+                         "assistant message, and there is no eos_token)")
     return ids
 
 
@@ -323,6 +350,10 @@ class _Templates:
                 blocks.append(block)
         except self.jinja2.exceptions.TemplateError as e:  # raise_exception, SecurityError
             raise ValueError(f"chat template raised: {_one_line(e)}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                RecursionError, MemoryError) as e:  # the template's own fault: 1/0, None + ''
+            raise ValueError(f"chat template raised {type(e).__name__}: "
+                             f"{_one_line(e)}") from None
         finally:
             self._spans.reset(token)
         return "".join(blocks), found
@@ -339,6 +370,18 @@ def _templates() -> _Templates:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
+
+
+def compile_template(template: str) -> None:
+    """Compiles chat ``template`` in the sandbox (once per text: the compiled template is
+    kept), so that a template that cannot compile is refused before any conversation is
+    rendered.
+
+    Raises:
+      ValueError: ``chat template does not compile: ...`` (one line).
+      ImportError: jinja2 older than :data:`MIN_JINJA2`.
+    """
+    _templates().compile(template)
 
 
 def render_conversation(messages: Sequence[Dict[str, Any]], template: str, *,
@@ -438,9 +481,9 @@ def encode_messages(messages: Sequence[Dict[str, Any]], template: str, tokenizer
     Raises:
       ValueError: as :func:`encode_conversation`, but for the loading.
     """
-    messages = check_messages(list(messages))
+    messages = check_messages(messages)
     text, spans = render_conversation(messages, template, **variables)
-    if not _GENERATION.search(template):
+    if not _GENERATION.search(_COMMENT.sub("", template)):  # marks in a comment are none
         spans = _prefix_spans(messages, template, variables, text)
     encoding = tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, np.int32)

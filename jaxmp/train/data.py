@@ -144,7 +144,8 @@ class DataPipeline:
         Raises:
           ValueError: ``state`` is not a state of this version, was saved by a pipeline
             with a different corpus size, seq_len, global batch size or seed (its
-            batches would differ), or its position (``next_index``, global batches
+            batches would differ), other examples (their tokens and masks' SHA-256) or
+            another chat template, or its position (``next_index``, global batches
             taken) is not an integer >= 0.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION \
@@ -156,6 +157,13 @@ class DataPipeline:
             raise ValueError(f"the tokenizer ({self.tokenizer.name}) is not the one the "
                              f"checkpoint was trained with (another SHA-256); restore that "
                              f"tokenizer or start a new --workdir")
+        if isinstance(saved, dict) and "examples" in self._fingerprint and \
+                saved.get("examples") != self._fingerprint["examples"] and \
+                saved.get("chat_template") == self._fingerprint.get("chat_template"):
+            raise ValueError("the examples are not the ones the checkpoint was trained on "
+                             "(another SHA-256 of their tokens and masks, with the same "
+                             "template: other data, or a chat template that reads the time, "
+                             "strftime_now); restore them or start a new --workdir")
         if isinstance(saved, dict) and saved.get("chat_template") != \
                 self._fingerprint.get("chat_template"):
             raise ValueError("the chat template is not the one the checkpoint was trained with "
@@ -276,9 +284,11 @@ def _prompt_from(stream, tokenizer, max_tokens: int = 16) -> np.ndarray:
 
 def _say(progress: bool, text: str) -> None:
     """A line on stdout (where the trainer's banner goes) saying what the data pipeline
-    is doing (when ``progress``)."""
+    is doing (when ``progress``), written whole in one call: a signal that stops the read
+    (:class:`jaxmp.train.signals.StartupSignal`) never leaves half a line."""
     if progress:
-        print(f"data: {text}", flush=True)
+        sys.stdout.write(f"data: {text}\n")
+        sys.stdout.flush()
 
 
 def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
@@ -383,9 +393,9 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         records, docs = _examples_wanted(given, path, text_field, warnings, progress)
     if records is not None:  # examples with loss masks, packed (jaxmp.train.packing)
         if spec.startswith("bpe:"):
-            raise ValueError(f"data.tokenizer={spec!r} trains on text documents; chat and "
-                             f"prompt_completion examples need the model's tokenizer "
-                             f"(PATH/tokenizer.json) or 'bytes'")
+            raise ValueError(f"data.tokenizer={spec!r} trains on text documents; chat examples "
+                             f"need the model's tokenizer (PATH/tokenizer.json), "
+                             f"prompt_completion examples that or 'bytes'")
         tokenizer = load_tokenizer(spec, workdir=workdir, eod_id=eod_id, save=index == 0)
         train, evals, notes, num_documents, extra = _packed_examples(
             records, given, tokenizer, text_field, seq_len, eval_fraction, max_tokens,
@@ -462,6 +472,13 @@ def _examples_wanted(given, path, text_field: str, warnings: list, progress: boo
     still to be read: no JSON-lines file, or ``data.format=text``)."""
     fmt = given("format")
     wanted = packing_module.asks_for_examples(fmt, given("loss_on"), given("packing"))
+    if path and fmt == "auto":
+        for file in data_files(path):
+            if file.lower().endswith(".json") and _json_records(file, text_field):
+                raise ValueError(f"{file}: a .json file of JSON records, which data.format=auto "
+                                 f"would train on as text; name JSON lines .jsonl (convert a "
+                                 f"JSON array to JSON lines), or set data.format=text to train "
+                                 f"on the file as text")
     if fmt == "text" and not wanted:
         return None, None
     if not wanted and not (path and any(f.lower().endswith(RECORD_SUFFIXES)
@@ -471,6 +488,33 @@ def _examples_wanted(given, path, text_field: str, warnings: list, progress: boo
     if wanted or any(packing_module.example_kind(r) for _, r in records):
         return records, None
     return None, text_documents(records, text_field)
+
+
+def _json_records(file: str, text_field: str, head: int = 1 << 16) -> bool:
+    """Whether a ``.json`` file holds JSON records (JSON lines, or an array of objects):
+    its first object (on its first line, or the array's first) has ``messages``,
+    ``prompt`` or ``text_field``. Reads at most ``head`` bytes."""
+    import json as json_module
+
+    with open(file, "rb") as f:
+        start = f.read(head).decode("utf-8", "replace").lstrip()
+    first = start.split("\n", 1)[0]
+    candidates = [first]
+    if start.startswith("["):  # an array: its first object, as far as the head holds it
+        decoder = json_module.JSONDecoder()
+        try:
+            obj, _ = decoder.raw_decode(start[1:].lstrip())
+            candidates = [json_module.dumps(obj)]
+        except ValueError:
+            return start[1:].lstrip().startswith("{")
+    for text in candidates:
+        try:
+            obj = json_module.loads(text)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and ({"messages", "prompt", text_field} & set(obj)):
+            return True
+    return False
 
 
 def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
@@ -499,8 +543,9 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
     named = [(e.name, e) for e in examples]
     train_ex, eval_ex = split_documents(named, eval_fraction)
 
-    def rows(part):
-        return packing_module.PackedRows([e for _, e in part], seq_len, packing, truncate)
+    def rows(part, split):
+        return packing_module.PackedRows([e for _, e in part], seq_len, packing, truncate,
+                                         split)
 
     notes = []
     evals = None
@@ -513,8 +558,13 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
         if not train_ex:
             raise ValueError(f"{len(examples)} example(s): too few for a train and an eval "
                              f"split; add data or set data.num_eval_batches=0")
-        evals = rows(eval_ex)
-    train = rows(train_ex)
+        evals = rows(eval_ex, "eval")
+    train = rows(train_ex, "train")
+    if not train.trained_tokens:  # e.g. truncation cut every assistant turn
+        raise ValueError(f"the train rows hold no token to learn (data.loss_on="
+                         f"{given('loss_on') or 'the format default'}, data.truncate={truncate}, "
+                         f"data.seq_len={seq_len}): every {loss_on} token was cut or there is "
+                         f"none; raise data.seq_len or set data.truncate=split")
     skipped = counts.get("no assistant turn", 0)
     kinds = ", ".join(f"{counts[k]} {k}" for k in ("chat", "prompt_completion", "text")
                       if counts.get(k))
@@ -522,18 +572,27 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
                                          f"turn skipped" if skipped else ""))
     for part, cut in (("train", train), ("eval", evals)):
         if cut is not None and (cut.split or cut.truncated):
-            notes.append(f"{cut.split + cut.truncated} {part} example(s) longer than "
-                         f"data.seq_len={seq_len} pairs were "
+            notes.append(f"{cut.split + cut.truncated} {part} example(s) longer than a row "
+                         f"(data.seq_len={seq_len} tokens) were "
                          f"{'split into rows' if truncate == 'split' else 'truncated'} "
                          f"(data.truncate={truncate})")
     fraction = train.trained_tokens / (len(train) * seq_len)
-    words = (f"{main}, packing {packing}, loss on {loss_on} ({fraction:.1%} of the train rows' "
-             f"tokens trained)" + (f", chat template {source}" if source else ""))
+    kinds_read = [k for k in ("chat", "prompt_completion", "text") if counts.get(k)]
+    learned = " and ".join(f"{k}: loss on {packing_module.resolve(k, given('loss_on'), '')[0]}"
+                           for k in kinds_read)
+    words = ((f"{main}, packing {packing}, loss on {loss_on}" if len(kinds_read) == 1 else
+              f"{' and '.join(kinds_read)}, packing {packing} ({learned})")
+             + f" ({fraction:.1%} of the train rows' tokens trained)"
+             + (f", chat template {source}" if source else ""))
     rendered = (template + "\n" + json.dumps(tokens, sort_keys=True)).encode()
+    digest = hashlib.sha256()  # what the examples are, token by token: a template that
+    for e in examples:          # reads the time (strftime_now) renders others on resume
+        digest.update(np.asarray(e.ids, np.int32).tobytes())
+        digest.update(np.packbits(e.learned).tobytes())
     extra = {"batch_keys": packing_module.PACKED_KEYS, "examples": words,
              "chat_template": template, "chat_tokens": dict(tokens),
              "fingerprint": {"format": main, "packing": packing, "loss_on": loss_on,
-                             "truncate": truncate,
+                             "truncate": truncate, "examples": digest.hexdigest(),
                              **({"chat_template": hashlib.sha256(rendered).hexdigest()}
                                 if template else {})}}
     return train, evals, notes, len(examples), extra

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxmp.precision.loss_scale import DynamicLossScale
 from jaxmp.train.metrics import MetricsWriter, expert_load_stats
+from jaxmp.train.step import LOSS_SPIKE_FLOOR
 
 __all__ = ["TrainingStalled", "TrainingDiverged", "Stopwatch", "PeriodicAction", "ReportMetrics",
            "RunGuard", "StallGuard", "DivergenceGuard", "Evaluate", "SaveCheckpoint",
@@ -257,7 +258,7 @@ class DivergenceGuard(RunGuard):
     def message(self, state, run, step):
         step = int(jax.device_get(state.step))
         return (f"the last {steps_text(run)} applied (to step {step}) looked divergent: a loss "
-                f"above {self.loss_spike_factor:g}x its running mean "
+                f"above {self.loss_spike_factor:g}x its running mean and {LOSS_SPIKE_FLOOR:g} nats "
                 f"({float(jax.device_get(state.loss_ema)):.4g}), a gradient norm above "
                 f"{self.grad_norm_spike_factor:g}x its running mean, a non-finite loss, or a zero "
                 f"gradient norm. Lower optim.learning_rate or raise optim.warmup_steps. "

@@ -27,7 +27,7 @@ from jaxmp.precision.optim import UPDATE_ROUNDINGS
 from jaxmp.precision.policy import canonical_dtype
 from jaxmp.train.optimizer import SCHEDULES
 from jaxmp.train import packing
-from jaxmp.train.step import DivergenceCheck
+from jaxmp.train.step import LOSS_SPIKE_FLOOR, DivergenceCheck
 from jaxmp.train.tokenizer import BPE_MIN_VOCAB
 
 __all__ = ["Key", "KEYS", "DEFAULTS", "help_text", "markdown"]
@@ -139,9 +139,9 @@ KEYS: Tuple[Key, ...] = (
     Key("data.packing", "", "how examples fill rows ('' = concat for text, isolated for chat "
                             "and prompt_completion)",
         Choice(packing.PACKINGS, "'', concat, isolated or padded")),
-    Key("data.truncate", "split", "an example longer than a row: split into rows, or "
-                                  "truncate to its first", Choice(packing.TRUNCATIONS,
-                                                                  "split or truncate")),
+    Key("data.truncate", "split", "an example longer than a row (data.seq_len tokens): "
+                                  "split into rows, or truncate to its first row",
+        Choice(packing.TRUNCATIONS, "split or truncate")),
     Key("data.chat_template", "", "chat template file ('' = the tokenizer's own: "
                                   "chat_template.jinja or tokenizer_config.json)",
         Kind(lambda v: isinstance(v, str), "'' or a template file")),
@@ -177,7 +177,9 @@ KEYS: Tuple[Key, ...] = (
     Key("train.max_consecutive_skips", 100, "stop when this many steps in a row were skipped",
         _STEPS),
     Key("train.loss_spike_factor", DivergenceCheck().loss_spike_factor,
-        "a loss above this x its running mean looks divergent (0 = off)", _SPIKE),
+        f"a loss above this x its running mean (and {LOSS_SPIKE_FLOOR:g} nats) looks "
+        "divergent (0 = off)",
+        _SPIKE),
     Key("train.grad_norm_spike_factor", DivergenceCheck().grad_norm_spike_factor,
         "a gradient norm above this x its running mean looks divergent (0 = off)", _SPIKE),
     Key("train.max_divergent_steps", 10, "stop after this many divergent-looking steps in a row",

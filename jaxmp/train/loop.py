@@ -49,7 +49,8 @@ from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveChe
 from jaxmp.train.metrics import MetricsWriter
 from jaxmp.train.preflight import (banner, check_memory, check_parameter_memory,
                                    check_sample_memory, describe_loss_scale, precision_warnings)
-from jaxmp.train.signals import Compilation, Interrupted, SignalCatcher, compile_in_progress
+from jaxmp.train.signals import (Compilation, Interrupted, SignalCatcher, StartupSignal,
+                                 compile_in_progress)
 from jaxmp.train.chat import keep_chat_template
 from jaxmp.train.tokenizer import keep_tokenizer
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
@@ -252,7 +253,17 @@ def _run(exp: Experiment, workdir: pathlib.Path,
         _check_resume_settings(workdir, config_dict)  # before the corpus is read
         compilation = Compilation(exp)  # in the background, while the data is read
         stack.callback(compilation.finish, catcher)  # every way out waits for it (but a signal)
-        data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
+        catcher.reading = True  # a signal stops the read at once (StartupSignal)
+        try:
+            try:
+                if catcher.signum is not None:  # one came before: the read does not begin
+                    raise StartupSignal(catcher.signum)
+                data = exp.data  # reads the corpus: a bad data.path fails here, before anything is written
+            finally:
+                catcher.reading = False
+        except StartupSignal:  # (also one that came as the read ended)
+            raise Interrupted(catcher.signum, 0, False, (workdir / "checkpoints").absolute(),
+                              startup=True) from None
         stack.callback(data.train_iter.close)  # grain's prefetch threads
         if main_process and compilation.worker.is_alive():  # what the wait is (minutes for a
             print("compiling the train step ...", flush=True)  # large model or FP8 kernels)

@@ -188,8 +188,9 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
                 raise ValueError(f"{name}: a {found} record, but data.format={fmt!r}")
         learn = loss_on or _DEFAULT_LOSS_ON[kind]
         if learn not in ("all", _DEFAULT_LOSS_ON[kind]):
+            allowed = " or ".join(dict.fromkeys(("all", _DEFAULT_LOSS_ON[kind])))
             raise ValueError(f"data.loss_on={loss_on!r} does not apply to {kind} records "
-                             f"({name}); allowed: all or {_DEFAULT_LOSS_ON[kind]}")
+                             f"({name}); allowed: {allowed}")
         if kind == "text":
             text = record if isinstance(record, (bytes, str)) else _text(
                 record.get(text_field), name, text_field)
@@ -210,6 +211,10 @@ def encode_examples(records: Sequence[Tuple[str, Any]], fmt: str, *, text_field:
             if template is None:  # loaded once, with the special tokens it reads
                 directory = _tokenizer_dir(tokenizer)
                 template, source = chat.load_chat_template(chat_template or directory)
+                try:  # the template's own fault is its file's, not this record's
+                    chat.compile_template(template)
+                except ValueError as e:
+                    raise ValueError(f"{source}: {e}") from None
                 special = chat.special_tokens(directory)
                 chat.check_special_tokens(template, tokenizer.tokenizer, special, tokenizer.name)
             try:  # the data tokenizer is the directory's tokenizer.json (_tokenizer_dir)
@@ -240,6 +245,7 @@ class PackedRows:
       seq_len: pairs per row.
       packing: ``concat``, ``isolated`` or ``padded``.
       truncate: ``split`` or ``truncate``.
+      split: ``"train"`` or ``"eval"``, for the message of a split that gives no row.
 
     Attributes:
       num_tokens: tokens of the examples (all of them, whatever rows hold them).
@@ -253,7 +259,7 @@ class PackedRows:
     """
 
     def __init__(self, examples: Sequence[Example], seq_len: int, packing: str,
-                 truncate: str = "split"):
+                 truncate: str = "split", split: str = ""):
         self.seq_len, self.packing = int(seq_len), packing
         self.num_tokens = int(sum(len(e.ids) for e in examples))
         self.split = self.truncated = 0
@@ -306,8 +312,12 @@ class PackedRows:
                     self._positions[r, at:at + k] = np.arange(k)
                     at += k
         if len(self._inputs) == 0:
-            raise ValueError(f"no row of data.seq_len={t} pairs: the examples hold "
-                             f"{self.num_tokens} tokens in all; add data or lower data.seq_len")
+            where = f"the {split} split's examples" if split else "the examples"
+            fix = ("; or set data.num_eval_batches=0, or raise data.eval_fraction"
+                   if split == "eval" else "")
+            raise ValueError(f"no row of data.seq_len={t} tokens: {where} hold "
+                             f"{self.num_tokens} tokens in all; add data or lower "
+                             f"data.seq_len{fix}")
         self.trained_tokens = int(self._mask.sum())
 
     def __len__(self) -> int:

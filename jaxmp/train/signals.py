@@ -62,6 +62,13 @@ class Interrupted(Exception):
         super().__init__(what)
 
 
+class StartupSignal(BaseException):
+    """Raised by :class:`SignalCatcher`'s handler in the main thread when a signal comes
+    while ``reading`` is set (the trainer reading its data: nothing trained, nothing to
+    save), so that the read stops at once; a ``BaseException``, as ``KeyboardInterrupt``,
+    so that no ``except Exception`` of the code it interrupts takes it."""
+
+
 class SignalCatcher:
     """Turns SIGINT/SIGTERM into a flag the loop polls; a second signal stops at once:
     ``KeyboardInterrupt`` in a library call (a notebook's kernel survives a double
@@ -71,6 +78,8 @@ class SignalCatcher:
 
     Once ``training`` is set (the loop runs), the first signal says that a checkpoint
     will be saved; before, it says nothing here: :class:`Interrupted` says what happened.
+    While ``reading`` is set, the first signal also raises :class:`StartupSignal` where
+    the main thread is, so that a long read of the data stops at once.
 
     With ``sync`` (a multi-process run with JAX's preemption sync manager,
     :func:`jaxmp.train.distributed.preemption_sync`), SIGTERM is left to JAX's own handler
@@ -83,6 +92,7 @@ class SignalCatcher:
     def __init__(self, sync: bool = False, exit_on_second: bool = False):
         self.signum: Optional[int] = None
         self.training = False
+        self.reading = False  # start-up work a signal cuts short (StartupSignal)
         self.sync = sync
         self.exit_on_second = exit_on_second
         self._stopped = False
@@ -119,6 +129,8 @@ class SignalCatcher:
         self.signum = signum
         if self.sync:  # to JAX's preemption notifier: every process stops at one step
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.reading:  # reading the data (a slow chat template, a large corpus): stop now
+            raise StartupSignal(signum)
         if self.training:
             sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after this step and "
                              "saving a checkpoint (send it again to exit at once)\n")

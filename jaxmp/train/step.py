@@ -168,7 +168,8 @@ class DivergenceCheck(NamedTuple):
 
     Attributes:
       loss_spike_factor: the loss exceeds this many times the running mean of the
-        healthy steps' losses.
+        healthy steps' losses, and :data:`LOSS_SPIKE_FLOOR` (a run that has memorized its
+        data, at 3e-7 nats, is not diverging at 3e-5).
       grad_norm_spike_factor: likewise for the unscaled gradient norm (the default 100 is
         loose because clipped training tolerates large spikes).
     """
@@ -320,6 +321,10 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
 
 
 _EMA_DECAY = 0.9
+# A loss below this (nats per trained token; the model gives its targets about 0.9
+# probability) is no loss spike, however many times its running mean it is: a run that has
+# memorized its data rises from 3e-7 to 3e-5 nats without diverging.
+LOSS_SPIKE_FLOOR = 0.1
 
 
 class _Health(NamedTuple):
@@ -336,7 +341,7 @@ def _health(state: TrainState, ce, grad_norm, applied, check: DivergenceCheck) -
 
     An applied step looks divergent when its loss is not finite, when its loss exceeds
     ``check.loss_spike_factor`` times the running mean of the healthy applied steps'
-    losses, when its gradient norm exceeds ``check.grad_norm_spike_factor`` times theirs,
+    losses and :data:`LOSS_SPIKE_FLOOR`, when its gradient norm exceeds ``check.grad_norm_spike_factor`` times theirs,
     or when its gradient norm is exactly 0 (no learning signal: a collapsed model). A
     factor of 0 turns that test off. Only healthy applied steps move the running means.
     """
@@ -347,7 +352,8 @@ def _health(state: TrainState, ce, grad_norm, applied, check: DivergenceCheck) -
         return seen & (factor > 0) & (x > factor * ema)
 
     divergent = applied & (~jnp.isfinite(ce)
-                           | above(ce, state.loss_ema, check.loss_spike_factor)
+                           | (above(ce, state.loss_ema, check.loss_spike_factor)
+                              & (ce > LOSS_SPIKE_FLOOR))
                            | above(grad_norm, state.grad_norm_ema, check.grad_norm_spike_factor)
                            | (grad_norm == 0))
     healthy = applied & ~divergent
