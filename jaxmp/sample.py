@@ -181,7 +181,6 @@ def chat_prompt(workdir, tokenizer, message: str, system: Optional[str] = None):
         tokenizer is not a Hugging Face one, the template fails or its tokenizer lacks its
         special tokens (one line).
     """
-    import numpy as np
     from jaxmp.train import chat
 
     template = chat.kept_chat_template(workdir)
@@ -193,13 +192,8 @@ def chat_prompt(workdir, tokenizer, message: str, system: Optional[str] = None):
     chat.check_special_tokens(template, inner, tokens, str(tokenizer.name))
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
         {"role": "user", "content": message}]
-    text, _ = chat.render_conversation(chat.check_messages(messages, "--chat"), template,
-                                       add_generation_prompt=True, **tokens)
-    ids = np.asarray(inner.encode(text, add_special_tokens=False).ids, np.int32)
-    if not ids.size:
-        raise ValueError(f"--chat: the run's chat template ({chat.KEPT_TEMPLATE}) renders the "
-                         f"message as no token")
-    return ids, chat.end_of_turn_ids(template, inner, tokens)
+    return (chat.prompt_ids(messages, template, inner, **tokens),
+            chat.end_of_turn_ids(template, inner, tokens))
 
 
 if __name__ == "__main__":

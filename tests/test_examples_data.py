@@ -175,8 +175,8 @@ def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_
     data = tmp_path / "chats.parquet"
     pq.write_table(pa.Table.from_pylist(rows), str(data))
 
-    def config(steps):
-        return load_config("configs/finetune.py", [
+    def config(steps, *more):
+        return load_config("configs/finetune.py", [*more,
             f"model.init_from={src}", f"data.path={data}", "precision.policy=fp32",
             "data.seq_len=64", "train.batch_size=8", "data.num_eval_batches=0",
             "data.eval_fraction=0", "model.remat=none", "model.scan_layers=False",
@@ -185,7 +185,8 @@ def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_
             "optim.decay_steps=4"])  # one schedule, whatever train.steps
 
     straight, resumed = tmp_path / "a", tmp_path / "b"
-    train_and_evaluate(config(4), str(straight), num_devices=2)
+    summary = train_and_evaluate(config(4, "train.sample_tokens=6", "train.sample_temperature=0"),
+                                 str(straight), num_devices=2)
     out = capsys.readouterr().out
     assert "examples    : chat, packing isolated, loss on assistant" in out, out
     assert "examples: 40 chat; 1 conversation(s) without an assistant turn skipped" in out, out
@@ -206,6 +207,10 @@ def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_
     assert export.main(["--workdir", str(straight), "--out", str(exported),
                         "--format", "hf"]) == 0
     hf = transformers.AutoTokenizer.from_pretrained(str(exported))
+    # the trainer's own sample answers the first conversation's user turn, as a chat
+    first = hf.apply_chat_template(convs[0][:1], add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"]
+    assert summary["sample"].startswith(hf.decode(first, skip_special_tokens=True))
     for conv in convs[:3]:
         ids, mask = encode_conversation(conv, str(src))
         theirs = hf.apply_chat_template(conv, tokenize=True, return_dict=True,
@@ -389,3 +394,12 @@ def test_a_signal_stops_a_chat_template_that_never_ends(tmp_path):
             time.sleep(0.1)          # (a process leaving under it aborts)
     assert info.value.startup and "SIGTERM during start-up" in str(info.value)
     assert signal.getsignal(signal.SIGTERM) is original  # the handler is put back
+
+
+def test_a_chat_template_given_for_data_without_chat_is_refused(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(CHATML)
+    with pytest.raises(ValueError, match=r"data\.chat_template=.*t\.jinja', but data\.path holds "
+                                         r"no chat record"):
+        create_pipeline(_config(_jsonl(tmp_path, RECORDS), chat_template=str(template)),
+                        global_batch_size=2, seed=0)

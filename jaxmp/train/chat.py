@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = ["ROLES", "load_chat_template", "special_tokens", "render_conversation",
            "encode_conversation", "encode_messages", "check_messages", "check_special_tokens",
-           "compile_template",
+           "compile_template", "prompt_ids",
            "end_of_turn_ids", "MIN_JINJA2", "KEPT_TEMPLATE", "KEPT_TOKENS", "keep_chat_template",
            "kept_chat_template", "kept_chat_tokens"]
 
@@ -496,6 +496,24 @@ def encode_messages(messages: Sequence[Dict[str, Any]], template: str, tokenizer
             break
         mask[i] = end > spans[s][0]
     return ids, mask
+
+
+def prompt_ids(messages: Sequence[Dict[str, Any]], template: str, tokenizer,
+               **variables: Any) -> np.ndarray:
+    """The ids a model continues to answer ``messages``: the conversation rendered with the
+    generation prompt (the markup that opens an assistant turn), tokenized without added
+    special tokens (the template writes them); int32 ``[n]``.
+
+    Raises:
+      ValueError: bad messages, a template that fails, or a rendering of no token (one
+        line).
+    """
+    text, _ = render_conversation(check_messages(messages), template,
+                                  add_generation_prompt=True, **variables)
+    ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+    if not ids.size:
+        raise ValueError("chat template: the conversation renders as no token")
+    return ids
 
 
 def keep_chat_template(template: str, workdir, tokens: Optional[Dict[str, str]] = None) -> str:

@@ -110,6 +110,10 @@ class DataPipeline:
         so a resume refuses another.
       chat_tokens: the special tokens the template was rendered with (``bos_token``,
         ``eos_token``, ...: :func:`jaxmp.train.chat.special_tokens`), empty without chat.
+      sample_stop_ids: where the trainer's sample stops: a chat run's end-of-turn tokens
+        (:func:`jaxmp.train.chat.end_of_turn_ids`); its ``sample_prompt`` is then the
+        first eval conversation (else train) up to its first assistant turn, rendered
+        with the generation prompt. Empty otherwise.
     """
 
     train_iter: grain.DatasetIterator
@@ -126,6 +130,7 @@ class DataPipeline:
     examples: str = ""
     chat_template: str = ""
     chat_tokens: dict = dataclasses.field(default_factory=dict)
+    sample_stop_ids: tuple = ()
     # Identifies the training order; a saved state only resumes a matching one.
     _fingerprint: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -422,6 +427,10 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
                                              need_eval=num_eval > 0, split=tok_split)
         num_documents = len(docs)
         starts_mid = any("held out" in n for n in notes)
+    if given("chat_template") and not extra.get("chat_template"):  # the user's: used or refused
+        raise ValueError(f"data.chat_template={given('chat_template')!r}, but data.path holds no "
+                         f"chat record to render with it (give chat records, or leave "
+                         f"data.chat_template '')")
     lo, hi = index * batch // count, (index + 1) * batch // count
 
     eval_batches, eval_tokens, eval_bytes = _EvalBatches(None, 0, 0, 0, 0), 0, None
@@ -441,7 +450,9 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
     if hasattr(prompt_source, "parts"):
         prompt_source = prompt_source.parts[0]
     prompt_source.starts_mid_document = starts_mid
-    sample_prompt = _prompt_from(prompt_source, tokenizer)
+    sample_prompt = extra.get("sample_prompt")
+    if sample_prompt is None:
+        sample_prompt = _prompt_from(prompt_source, tokenizer)
 
     ds = (grain.MapDataset.range(len(train)).shuffle(seed=seed).repeat()
           .batch(batch, drop_remainder=True)
@@ -458,6 +469,7 @@ def create_pipeline(data_config: Any, *, global_batch_size: int, seed: int,
         batch_keys=extra.get("batch_keys", packing_module.BATCH_KEYS),
         examples=extra.get("examples", ""), chat_template=extra.get("chat_template", ""),
         chat_tokens=extra.get("chat_tokens", {}),
+        sample_stop_ids=tuple(extra.get("sample_stop_ids", ())),
         _fingerprint={"train_windows": len(train), "seq_len": seq_len,
                       "global_batch_size": batch, "seed": seed,
                       "tokenizer": tokenizer.digest(), **extra.get("fingerprint", {})})
@@ -590,12 +602,39 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
         digest.update(np.asarray(e.ids, np.int32).tobytes())
         digest.update(np.packbits(e.learned).tobytes())
     extra = {"batch_keys": packing_module.PACKED_KEYS, "examples": words,
+             **_chat_sample(records, [n for n, _ in eval_ex] if evals is not None else [],
+                            template, tokens, tokenizer),
              "chat_template": template, "chat_tokens": dict(tokens),
              "fingerprint": {"format": main, "packing": packing, "loss_on": loss_on,
                              "truncate": truncate, "examples": digest.hexdigest(),
                              **({"chat_template": hashlib.sha256(rendered).hexdigest()}
                                 if template else {})}}
     return train, evals, notes, len(examples), extra
+
+
+def _chat_sample(records, eval_names, template: str, tokens: dict, tokenizer) -> dict:
+    """``{"sample_prompt", "sample_stop_ids"}`` of a chat run (empty without a template):
+    the first conversation of the eval split (else of all) with a turn before an assistant
+    turn, up to that assistant turn, rendered with the generation prompt; and the
+    template's end-of-turn ids."""
+    from jaxmp.train import chat
+
+    if not template:
+        return {}
+    first = set(eval_names)
+    ordered = ([r for n, r in records if n in first] + [r for _, r in records])
+    for record in ordered:
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list):
+            continue
+        turn = next((i for i, m in enumerate(messages)
+                     if isinstance(m, dict) and m.get("role") == "assistant"), 0)
+        if turn:
+            return {"sample_prompt": chat.prompt_ids(messages[:turn], template,
+                                                     tokenizer.tokenizer, **tokens),
+                    "sample_stop_ids": chat.end_of_turn_ids(template, tokenizer.tokenizer,
+                                                            tokens)}
+    return {}
 
 
 def _no_text(path):

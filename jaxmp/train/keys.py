@@ -185,7 +185,8 @@ KEYS: Tuple[Key, ...] = (
     Key("train.max_divergent_steps", 10, "stop after this many divergent-looking steps in a row",
         _STEPS),
     Key("train.sample_prompt", "", "prompt of the final sample ('' = the start of the first eval "
-                                   "document)", _TEXT),
+                                   "document; a chat run's: a user message, rendered by its "
+                                   "template)", _TEXT),
     Key("train.sample_tokens", 80, "tokens of the final sample (0 = none)", Int(0)),
     Key("train.sample_temperature", 0.8, "sampling temperature (0 = greedy)",
         Real(0, text="a finite number >= 0 (0 = greedy)")),

@@ -51,7 +51,7 @@ from jaxmp.train.preflight import (banner, check_memory, check_parameter_memory,
                                    check_sample_memory, describe_loss_scale, precision_warnings)
 from jaxmp.train.signals import (Compilation, Interrupted, SignalCatcher, StartupSignal,
                                  compile_in_progress)
-from jaxmp.train.chat import keep_chat_template
+from jaxmp.train.chat import keep_chat_template, prompt_ids as chat_prompt_ids
 from jaxmp.train.tokenizer import keep_tokenizer
 from jaxmp.train.workdir import WorkdirInUse, WorkdirLock, prepare_workdir
 
@@ -429,12 +429,17 @@ def _finish(exp: Experiment, data, state, start: int, losses: list, eval_metrics
     if eval_metrics is None and start >= t.steps and t.eval_every:  # nothing left to train
         eval_metrics = exp.evaluate_metrics(state)  # the restored state
     eval_loss = None if eval_metrics is None else eval_metrics["loss"]
-    prompt = (data.tokenizer.encode(t.sample_prompt, add_eos=False) if t.sample_prompt
-              else data.sample_prompt)
+    if t.sample_prompt and data.chat_template:  # a chat run: the prompt is a user message
+        prompt = chat_prompt_ids([{"role": "user", "content": t.sample_prompt}],
+                                 data.chat_template, data.tokenizer.tokenizer, **data.chat_tokens)
+    elif t.sample_prompt:
+        prompt = data.tokenizer.encode(t.sample_prompt, add_eos=False)
+    else:
+        prompt = data.sample_prompt
     ids = generate(exp.host_model(state), prompt, max_new_tokens=t.sample_tokens,
                    temperature=t.sample_temperature,
                    rng=jax.random.wrap_key_data(jax.device_get(state.rng)), progress=main_process,
-                   vocab_limit=data.tokenizer.vocab_size)
+                   vocab_limit=data.tokenizer.vocab_size, stop_ids=data.sample_stop_ids)
     sample = data.tokenizer.decode(ids)
     if main_process:
         (workdir / "sample.txt").write_text(sample)
