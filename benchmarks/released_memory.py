@@ -75,7 +75,18 @@ TOY_FIELDS = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_siz
 def toy_config_json(hf: dict) -> dict:
     """``hf`` (a config.json) at toy size (:data:`TOY_FIELDS`), the architecture kept: GQA
     stays GQA (2 key/value heads) and MHA stays MHA, MLA keeps its low-rank query where
-    it has one, group-limited routing keeps 4 groups of which 2 are picked."""
+    it has one, group-limited routing keeps 4 groups of which 2 are picked. A multimodal
+    wrapper's ``text_config`` is made toy-sized whole (every shape field set, the ones it
+    leaves to transformers' defaults included)."""
+    if isinstance(hf.get("text_config"), dict):
+        from jaxmp.models import hf as hf_module
+
+        f = hf_module.config_from_hf(hf)  # the shape as read, defaults filled in
+        shapes = {"hidden_size": f["d_model"], "intermediate_size": f["d_ff"],
+                  "num_hidden_layers": f["num_layers"], "num_attention_heads": f["num_heads"],
+                  "num_key_value_heads": f["num_kv_heads"], "head_dim": f["head_dim"],
+                  "vocab_size": f["vocab_size"]}
+        return {**hf, "text_config": toy_config_json({**hf["text_config"], **shapes})}
     out = dict(hf)
     for key, value in TOY_FIELDS.items():
         if key in out:
@@ -92,7 +103,7 @@ def toy_config_json(hf: dict) -> dict:
 
 def released_models(names: Optional[Sequence[str]] = None) -> Dict[str, dict]:
     """``{name: config.json}`` of ``configs/hf/*.json`` (``names``: those only), smallest
-    first (by hidden_size x num_hidden_layers), so that the short compiles come first.
+    first (by width x layers), so that the short compiles come first.
 
     Raises:
       ValueError: a name with no file, naming the files there are.
@@ -103,8 +114,14 @@ def released_models(names: Optional[Sequence[str]] = None) -> Dict[str, dict]:
             raise ValueError(f"--models {name!r}: no configs/hf/{name}.json; allowed: "
                              f"{', '.join(found)}")
     chosen = {n: c for n, c in found.items() if not names or n in names}
-    return dict(sorted(chosen.items(),
-                       key=lambda nc: nc[1]["hidden_size"] * nc[1]["num_hidden_layers"]))
+
+    from jaxmp.models import hf
+
+    def size(config):  # read as jaxmp reads it (a wrapper's text_config, defaults filled)
+        fields = hf.config_from_hf(config)
+        return fields["d_model"] * fields["num_layers"]
+
+    return dict(sorted(chosen.items(), key=lambda nc: size(nc[1])))
 
 
 def case_overrides(folder: str, policy: str, strategy: str, batch: int, seq_len: int,

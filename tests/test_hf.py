@@ -453,9 +453,20 @@ def test_released_configs_map():
 
     files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "hf",
                                           "*.json")))
-    assert len(files) == 5
+    assert len(files) == 6
     for f in files:
         ModelConfig(**hf.config_from_hf(json.load(open(f))))
+    # Gemma-3-4B's text_config gives only what differs from transformers' defaults: its
+    # model is transformers' reading of the file (8 heads, a 262,208-token vocabulary, a
+    # global layer every sixth).
+    g = json.load(open(os.path.join(os.path.dirname(files[0]), "Gemma-3-4B.json")))
+    theirs = transformers.AutoConfig.for_model("gemma3", **{k: v for k, v in g.items()
+                                                           if k != "model_type"}).text_config
+    ours = ModelConfig(**hf.config_from_hf(g))
+    assert (ours.num_heads, ours.num_kv_heads, ours.vocab_size, ours.head_dim,
+            ours.sliding_window, list(ours.layer_types)) == (
+        theirs.num_attention_heads, theirs.num_key_value_heads, theirs.vocab_size,
+        theirs.head_dim, theirs.sliding_window, theirs.layer_types)
 
 
 @pytest.mark.parametrize("name", sorted(RELEASED))

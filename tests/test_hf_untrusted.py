@@ -423,7 +423,11 @@ def _expected(c):
     return ModelConfig(**e)
 
 
-@pytest.mark.parametrize("file", sorted(glob.glob(str(ROOT / "configs" / "hf" / "*.json"))),
+# Gemma-3-4B's multimodal config leaves its text model's shape to transformers' defaults:
+# tests/test_hf.py::test_released_configs_map compares it with transformers' own reading.
+@pytest.mark.parametrize("file", sorted(f for f in glob.glob(str(ROOT / "configs" / "hf" /
+                                                                 "*.json"))
+                                        if "text_config" not in json.load(open(f))),
                          ids=os.path.basename)
 def test_released_configs_give_the_same_model_config(file):
     """configs/hf/*.json (released config.json files) still pass, each giving the

@@ -62,6 +62,12 @@ FAMILY = Family(
      "mlp_activation": "gelu_tanh"},
     specs=common_specs(
         max_len=131072, kv_heads=4, head_dim=256, theta=1e6, window=4096, windows=True,
+        # Shape fields default too, to transformers' Gemma3TextConfig values: the released
+        # multimodal configs' text_config gives only those that differ (Gemma-3-4B's has no
+        # vocab_size nor num_attention_heads).
+        vocab_size=Field(COUNT, 262_208), hidden_size=Field(COUNT, 2304),
+        intermediate_size=Field(COUNT, 9216), num_hidden_layers=Field(COUNT, 26),
+        num_attention_heads=Field(COUNT, 8),
         hidden_activation=fixed("gelu_pytorch_tanh"),
         hidden_act=Field(STRING, None, null=None),  # not read by transformers' Gemma 3
         tie_word_embeddings=fixed(True),
