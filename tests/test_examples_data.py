@@ -115,23 +115,30 @@ SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end
 WORDS = ["apple", "river", "stone", "cloud", "seven", "green", "quiet", "north"]
 
 
+def _bpe(directory, special):
+    """A byte-level BPE over WORDS with ``special`` tokens, saved as
+    ``directory/tokenizer.json``; returned."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(WORDS * 10 + ["user assistant system"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(directory / "tokenizer.json"))
+    return tok
+
+
 def _base(tmp_path):
     """A released-model directory in miniature: a Llama (transformers' own, saved by it), a
     byte-level BPE tokenizer.json with Llama 3's special tokens, and a tokenizer_config.json
     naming bos and eos (the end of turn) and holding the chat template."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     src = tmp_path / "base"
     src.mkdir()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(WORDS * 10 + ["user assistant system"], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(src / "tokenizer.json"))
+    tok = _bpe(src, SPECIAL)
     (src / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
          "eos_token": "<|eot_id|>", "chat_template": LLAMA3_GEN}))
@@ -252,17 +259,9 @@ def test_a_chat_fine_tune_from_a_released_model_resumes_exports_and_samples(tmp_
 
 def _chat_tokenizer(tmp_path, template):
     """A byte-level BPE with ChatML's tokens and ``template`` in its directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     d = tmp_path / "tok"
     d.mkdir()
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(WORDS * 10 + ["user assistant"], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(d / "tokenizer.json"))
+    _bpe(d, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return str(d / "tokenizer.json")
 
