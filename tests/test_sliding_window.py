@@ -178,3 +178,25 @@ def test_on_the_gpu_compiler_the_cudnn_path_is_cudnns_sliding_window_kernel():
             assert '"mask_type": "CAUSAL"' in call
             assert f'"sliding_window_length": {0 if packed else window}' in call
             assert ("ScaleBiasSoftmax" in call) == packed
+
+
+def test_the_trainer_step_with_windows_keeps_cudnns_sliding_window_kernel():
+    """The trainer's own step (gpu.compile_step, what train.py compiles) with per-layer
+    windows, for an H200 (deviceless): the sliding layer's attention is cuDNN's fused
+    kernel with its window, the global layer's without one, forward and backward."""
+    from _compiled import compiled_step
+    from jaxmp.analysis import gpu
+
+    problem = gpu.plugin_problem()
+    if problem:
+        pytest.skip(f"deviceless GPU compile: {problem}")
+    step = compiled_step("tiny_moe", ("--config.model.attention=cudnn",
+                                      "--config.model.sliding_window=16",
+                                      "--config.model.layer_types=('sliding_attention', "
+                                      "'full_attention')"))
+    cfg = step.experiment.config
+    assert cfg.model.num_layers == 2 and cfg.data.seq_len > 16
+    calls = [line for line in step.compiled.as_text().splitlines()
+             if "custom-call(" in line and "__cudnn$fmha" in line]
+    windows = sorted(int(c.split('"sliding_window_length": ')[1].split(",")[0]) for c in calls)
+    assert windows == [0, 0, 16, 16], windows  # each layer's forward and backward
