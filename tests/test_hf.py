@@ -168,6 +168,18 @@ def test_a_multimodal_gemma3_loads_its_text_model_under_either_naming(checkpoint
     with pytest.warns(RuntimeWarning):
         old = from_pretrained(str(tmp_path), "fp32", attention="reference")
     assert _rel_err(_logits(old), ref) < 2e-4
+    # a head stored under the other naming is the head (transformers renames it and uses
+    # it): one that differs from the tied embedding is refused, as is a head stored twice
+    embed = renamed["language_model.model.embed_tokens.weight"]
+    save_file({**renamed, "lm_head.weight": 2 * embed}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"tie_word_embeddings: true, but the checkpoint's "
+                                         r"lm_head\.weight differs"):
+        from_pretrained(str(tmp_path))
+    save_file({**renamed, "lm_head.weight": embed, "language_model.lm_head.weight": embed},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"stores the text model's head twice"):
+        from_pretrained(str(tmp_path))
+    save_file(renamed, str(tmp_path / "model.safetensors"))
     bad = dict(json.load(open(tmp_path / "config.json")), vocab_size=96)
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match=r"^config\.json \(gemma3\): vocab_size=96 cannot be "

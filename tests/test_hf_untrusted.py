@@ -222,6 +222,17 @@ DROP = object()
     ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_theta": 1e6},
                                           "chunked_attention": {}}),
      r"rope_parameters\.chunked_attention=\{\} cannot be represented"),
+    # keys transformers' Gemma 3 ignores, which would have scaled the global layers' RoPE
+    ("gemma3_text", dict(rope_scaling={"type": "linear", "factor": 4.0}),
+     r"rope_scaling\.type='linear' cannot be represented exactly; allowed: absent"),
+    ("gemma3_text", dict(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     r"rope_parameters=.* allowed: keyed by full_attention and sliding_attention"),
+    ("gemma3_text", dict(hidden_size=31), r"hidden_size=31 is not allowed; allowed: a multiple "
+                                          r"of num_attention_heads"),
+    ("gemma3_text", dict(num_hidden_layers=2 ** 31 - 1),
+     r"num_hidden_layers=2147483647 is not allowed; allowed: at most 1,048,576 layers"),
+    ("qwen3_moe", dict(layer_types=[]), r"layer_types=\[\] is not allowed; allowed: one entry "
+                                        r"per layer"),
     ("glm4_moe", dict(use_qk_norm="no"), r"use_qk_norm='no' is not allowed"),
     ("glm4_moe", dict(n_group=0), r"n_group=0 is not allowed"),
 ])
@@ -909,6 +920,32 @@ def test_a_damaged_tokenizer_json_beside_an_eos_token_is_one_line(tmp_path, text
                                          r"tokenizer\.json \(") as info:
         hf.tokenizer_eos(str(tmp_path))
     _one_line(info)
+
+
+def test_window_configs_transformers_cannot_run_are_refused_and_huge_ones_are_counted():
+    """qwen2: sliding layer_types while use_sliding_window is false (transformers fails on
+    it with a TypeError); a billion layers of which the first slide none: counted, not
+    listed."""
+    qwen2 = {**LLAMA, "model_type": "qwen2", "sliding_window": 4}
+    with pytest.raises(ValueError, match=r"layer_types=.* allowed: full_attention only while "
+                                         r"use_sliding_window is false"):
+        hf.config_from_hf({**qwen2, "layer_types": ["sliding_attention", "full_attention"]})
+    with _deadline(10):
+        out = hf.config_from_hf({**qwen2, "num_hidden_layers": 10 ** 9,
+                                 "use_sliding_window": True, "max_window_layers": 0})
+    assert out["sliding_window"] == 4 and "layer_types" not in out
+    with pytest.raises(ValueError, match=r"num_hidden_layers=1000000000 is not allowed; allowed: "
+                                         r"at most 1,048,576 layers"):
+        hf.config_from_hf({**qwen2, "num_hidden_layers": 10 ** 9, "use_sliding_window": True,
+                           "max_window_layers": 1})
+
+
+def test_gemma3_without_a_sliding_layer_loads_as_global_layers_only():
+    """sliding_window_pattern 1 (every layer global), as transformers runs it: no window,
+    and no local RoPE base to keep."""
+    out = hf.config_from_hf({**GEMMA3, "sliding_window_pattern": 1})
+    assert "sliding_window" not in out and "rope_local_theta" not in out
+    ModelConfig(**out)
 
 
 def test_gemma3_reads_both_rope_layouts_and_its_layer_pattern():

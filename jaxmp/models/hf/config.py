@@ -175,6 +175,12 @@ def text_config(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
     return text, wrapper
 
 
+# The most layers a config.json may have where its sliding and global layers are listed
+# one by one (no released model has a thousand; a file announcing 2**31 must not allocate
+# a list of them before its tensors are looked at).
+MAX_LISTED_LAYERS = 1 << 20
+
+
 def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                    out: Dict[str, Any]) -> None:
     """``out``'s ``sliding_window`` and ``layer_types`` as transformers' model of the family
@@ -183,7 +189,7 @@ def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
     A window no layer uses is no window (``sliding_window`` 0)."""
     fam = FAMILIES[model_type]
     n, types = vals["num_hidden_layers"], list(vals["layer_types"])
-    if types and len(types) != n:
+    if (types or hf.get("layer_types") == []) and len(types) != n:
         raise not_allowed(model_type, "layer_types", hf["layer_types"],
                           f"one entry per layer ({n}, num_hidden_layers; transformers refuses "
                           f"another length)")
@@ -206,7 +212,11 @@ def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
         if "sliding_attention" in types:
             raise inexact(model_type, "layer_types", hf["layer_types"], "only full_attention")
         return
-    if window is None:  # no layer slides, whatever layer_types says (transformers too)
+    if window is None:
+        if "sliding_attention" in types and fam.window == "layered" and switch:
+            raise not_allowed(model_type, "layer_types", hf["layer_types"],
+                              "full_attention only while use_sliding_window is false (a "
+                              "sliding layer without a window: transformers fails on it)")
         return
     if fam.window == "uniform":
         if any(t != "sliding_attention" for t in types):
@@ -216,11 +226,17 @@ def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                           f"applies to every layer)")
         out["sliding_window"] = int(window)
         return
-    if not types and "sliding_window_pattern" in vals:  # Gemma 3: every pattern-th is global
+    # layered: layer_types, or transformers' default (Gemma 3: every pattern-th layer is
+    # global; Qwen: the layers from max_window_layers on slide), listed per layer
+    first = vals.get("max_window_layers", 0)
+    if not types and ("sliding_window_pattern" in vals or 0 < first < n) and \
+            n > MAX_LISTED_LAYERS:
+        raise not_allowed(model_type, "num_hidden_layers", n,
+                          f"at most {MAX_LISTED_LAYERS:,} layers where sliding and global "
+                          f"layers alternate (each is listed)")
+    if not types and "sliding_window_pattern" in vals:
         every = vals["sliding_window_pattern"]
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    # layered: layer_types, or transformers' default: the layers from max_window_layers on
-    first = vals.get("max_window_layers", 0)
     if not types and first >= n:
         return
     out["sliding_window"] = int(window)

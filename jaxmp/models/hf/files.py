@@ -176,10 +176,12 @@ class Files:
 
         Args:
           prefixes: ``((prefix, head), ...)`` (:attr:`~jaxmp.models.hf.spec.Family.text_prefixes`):
-            the first whose prefix names some tensor is the checkpoint's.
+            the first whose prefix names some tensor is the checkpoint's; a head under any
+            of the namings is the head (transformers renames the old one), checked as any
+            stored head is.
 
         Raises:
-          ValueError: no tensor is named under any of the prefixes.
+          ValueError: no tensor is named under any of the prefixes, or two heads are stored.
         """
         for prefix, head in prefixes:
             if any(n.startswith(prefix) for n in self.weight_map):
@@ -187,10 +189,14 @@ class Files:
         else:
             raise ValueError(f"{self.path}: no tensor of the text model (named "
                              f"{' or '.join(p + '...' for p, _ in prefixes)})")
+        heads = [h for _, h in prefixes if h in self.weight_map]
+        if len(heads) > 1:  # transformers would read one of them: which is not said
+            raise ValueError(f"{self.path}: the checkpoint stores the text model's head twice "
+                             f"({', '.join(heads)}); allowed: one")
         kept, left = {}, []
         for name, file in self.weight_map.items():
             ours = ("model." + name[len(prefix):] if name.startswith(prefix) else
-                    "lm_head.weight" if name == head else None)
+                    "lm_head.weight" if name in heads else None)  # either naming's head
             if ours is None:
                 left.append(name)
             else:

@@ -19,11 +19,27 @@ _LAYER_KINDS = ("full_attention", "sliding_attention")
 
 def _read(vals, hf, out):
     """The embedding scale, and the two RoPEs: ``rope_parameters`` keyed by layer type
-    (transformers 5) is split here, the global layers' read by the shared reader."""
+    (transformers 5) is split here, the global layers' read by the shared reader. The
+    local layers' base is kept only where a layer slides. transformers' Gemma 3 reads
+    neither ``rope_scaling``'s legacy ``type`` key nor a ``rope_parameters`` not keyed by
+    layer type (it ignores them): both are refused."""
     out["embed_scale"] = float(vals["hidden_size"]) ** 0.5
+    if vals["hidden_size"] % vals["num_attention_heads"]:  # Gemma3TextConfig's own check
+        raise not_allowed("gemma3_text", "hidden_size", vals["hidden_size"],
+                          f"a multiple of num_attention_heads={vals['num_attention_heads']} "
+                          f"(transformers' Gemma 3 refuses another)")
+    if "type" in vals["rope_scaling"]:
+        raise inexact("gemma3_text", "rope_scaling.type", vals["rope_scaling"]["type"],
+                      "absent (transformers' Gemma 3 reads rope_type, and ignores type)")
     params = vals["rope_parameters"]
-    if not params or not set(params) & set(_LAYER_KINDS):
-        out["rope_local_theta"] = float(vals["rope_local_base_freq"])
+    if params and not set(params) & set(_LAYER_KINDS):
+        raise inexact("gemma3_text", "rope_parameters", params,
+                      "keyed by full_attention and sliding_attention (transformers' Gemma 3 "
+                      "ignores other keys)")
+    slides = bool(out.get("sliding_window"))  # _window_fields has read the layers
+    if not params:
+        if slides:
+            out["rope_local_theta"] = float(vals["rope_local_base_freq"])
         return
     extra = sorted(set(params) - set(_LAYER_KINDS))
     if extra:
@@ -38,7 +54,8 @@ def _read(vals, hf, out):
     if not POSITIVE.ok(theta):
         raise not_allowed("gemma3_text", "rope_parameters.sliding_attention.rope_theta", theta,
                           POSITIVE.allowed)
-    out["rope_local_theta"] = float(theta)
+    if slides:
+        out["rope_local_theta"] = float(theta)
     full = params.get("full_attention") or {}
     if not isinstance(full, dict):
         raise not_allowed("gemma3_text", "rope_parameters.full_attention", full,
