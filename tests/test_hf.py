@@ -139,6 +139,28 @@ def test_save_pretrained_loads_in_transformers(checkpoint, tmp_path):
 
 
 # A MoE with mlp_only_layers and an MLA MoE with a dense layer.
+def test_llama_attention_bias_is_four_biases_both_ways(tmp_path):
+    """Llama's attention_bias: biases on q, k, v and o (the o_proj bias was refused: jaxmp
+    had none). Biases perturbed (transformers starts them at zero, which would hide a
+    misplaced one); logits against transformers' both ways, and the model maps to llama."""
+    torch.manual_seed(3)
+    config = transformers.AutoConfig.for_model("llama", **{**BASE, **FAMILIES["llama"],
+                                                          "attention_bias": True})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path / "src"))
+    ours = from_pretrained(str(tmp_path / "src"), "fp32", attention="reference")
+    assert ours.config.qkv_bias and ours.config.o_bias
+    ref = _hf_logits(model)
+    assert _rel_err(_logits(ours), ref) < 2e-4
+    assert save_pretrained(ours, str(tmp_path / "out")) == "llama"
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float().eval()
+    assert _rel_err(_hf_logits(back), ref) < 2e-4
+
+
 @pytest.mark.parametrize("checkpoint", ["gemma3"], indirect=True)
 def test_a_multimodal_gemma3_loads_its_text_model_under_either_naming(checkpoint, tmp_path):
     """The vision tower and projector are skipped with a warning naming them; the text
@@ -284,7 +306,7 @@ def _write_config(tmp_path, **fields):
     (dict(model_type="qwen2", layer_types=["chunked_attention"] * 2),
      r"layer_types=\['chunked_attention'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(some_new_field=3), "some_new_field=3"),
     (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "rope_type='dynamic'"),
     (dict(rope_scaling=dict(LLAMA3, extra=1)), "rope_scaling.extra=1"),

@@ -63,7 +63,7 @@ def test_tied_head_is_the_embedding_table():
 FEATURES = {
     "gqa_qknorm_bias_tied_moe": dict(
         d_model=128, num_heads=2, num_kv_heads=1, head_dim=128, qk_norm=True, qkv_bias=True,
-        tie_embeddings=True, num_experts=4, top_k=2, d_expert=128, norm_topk_prob=False,
+        o_bias=True, tie_embeddings=True, num_experts=4, top_k=2, d_expert=128, norm_topk_prob=False,
         mlp_only_layers=(1,), rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16,
         rope_dim=64),
     "mla_grouped_router": dict(

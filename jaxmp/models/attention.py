@@ -351,6 +351,7 @@ class Attention(nnx.Module):
       qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), modules
         ``{path}/q_norm`` and ``{path}/k_norm`` (float32 islands by the ``norm`` pattern).
       qkv_bias: biases on the q, k, v projections (Qwen2).
+      o_bias: a bias on the output projection (Llama's ``attention_bias``).
       norm_eps: epsilon of the q/k norms.
       rope: a :class:`~jaxmp.models.layers.Rope`; None = plain RoPE of base ``rope_theta``.
       window: a sliding window in tokens (:func:`attention_core`); 0 = full attention.
@@ -362,7 +363,7 @@ class Attention(nnx.Module):
     Parameters: ``wq`` [d_model, H, head_dim], ``wk``, ``wv`` [d_model, K, head_dim]
     (``embed``, ``heads``, ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``,
     ``head_dim``, ``embed``); with ``qkv_bias`` ``bq`` [H, head_dim], ``bk``, ``bv``
-    [K, head_dim] (``heads``, ``head_dim``).
+    [K, head_dim] (``heads``, ``head_dim``); with ``o_bias`` ``bo`` [d_model] (``embed``).
 
     Raises:
       ValueError: from :func:`resolve_attention` (e.g. ``"cudnn"`` off a GPU).
@@ -372,7 +373,8 @@ class Attention(nnx.Module):
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
                  implementation: str = "reference", recompute_core: bool = False,
                  num_kv_heads: int = 0, head_dim: int = 0, qk_norm: bool = False,
-                 qkv_bias: bool = False, norm_eps: float = 1e-6, rope: Optional[Rope] = None,
+                 qkv_bias: bool = False, o_bias: bool = False, norm_eps: float = 1e-6,
+                 rope: Optional[Rope] = None,
                  target: Optional[target.Target] = None, window: int = 0,
                  scale: Optional[float] = None, norm_plus_one: bool = False):
         self.path = path
@@ -398,6 +400,8 @@ class Attention(nnx.Module):
             for name, heads in (("bq", h), ("bk", kv), ("bv", kv)):
                 setattr(self, name, make_param(rngs, nnx.initializers.zeros, (heads, k), dt,
                                                ("heads", "head_dim")))
+        if o_bias:
+            self.bo = make_param(rngs, nnx.initializers.zeros, (d,), dt, ("embed",))
         if qk_norm:
             self.q_norm = RMSNorm(k, norm_eps, path=f"{path}/q_norm", rules=rules, rngs=rngs,
                                   axis="head_dim", plus_one=norm_plus_one)
@@ -437,7 +441,10 @@ class Attention(nnx.Module):
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         out = core(q, k, v, lengths=lengths, segment_ids=segment_ids)
-        return p.cast_to_output(matmul(self, out, "wo", "bthk,hkd->btd", operands=operands))
+        y = matmul(self, out, "wo", "bthk,hkd->btd", operands=operands)
+        if hasattr(self, "bo"):
+            y = y + p.cast_to_compute(self.bo[...])
+        return p.cast_to_output(y)
 
 
 class MLAttention(nnx.Module):

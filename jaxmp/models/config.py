@@ -75,6 +75,8 @@ class ModelConfig:
       qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3): modules
         ``blocks/{i}/attn/q_norm``, ``.../k_norm``.
       qkv_bias: biases on the q, k, v projections (Qwen2).
+      o_bias: a bias on the attention output projection (``o_proj``; Llama's
+        ``attention_bias`` sets it with ``qkv_bias``).
       tie_embeddings: the output head is the embedding table transposed (no ``head``
         module; the ``head`` path's policy still governs the product).
       rope_dim: rotated dimensions per head (partial rotary); 0 = all of them.
@@ -166,6 +168,8 @@ class ModelConfig:
     head_dim: int = option(0, "width of each head (0 = d_model / num_heads)", Int(0))
     qk_norm: bool = option(False, "per-head RMSNorm of q and k before RoPE (Qwen3)", BOOL)
     qkv_bias: bool = option(False, "biases on the q, k, v projections (Qwen2)", BOOL)
+    o_bias: bool = option(False, "a bias on the attention output projection (Llama's "
+                                 "attention_bias)", BOOL)
     tie_embeddings: bool = option(False, "the output head is the embedding table transposed",
                                   BOOL)
     rope_dim: int = option(0, "rotated dimensions per head (partial rotary; 0 = all)", Int(0))
@@ -256,8 +260,8 @@ class ModelConfig:
             for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1 "
                                                f"with kv_lora_rank > 0 (MLA)")
-            need(not (self.qk_norm or self.qkv_bias),
-                 "qk_norm and qkv_bias are not defined for MLA (kv_lora_rank > 0)")
+            need(not (self.qk_norm or self.qkv_bias or self.o_bias),
+                 "qk_norm, qkv_bias and o_bias are not defined for MLA (kv_lora_rank > 0)")
         if self.rope_scaling == "linear":
             need(self.rope_factor > 0, f"rope_scaling='linear' needs rope_factor > 0 (got "
                                        f"{self.rope_factor})")

@@ -226,6 +226,7 @@ class Block(nnx.Module):
                                   recompute_core=config.remat == "attention",
                                   num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                   qk_norm=config.qk_norm, qkv_bias=config.qkv_bias,
+                                  o_bias=config.o_bias,
                                   norm_eps=config.norm_eps, rope=config.layer_rope(index),
                                   target=target, window=config.attention_window(index),
                                   scale=(config.query_pre_attn_scalar ** -0.5

@@ -421,7 +421,7 @@ def _relevant_fields(config: ModelConfig) -> List[str]:
     if config.num_dense_layers == 0:
         skip.add("d_ff")
     if config.is_mla:
-        skip |= {"head_dim", "num_kv_heads", "qk_norm", "qkv_bias", "rope_dim"}
+        skip |= {"head_dim", "num_kv_heads", "qk_norm", "qkv_bias", "o_bias", "rope_dim"}
     else:
         skip |= set(_MLA_FIELDS)
     skip |= set(_SCALING_PARAMS) - set(_PARAMS_OF[config.rope_scaling])

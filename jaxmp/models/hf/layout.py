@@ -78,6 +78,8 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
             t["attn/q_norm/scale"] = (f"{a}.q_norm.weight", "same")
             t["attn/k_norm/scale"] = (f"{a}.k_norm.weight", "same")
     t["attn/wo"] = (f"{a}.o_proj.weight", "out")
+    if config.o_bias:
+        t["attn/bo"] = (f"{a}.o_proj.bias", "same")
     if config.is_moe_layer(i):
         moe = fam.moe
         b = f"{p}.{moe['block']}"

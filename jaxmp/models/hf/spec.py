@@ -44,6 +44,7 @@ FEATURES: Dict[str, Callable[[Any], bool]] = {
     "query_pre_attn_scalar": lambda c: c.query_pre_attn_scalar != 0,
     "mlp_activation": lambda c: c.mlp_activation != "silu",
     "rope_local_theta": lambda c: c.rope_local_theta != 0,
+    "o_bias": lambda c: c.o_bias,
 }
 
 NEEDED = type("_Needed", (), {"__repr__": lambda self: "NEEDED"})()
