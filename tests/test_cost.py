@@ -279,3 +279,19 @@ def test_article_strategy_rows_by_hand():
     assert article.strategy_table(1)[2].bytes_per_param == 12.0
     with pytest.raises(ValueError, match="num_devices=0 must be an integer >= 1"):
         article.strategy_table(0)
+
+
+def test_training_flops_of_sliding_window_layers_by_hand():
+    """A layer with a window W < T attends on average to W - W**2 / 2T keys per token (the
+    keys min(i + 1, W) summed over i, continuous), where a full causal layer counts T/2:
+    T = 4096, W = 1024, d = 2560, one of each layer: 12 d (1024 - 128 + 2048) per token."""
+    full = cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560)
+    assert full == pytest.approx(1e6 * (6e9 + 6 * 2 * 4096 * 2560), rel=1e-12)
+    mixed = cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560,
+                                windows=[1024, 0])
+    assert mixed == pytest.approx(1e6 * (6e9 + 12 * 2560 * (1024 - 128 + 2048)), rel=1e-12)
+    # a window as long as the row (or longer) is full attention
+    assert cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560,
+                               windows=[4096, 9000]) == pytest.approx(full, rel=1e-12)
+    with pytest.raises(ValueError, match=r"windows must give one int >= 0 per layer \(2\)"):
+        cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560, windows=[1])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from jaxmp._checks import Kind, Real, check, check_int, check_real
 
@@ -214,7 +214,7 @@ def peak_tflops(hardware: str, dtype: str) -> float:
 
 
 def training_flops(active_params: float, tokens: float, *, num_layers: int = 0,
-                   seq_len: int = 0, d_model: int = 0) -> float:
+                   seq_len: int = 0, d_model: int = 0, windows: Sequence[int] = ()) -> float:
     """Training FLOPs of a decoder-only transformer.
 
     ``tokens * (6 * active_params + 6 * num_layers * seq_len * d_model)``.
@@ -226,17 +226,24 @@ def training_flops(active_params: float, tokens: float, *, num_layers: int = 0,
     for the attention width ``heads * head_dim``; where that differs (DeepSeek-V3's MLA
     attends with 128 heads of 192 QK / 128 V dims), pass that width instead.
 
+    A layer with a sliding window of ``W < seq_len`` tokens attends to ``min(i + 1, W)``
+    keys at position ``i``: on average ``W - W**2 / (2 T)`` where full causal attention
+    counts ``T / 2`` (the two agree at ``W = T``), so its term is
+    ``12 * d_model * (W - W**2 / (2 T))`` per token instead of ``6 * T * d_model``.
+
     Args:
       active_params: parameters used per token (for a MoE, the active ones, not the total).
       tokens: training tokens.
       num_layers, seq_len, d_model: give all three for the attention term, or none.
+      windows: each layer's sliding window in tokens, 0 for full attention
+        (:meth:`jaxmp.models.ModelConfig.attention_window`); empty: every layer full.
 
     Returns:
       Training FLOPs (float).
 
     Raises:
-      ValueError: non-positive counts, negative attention inputs, or only some of the
-        three attention inputs given.
+      ValueError: non-positive counts, negative attention inputs, only some of the
+        three attention inputs given, or ``windows`` not one int >= 0 per layer.
     """
     _check_positive("active_params", active_params)
     _check_positive("tokens", tokens)
@@ -247,8 +254,16 @@ def training_flops(active_params: float, tokens: float, *, num_layers: int = 0,
     if given and len(given) != 3:
         raise ValueError(f"the attention term needs num_layers, seq_len and d_model together; "
                          f"got only {', '.join(given)}")
-    return float(tokens) * (6.0 * float(active_params)
-                            + 6.0 * float(num_layers) * float(seq_len) * float(d_model))
+    windows = list(windows)
+    if windows and (len(windows) != num_layers or
+                    not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0
+                            for w in windows)):
+        raise ValueError(f"windows must give one int >= 0 per layer ({num_layers}), got "
+                         f"{len(windows)} entries")
+    t = float(seq_len)
+    context = sum(w - w * w / (2 * t) if 0 < w < t else t / 2 for w in windows) if windows \
+        else float(num_layers) * t / 2  # keys attended per token, summed over the layers
+    return float(tokens) * (6.0 * float(active_params) + 12.0 * context * float(d_model))
 
 
 def estimate(total_params: float, active_params: float, tokens: float, *,
