@@ -345,6 +345,20 @@ def test_unmappable_model_is_refused_before_writing(tmp_path):
     assert not (tmp_path / "b").exists() or not os.listdir(tmp_path / "b")
 
 
+def test_token_ids_other_than_the_id_fields_are_refused(tmp_path):
+    """save_pretrained's token_ids take only the id fields (those written are read back by
+    transformers in test_init_from_trains_and_exports and tests/test_examples_data.py)."""
+    import flax.nnx as nnx
+
+    model = nnx.eval_shape(lambda: MoETransformer(ModelConfig(vocab_size=VOCAB, num_layers=1,
+                                                              d_model=32, num_heads=4, d_ff=64,
+                                                              max_len=64), "fp32",
+                                                  rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"^token_ids: \['bos_token'\] are not token id fields"):
+        save_pretrained(model, str(tmp_path / "a"), token_ids={"bos_token": 1})
+    assert not (tmp_path / "a").exists()
+
+
 def test_family_mismatch_is_named(tmp_path):
     """A model with q/k norms written as llama would lose them: refused, the field named."""
     import flax.nnx as nnx

@@ -516,27 +516,27 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     stops = (end_of_turn_ids(template, tokenizer.tokenizer, tokens)
              if template and isinstance(tokenizer, HFTokenizer) else None)
 
+    special = {"eos_token": tokenizer.tokenizer.id_to_token(tokenizer.eos_id), **tokens} \
+        if isinstance(tokenizer, HFTokenizer) else {}
+    # config.json's token ids are the tokenizer's (transformers' config classes default to
+    # others: LlamaConfig's bos 1 and eos 2).
+    token_ids = None
+    if special:
+        token_ids = {f"{k}_id": tokenizer.tokenizer.token_to_id(special[k]) if k in special
+                     else None for k in ("bos_token", "eos_token")}
+        token_ids["pad_token_id"] = None
+
     def write(directory: pathlib.Path) -> dict:
-        family = save_pretrained(model, str(directory))
+        family = save_pretrained(model, str(directory), token_ids=token_ids)
         file = None
         if spm_model is not None:
             spm_model.save(directory)
         if isinstance(tokenizer, HFTokenizer):
             file = tokenizer.save(directory).name
-            eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
-            special = {"eos_token": eos, **tokens}
             (directory / "tokenizer_config.json").write_text(json.dumps(
                 {"tokenizer_class": "PreTrainedTokenizerFast", **special,
                  **({"chat_template": template} if template else {})}, indent=2,
                 ensure_ascii=False) + "\n")
-            # config.json's token ids are the tokenizer's (transformers' config classes
-            # default to others: LlamaConfig's bos 1 and eos 2).
-            written = directory / "config.json"
-            fields = json.loads(written.read_text())
-            fields.update({f"{k}_id": tokenizer.tokenizer.token_to_id(special[k])
-                           if k in special else None for k in ("bos_token", "eos_token")},
-                          pad_token_id=None)
-            written.write_text(json.dumps(fields, indent=2) + "\n")
         if stops:
             (directory / "generation_config.json").write_text(json.dumps(
                 {"eos_token_id": stops if len(stops) > 1 else stops[0]}, indent=2) + "\n")

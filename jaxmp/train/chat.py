@@ -85,14 +85,19 @@ def _read_text(file: str, what: str) -> str:
         raise ValueError(f"{file}: the {what} is not UTF-8 text (byte {e.start})") from None
 
 
-def _tokenizer_config(directory: str, name: str = "tokenizer_config.json") -> Dict[str, Any]:
-    file = os.path.join(directory, name)
-    if not os.path.isfile(file):
-        return {}
+def _read_json(file: str, what: str) -> Any:
+    """The parsed JSON of ``file`` (UTF-8), or a one-line error naming it."""
     try:
-        data = json.loads(_read_text(file, "tokenizer config"))
+        return json.loads(_read_text(file, what))
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: not JSON ({e.msg}, line {e.lineno})") from None
+
+
+def _tokenizer_config(file: str) -> Dict[str, Any]:
+    """A ``tokenizer_config.json``'s object; empty where there is no such file."""
+    if not os.path.isfile(file):
+        return {}
+    data = _read_json(file, "tokenizer config")
     if not isinstance(data, dict):
         raise ValueError(f"{file}: not a JSON object")
     return data
@@ -123,8 +128,7 @@ def load_chat_template(path: str, name: str = "default") -> Tuple[str, str]:
         return _nonblank(_read_text(jinja_file, "chat template"), jinja_file), jinja_file
     # a directory's tokenizer_config.json, or such a file named itself: its chat_template
     config_file = os.path.join(path, "tokenizer_config.json") if os.path.isdir(path) else path
-    template = _tokenizer_config(os.path.dirname(config_file) or ".",
-                                 os.path.basename(config_file)).get("chat_template")
+    template = _tokenizer_config(config_file).get("chat_template")
     if template is None:
         raise ValueError(f"{path}: no chat template (neither chat_template.jinja nor "
                          f"tokenizer_config.json's chat_template); give one with "
@@ -152,7 +156,8 @@ def special_tokens(directory: str) -> Dict[str, str]:
     """The special tokens a template may read (``bos_token``, ``eos_token``, ``unk_token``,
     ``pad_token``) from ``tokenizer_config.json``: a string, or ``{"content": ...}``; those
     absent or null are left out (as transformers' ``special_tokens_map``)."""
-    config = _tokenizer_config(directory) if os.path.isdir(directory) else {}
+    config = (_tokenizer_config(os.path.join(directory, "tokenizer_config.json"))
+              if os.path.isdir(directory) else {})
     out = {}
     for key in _SPECIAL:
         value = config.get(key)
@@ -563,10 +568,7 @@ def kept_chat_tokens(workdir) -> Dict[str, str]:
     if not os.path.isfile(path):
         raise ValueError(f"{path}: not a regular file; the run's copy of its chat template's "
                          f"special tokens")
-    try:
-        tokens = json.loads(_read_text(path, "chat template's special tokens"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    tokens = _read_json(path, "chat template's special tokens")
     if not isinstance(tokens, dict) or any(
             k not in _SPECIAL or not isinstance(v, str) or not v for k, v in tokens.items()):
         raise ValueError(f"{path}: not an object of special tokens ({', '.join(_SPECIAL)}: "

@@ -65,28 +65,47 @@ def _jsonl_documents(file: str, text_field: str,
                 raise ValueError(f"{file}, line {lineno}: JSON nested too deeply to read (more "
                                  f"than about {sys.getrecursionlimit()} levels); a record is "
                                  f"an object with a string field {text_field!r}") from None
-            if records:
-                if not isinstance(record, dict):
-                    raise ValueError(f"{file}, line {lineno}: expected a JSON object, got "
-                                     f"{line[:80]!r}")
-                _check_strings(record, f"{file}, line {lineno}")
-                docs.append((f"{file}:{lineno}", record))
-                continue
-            docs.append((f"{file}:{lineno}",
-                         _record_text(record, text_field, f"{file}, line {lineno}", line)))
+            docs.append((f"{file}:{lineno}", _document(record, text_field, records,
+                                                       f"{file}, line {lineno}", line)))
     return docs
 
 
-def _record_text(record: Any, text_field: str, where: str, shown: Any) -> bytes:
+def _document(record: Any, text_field: str, records: bool, where: str,
+              shown: Any = None) -> Any:
+    """What :func:`load_documents` keeps of one record: with ``records`` the record itself
+    (an object, every string in it text: :func:`_check_strings`), else its text
+    (:func:`_record_text`).
+
+    Raises:
+      ValueError: as those, one line naming ``where``.
+    """
+    if not records:
+        return _record_text(record, text_field, where, shown)
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {_shown(record, shown)}")
+    _check_strings(record, where)
+    return record
+
+
+def _shown(record: Any, shown: Any = None) -> str:
+    """A record in a message: ``shown`` (its line as read) or its JSON, cut to 80
+    characters; rendered only for the message."""
+    if shown is None:
+        shown = json.dumps(record, ensure_ascii=False, default=str)
+    return repr(shown[:80])
+
+
+def _record_text(record: Any, text_field: str, where: str, shown: Any = None) -> bytes:
     """A text record's document: its ``text_field`` string, UTF-8 encoded.
 
     Raises:
       ValueError: not an object with a string ``text_field``, or one that is not text (an
-        unpaired surrogate escape): one line naming ``where``.
+        unpaired surrogate escape): one line naming ``where`` and the record (``shown``,
+        else its JSON).
     """
     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
         raise ValueError(f"{where}: expected a JSON object with a string field "
-                         f"{text_field!r}, got {shown[:80]!r}")
+                         f"{text_field!r}, got {_shown(record, shown)}")
     try:
         return record[text_field].encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800"
@@ -116,17 +135,9 @@ def _parquet_documents(file: str, text_field: str,
     except ImportError:
         raise ValueError(f"{file}: reading Parquet needs pyarrow, the train extra's: "
                          f"pip install -e \".[train]\"") from None
-    docs = []
-    for row, record in enumerate(_parquet_rows(pq, file), start=1):
-        record = _without_nulls(record)
-        where = f"{file}, row {row}"
-        if records:
-            _check_strings(record, where)
-            docs.append((f"{file}:{row}", record))
-        else:
-            shown = json.dumps(record, ensure_ascii=False, default=str)
-            docs.append((f"{file}:{row}", _record_text(record, text_field, where, shown)))
-    return docs
+    return [(f"{file}:{row}", _document(_without_nulls(record), text_field, records,
+                                        f"{file}, row {row}"))
+            for row, record in enumerate(_parquet_rows(pq, file), start=1)]
 
 
 def _without_nulls(x: Any) -> Any:
@@ -171,8 +182,7 @@ def text_documents(records: Sequence[tuple[str, Any]], text_field: str) -> list[
     docs = []
     for name, record in records:
         if isinstance(record, dict):
-            shown = json.dumps(record, ensure_ascii=False, default=str)
-            record = _record_text(record, text_field, _where(name), shown)
+            record = _record_text(record, text_field, _where(name))
         docs.append((name, record))
     return [d for d in docs if d[1]]
 

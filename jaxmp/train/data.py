@@ -506,27 +506,16 @@ def _json_records(file: str, text_field: str, head: int = 1 << 16) -> bool:
     """Whether a ``.json`` file holds JSON records (JSON lines, or an array of objects):
     its first object (on its first line, or the array's first) has ``messages``,
     ``prompt`` or ``text_field``. Reads at most ``head`` bytes."""
-    import json as json_module
-
     with open(file, "rb") as f:
         start = f.read(head).decode("utf-8", "replace").lstrip()
-    first = start.split("\n", 1)[0]
-    candidates = [first]
-    if start.startswith("["):  # an array: its first object, as far as the head holds it
-        decoder = json_module.JSONDecoder()
-        try:
-            obj, _ = decoder.raw_decode(start[1:].lstrip())
-            candidates = [json_module.dumps(obj)]
-        except ValueError:
-            return start[1:].lstrip().startswith("{")
-    for text in candidates:
-        try:
-            obj = json_module.loads(text)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and ({"messages", "prompt", text_field} & set(obj)):
-            return True
-    return False
+    try:
+        if start.startswith("["):  # an array: its first object, as far as the head holds it
+            first, _ = json.JSONDecoder().raw_decode(start[1:].lstrip())
+        else:
+            first = json.loads(start.split("\n", 1)[0])
+    except ValueError:  # an array cut by the head still starts with an object
+        return start.startswith("[") and start[1:].lstrip().startswith("{")
+    return isinstance(first, dict) and bool({"messages", "prompt", text_field} & set(first))
 
 
 def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
@@ -555,9 +544,9 @@ def _packed_examples(records, given, tokenizer, text_field: str, seq_len: int,
     named = [(e.name, e) for e in examples]
     train_ex, eval_ex = split_documents(named, eval_fraction)
 
-    def rows(part, split):
-        return packing_module.PackedRows([e for _, e in part], seq_len, packing, truncate,
-                                         split)
+    def rows(named_examples, part):
+        return packing_module.PackedRows([e for _, e in named_examples], seq_len, packing,
+                                         truncate, part)
 
     notes = []
     evals = None

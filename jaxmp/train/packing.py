@@ -245,7 +245,7 @@ class PackedRows:
       seq_len: pairs per row.
       packing: ``concat``, ``isolated`` or ``padded``.
       truncate: ``split`` or ``truncate``.
-      split: ``"train"`` or ``"eval"``, for the message of a split that gives no row.
+      part: ``"train"`` or ``"eval"``, for the message of a split that gives no row.
 
     Attributes:
       num_tokens: tokens of the examples (all of them, whatever rows hold them).
@@ -259,7 +259,7 @@ class PackedRows:
     """
 
     def __init__(self, examples: Sequence[Example], seq_len: int, packing: str,
-                 truncate: str = "split", split: str = ""):
+                 truncate: str = "split", part: str = ""):
         self.seq_len, self.packing = int(seq_len), packing
         self.num_tokens = int(sum(len(e.ids) for e in examples))
         self.split = self.truncated = 0
@@ -312,9 +312,9 @@ class PackedRows:
                     self._positions[r, at:at + k] = np.arange(k)
                     at += k
         if len(self._inputs) == 0:
-            where = f"the {split} split's examples" if split else "the examples"
+            where = f"the {part} split's examples" if part else "the examples"
             fix = ("; or set data.num_eval_batches=0, or raise data.eval_fraction"
-                   if split == "eval" else "")
+                   if part == "eval" else "")
             raise ValueError(f"no row of data.seq_len={t} tokens: {where} hold "
                              f"{self.num_tokens} tokens in all; add data or lower "
                              f"data.seq_len{fix}")

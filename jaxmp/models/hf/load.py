@@ -229,9 +229,10 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
             warnings.warn(f"{path}: {len(left)} tensor(s) of the {wrapper} checkpoint are not "
                           f"the text model's and are not read (the vision tower and "
                           f"projector: {first_names(left)})", RuntimeWarning, stacklevel=3)
-    layers = field_values(family, text)["num_hidden_layers"]
+    vals = field_values(family, text)
+    layers = vals["num_hidden_layers"]
     _check_names(files, config, family,
-                 range(layers, layers + field_values(family, text)["num_nextn_predict_layers"]))
+                 range(layers, layers + vals["num_nextn_predict_layers"]))
     abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0),
                                                      target=target))
     sources = param_sources(abstract, family)

@@ -56,7 +56,8 @@ def _hf_tensors(model: MoETransformer, family: str):
 
 
 def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] = None,
-                    max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+                    max_shard_bytes: int = MAX_SHARD_BYTES,
+                    token_ids: Optional[Dict[str, Optional[int]]] = None) -> str:
     """Writes ``model`` as a Hugging Face checkpoint that transformers loads.
 
     ``config.json`` (with ``model_type`` and ``architectures``) and the weights in their
@@ -70,13 +71,17 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
       path: the directory (created).
       family: a key of :data:`FAMILIES`; default the one :func:`family_of` finds.
       max_shard_bytes: the shard size limit (transformers' default, 5 GB).
+      token_ids: config.json fields of the tokenizer's special token ids
+        (``bos_token_id``, ``eos_token_id``, ``pad_token_id``: an int or None), written as
+        given; transformers' config classes default to their own ids where absent.
 
     Returns:
       The family written.
 
     Raises:
-      ValueError: an architecture that maps to no family, or a field or nonzero router
-        bias the family cannot hold (one line, named), before anything is written.
+      ValueError: an architecture that maps to no family, a field or nonzero router bias
+        the family cannot hold, or a ``token_ids`` key that is no token id field (one
+        line, named), before anything is written.
       ImportError: safetensors is not installed (the ``train`` extra).
     """
     save_file = safetensors_module().numpy.save_file
@@ -84,6 +89,11 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
     dtypes = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
     dtype = "bfloat16" if dtypes == {"bfloat16"} else "float32"
     hf = config_to_hf(model.config, family, dtype)
+    bad = sorted(set(token_ids or {}) - {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if bad:
+        raise ValueError(f"token_ids: {bad} are not token id fields; allowed: bos_token_id, "
+                         f"eos_token_id, pad_token_id")
+    hf.update(token_ids or {})
     check_router_biases(model, family)  # before anything is written
     os.makedirs(path, exist_ok=True)
     for name in [n for n in os.listdir(path) if re.fullmatch(

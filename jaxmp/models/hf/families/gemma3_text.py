@@ -12,7 +12,7 @@ old ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling`` fields and its
 """
 from jaxmp._checks import Choice
 from jaxmp.models.hf.spec import (COMMON_FIELDS, COUNT, OBJECT, POSITIVE, STRING, Field, Family,
-                                  common_specs, fixed, inexact, not_allowed)
+                                  common_specs, fixed, inexact, not_allowed, read_field)
 
 _LAYER_KINDS = ("full_attention", "sliding_attention")
 
@@ -50,10 +50,9 @@ def _read(vals, hf, out):
             local.get("rope_type", "default") != "default":
         raise inexact("gemma3_text", "rope_parameters.sliding_attention", local,
                       "{rope_type: default, rope_theta} (plain RoPE on the local layers)")
-    theta = local.get("rope_theta", vals["rope_local_base_freq"])
-    if not POSITIVE.ok(theta):
-        raise not_allowed("gemma3_text", "rope_parameters.sliding_attention.rope_theta", theta,
-                          POSITIVE.allowed)
+    theta = read_field("gemma3_text", "rope_parameters.sliding_attention.rope_theta",
+                       Field(POSITIVE), True, local.get("rope_theta",
+                                                        vals["rope_local_base_freq"]))
     if slides:
         out["rope_local_theta"] = float(theta)
     full = params.get("full_attention") or {}
