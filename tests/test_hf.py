@@ -65,6 +65,12 @@ FAMILIES = {
                         q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                         first_k_dense_replace=1, routed_scaling_factor=1.5,
                         rope_scaling=dict(YARN, mscale=0.707, mscale_all_dim=0.707)),
+    # GPT-OSS: sinks, a local then a global layer, yarn with fractional ramp edges, biased
+    # router and experts, a clamp small enough to cut (gate and up are ~0.1 here).
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                    rope_parameters=dict(YARN, rope_theta=1000.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False),
+                    swiglu_alpha=1.3, swiglu_limit=0.1),
     "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
                      use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
                      num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
@@ -100,7 +106,7 @@ def checkpoint(request, tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms at 1 and a zero bias would hide a mapping error
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
                 p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
@@ -447,7 +453,7 @@ def test_init_from_trains_and_exports(tmp_path, monkeypatch):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral"])
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gpt_oss"])
 def test_a_family_with_windows_trains_two_steps_from_init_from_and_exports(tmp_path, family):
     """train.py's path (configs/finetune.py, model.init_from=DIR) for the families whose
     windows, norms and embedding are new: two steps on a 2-device mesh with scanned layers

@@ -54,9 +54,12 @@ GLM4_MOE = {"model_type": "glm4_moe", "vocab_size": V, "hidden_size": D, "num_hi
 GEMMA3 = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": D,
           "num_hidden_layers": L, "num_attention_heads": H, "num_key_value_heads": KV,
           "head_dim": HD, "intermediate_size": FF}
+GPT_OSS = {"model_type": "gpt_oss", "vocab_size": V, "hidden_size": D,
+           "num_hidden_layers": L, "num_attention_heads": H, "intermediate_size": FF,
+           "num_local_experts": 4, "num_experts_per_tok": 2}
 FAMILY = {"llama": LLAMA, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL,
           "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "glm4_moe": GLM4_MOE,
-          "gemma3_text": GEMMA3}
+          "gemma3_text": GEMMA3, "gpt_oss": GPT_OSS}
 
 
 def _one_line(info):
@@ -233,6 +236,17 @@ DROP = object()
      r"num_hidden_layers=2147483647 is not allowed; allowed: at most 1,048,576 layers"),
     ("qwen3_moe", dict(layer_types=[]), r"layer_types=\[\] is not allowed; allowed: one entry "
                                         r"per layer"),
+    ("gpt_oss", dict(num_local_experts=DROP), r"num_local_experts is missing"),
+    ("gpt_oss", dict(swiglu_limit=-1.0), r"swiglu_limit=-1\.0 is not allowed"),
+    ("gpt_oss", dict(swiglu_alpha="1.7"), r"swiglu_alpha='1\.7' is not allowed"),
+    ("gpt_oss", dict(use_sliding_window=True), r"use_sliding_window=True cannot be "
+                                               r"represented exactly; allowed: absent"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}),
+     r"quantization_config=.* cannot be represented exactly; allowed: absent"),
+    ("gpt_oss", dict(rope_parameters={**YARN, "truncate": "no"}),
+     r"rope_parameters\.truncate='no' is not allowed"),
+    ("gpt_oss", dict(num_hidden_layers=2 ** 31 - 1),
+     r"num_hidden_layers=2147483647 is not allowed; allowed: at most 1,048,576 layers"),
     ("glm4_moe", dict(use_qk_norm="no"), r"use_qk_norm='no' is not allowed"),
     ("glm4_moe", dict(n_group=0), r"n_group=0 is not allowed"),
 ])

@@ -269,6 +269,50 @@ def test_dispatch_gradients_equal_dense_gradients(capacity_factor):
         np.testing.assert_allclose(np.asarray(grads[name][...]), np.asarray(w), rtol=1e-4, atol=1e-7)
 
 
+def np_gpt_oss_experts(x, router_w, router_b, e, top_k, alpha, limit):
+    """GPT-OSS's MoE (transformers' GptOssTopKRouter + GptOssExperts) in float64: the
+    softmax over the top-k biased logits, the clamped SwiGLU with biases, one loop per
+    token and choice."""
+    x = np.asarray(x, np.float64).reshape(-1, router_w.shape[0])
+    logits = x @ router_w + router_b
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        top = np.argsort(-logits[n], kind="stable")[:top_k]
+        w = np.exp(logits[n, top] - logits[n, top].max())
+        for j, gate_w in zip(top, w / w.sum()):
+            gate = np.minimum(x[n] @ f64(e.w_gate)[j] + f64(e.b_gate)[j], limit)
+            up = np.clip(x[n] @ f64(e.w_up)[j] + f64(e.b_up)[j], -limit, limit)
+            h = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+            out[n] += gate_w * (h @ f64(e.w_down)[j] + f64(e.b_down)[j])
+    return out
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 4.0])
+def test_gpt_oss_experts_are_numpys(capacity_factor):
+    """Router and expert biases and the clamped SwiGLU (a limit small enough to cut both
+    gate and up), dropless and with room for every assignment: NumPy float64's."""
+    layer = MoE(16, 4, 0, 2, 8, "softmax", capacity_factor, path="blocks/1/moe",
+                rules=get_policy_rules("fp32"), rngs=nnx.Rngs(3), bias=True,
+                activation="clamped_swiglu", swiglu_alpha=1.3, swiglu_limit=0.5, init_std=0.3)
+    rng = np.random.default_rng(8)
+    for name in ("b_gate", "b_up", "b_down"):
+        var = getattr(layer.experts, name)
+        var[...] = jnp.asarray(0.3 * rng.standard_normal(var.shape), jnp.float32)
+    layer.router.logit_bias[...] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    x = rng.normal(size=(2, 6, 16)).astype(np.float32)
+    gate = np.asarray(x.reshape(-1, 16) @ np.asarray(layer.experts.w_gate[...])[0])
+    assert (gate > 0.5).any() and (gate < -0.5).any()  # the clamp cuts
+    y, stats = layer(jnp.asarray(x))
+    want = np_gpt_oss_experts(x, f64(layer.router.kernel), f64(layer.router.logit_bias),
+                              layer.experts, 2, 1.3, 0.5)
+    np.testing.assert_allclose(np.asarray(y, np.float64).reshape(-1, 16), want, rtol=1e-4,
+                               atol=1e-5)
+    assert float(stats.dropped_fraction) == 0.0
+    with pytest.raises(ValueError, match="needs swiglu_alpha and swiglu_limit"):
+        MoE(16, 4, 0, 2, 8, path="m", rules=get_policy_rules("fp32"), rngs=nnx.Rngs(0),
+            activation="clamped_swiglu")
+
+
 @pytest.mark.parametrize("top_k, bias, capacity_factor, dropped", [
     # Bias 10 on expert 0 sends every token there; capacity ceil(1.0 * 4 * 1 / 4) = 1 slot
     # per sequence: 3 of 4 assignments dropped in each row.

@@ -80,6 +80,14 @@ FEATURES = {
         query_pre_attn_scalar=96.0, mlp_activation="gelu_tanh", sliding_window=5,
         layer_types=("sliding_attention", "full_attention"), rope_local_theta=100.0,
         rope_scaling="linear", rope_factor=4.0),
+    # GPT-OSS's: sinks, q/k/v/o biases, alternating windows, yarn with fractional ramp
+    # edges, router and expert biases, the clamped SwiGLU.
+    "gpt_oss_sinks_biased_experts": dict(
+        d_model=128, num_heads=2, num_kv_heads=1, head_dim=128, qkv_bias=True, o_bias=True,
+        attention_sinks=True, sliding_window=5,
+        layer_types=("sliding_attention", "full_attention"), num_experts=4, top_k=2,
+        d_expert=128, moe_bias=True, expert_activation="clamped_swiglu", swiglu_limit=0.5,
+        rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16, rope_truncate=False),
 }
 
 
@@ -121,6 +129,9 @@ def test_features_run_under_mixed_and_fp8_policies(fp32_loss, policy):
                                    "llama3, yarn"),
     (dict(rope_scaling="linear", rope_factor=0.0), "rope_scaling='linear' needs rope_factor > 0"),
     (dict(mlp_activation="relu"), "mlp_activation='relu' must be one of silu, gelu_tanh"),
+    (dict(expert_activation="gelu"), "expert_activation='gelu' must be one of silu, "
+                                     "clamped_swiglu"),
+    (dict(swiglu_limit=0.0), "swiglu_limit=0.0"),
     (dict(rope_local_theta=10.0), "rope_local_theta=10.0 is the base of sliding-window layers, "
                                   "and sliding_window=0"),
     (dict(rope_scaling="yarn", rope_factor=4.0), "rope_original_max_len >= 1"),

@@ -33,7 +33,9 @@ and runs on the path that ``model.attention`` names (:data:`ATTENTION_IMPLEMENTA
     compile target the model is built for (``MoETransformer(target=)``, by default
     :func:`jaxmp.target.current`: a deviceless compile for an H200 gets ``"cudnn"``).
 
-Every path is causal, takes an optional sliding window (``window``: a query sees its last
+Every path takes attention sinks (GPT-OSS's learned per-head logit in the softmax
+denominator; see :func:`attention_core` for how the fused paths compute them). Every path
+is causal, takes an optional sliding window (``window``: a query sees its last
 ``window`` tokens, Mistral's and Qwen2's ``sliding_window``), and takes optional
 per-sequence ``lengths`` (right padding) and
 ``segment_ids`` (documents packed in a row, 0 = padding): a query attends only to earlier
@@ -245,10 +247,83 @@ def _padding_masks(t: int, lengths: Optional[jax.Array],
     return attend & valid[:, None, None, :] & valid[:, None, :, None], valid
 
 
+def _fused_with_lse(q, k, v, implementation, scale, padding, attend, query_valid):
+    """``(out [B, T, H, h], lse float32 [B, T, H])`` of the fused path: the output with its
+    own gradient, and the log-sum-exp of each query's scaled, masked scores (no gradient,
+    0 on padded queries).
+
+    cuDNN's kernel computes the statistic in float32 beside its output (the
+    FlashAttention-2 log-sum-exp, Dao 2023, section 3.1.1); ``jax.nn.dot_product_attention
+    (return_residual=True)`` rounds it to the compute dtype (to 0.125 at 16 in bfloat16),
+    so it is read from the private call that returns it as cuDNN wrote it. On the
+    ``"xla"`` path, which materializes the scores anyway, it is computed from them here
+    in float32.
+    """
+    if implementation == "cudnn":
+        # Private, as jaxmp's cuDNN version check above: the public function's arguments
+        # translated as it translates them (jax/_src/nn/functions.py, case 'cudnn').
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+
+        kinds = fused.MaskType
+        lengths = padding.get("query_seq_lengths")
+        window = padding.get("local_window_size")
+        out, stat = fused.dot_product_attention(
+            q, k, v, None, padding.get("mask"), lengths, lengths,
+            scale=(1.0 / math.sqrt(q.shape[-1])) if scale is None else scale,
+            mask_type=kinds.PADDING_CAUSAL if lengths is not None else kinds.CAUSAL,
+            sliding_window_length=None if window is None else window[0] + 1,
+            return_residual=True)
+        lse = jnp.transpose(stat.astype(jnp.float32), (0, 2, 1))  # cuDNN's [B, H, T]
+    else:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
+                                           scale=scale, **padding)
+        groups = q.shape[2] // k.shape[2]
+        kr = jnp.repeat(k, groups, axis=2) if groups > 1 else k
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, kr, preferred_element_type=jnp.float32)
+        scores = scores * jnp.float32((1.0 / math.sqrt(q.shape[-1])) if scale is None else scale)
+        lse = jax.nn.logsumexp(jnp.where(attend, scores, -jnp.inf), axis=-1)
+        lse = jnp.transpose(lse, (0, 2, 1))
+    lse = jax.lax.stop_gradient(lse)
+    if query_valid is not None:  # a padded query's statistic is the kernel's to fill
+        lse = jnp.where(query_valid[:, :, None], lse, 0.0)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lse_gradient(core, q, k, lse, masks):
+    """``lse`` (the log-sum-exp of ``core``'s scaled scores), with its gradient in ``q``
+    and ``k``, which the fused kernels do not give: ``d lse_i / d q_i = scale sum_j P_ij
+    k_j`` (attention with ``k`` as the values) and ``d lse_i / d k_j = scale P_ij q_i``
+    (the values' gradient of attention at cotangent ``scale g q``), both from the fused
+    path itself (one more forward and backward pass of it)."""
+    del core, q, k, masks
+    return lse
+
+
+def _lse_gradient_fwd(core, q, k, lse, masks):
+    return lse, (q, k, masks)
+
+
+def _lse_gradient_bwd(core, res, g):
+    q, k, masks = res
+    scale = core.keywords["scale"]
+    scale = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
+    g = jnp.float32(scale) * g[..., None]  # [B, T, H, 1]
+    values_k, pullback = jax.vjp(lambda v: core(q, k, v, lengths=masks[0],
+                                                  segment_ids=masks[1]), k)
+    (dk,) = pullback((g * q.astype(jnp.float32)).astype(q.dtype))
+    dq = g * values_k.astype(jnp.float32)
+    return dq.astype(q.dtype), dk.astype(k.dtype), None, None
+
+
+_lse_gradient.defvjp(_lse_gradient_fwd, _lse_gradient_bwd)
+
+
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str,
                    lengths: Optional[jax.Array] = None,
                    scale: Optional[float] = None,
-                   segment_ids: Optional[jax.Array] = None, window: int = 0) -> jax.Array:
+                   segment_ids: Optional[jax.Array] = None, window: int = 0,
+                   sinks: Optional[jax.Array] = None) -> jax.Array:
     """Causal ``softmax(q k^T / sqrt(h)) v`` on one path, softmax statistics in float32.
 
     Args:
@@ -272,6 +347,14 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
         ``"cudnn"`` paths it is ``local_window_size=(window - 1, 0)`` (cuDNN's own
         sliding-window kernel, no ``[T, T]`` mask), or part of the segment mask where
         there is one.
+      sinks: optional float32 ``[H]``, attention sinks (GPT-OSS): a learned logit per
+        head in every query's softmax denominator and no value,
+        ``softmax([s_i1 .. s_iT, sink])[:T] v``; a padded query stays 0. On the
+        ``"reference"`` path it is a score column; on the fused paths the output is
+        rescaled by ``sigmoid(lse - sink)`` (``lse``: the query's log-sum-exp, the
+        statistic the fused kernel keeps, :func:`_fused_with_lse`), whose gradient in
+        ``q`` and ``k`` the kernel does not give: :func:`_lse_gradient` computes it with
+        one more forward and backward pass of the same kernel.
 
     Returns:
       ``[B, T, H, h_v]`` in ``q``'s dtype.
@@ -292,6 +375,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
     if segment_ids is not None and jnp.shape(segment_ids) != q.shape[:2]:
         raise ValueError(f"segment_ids of shape {jnp.shape(segment_ids)}; expected [B, T] = "
                          f"{list(q.shape[:2])}")
+    if sinks is not None and jnp.shape(sinks) != (q.shape[2],):
+        raise ValueError(f"sinks of shape {jnp.shape(sinks)}; expected [H] = [{q.shape[2]}]")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window={window!r} must be a Python int >= 0 (0 = no sliding window)")
     attend, query_valid = _padding_masks(t, lengths, segment_ids, window)
@@ -301,8 +386,17 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
             k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
-        probs = ops.masked_softmax(scores, attend, axis=-1, dtype=q.dtype)
-        return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        if sinks is None:
+            probs = ops.masked_softmax(scores, attend, axis=-1, dtype=q.dtype)
+            return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        b, h = scores.shape[:2]
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (b, h, t, 1))
+        # the sink column counts for every query that attends at all (not for padding)
+        seen = jnp.broadcast_to(jnp.any(attend, axis=-1, keepdims=True), (b, h, t, 1))
+        probs = ops.masked_softmax(jnp.concatenate([scores, sink], -1),
+                                   jnp.concatenate([jnp.broadcast_to(attend, scores.shape),
+                                                    seen], -1), axis=-1, dtype=q.dtype)
+        return jnp.einsum("bhqs,bshk->bqhk", probs[..., :t], v)
     padding = {} if lengths is None else dict(
         query_seq_lengths=jnp.asarray(lengths, jnp.int32),
         key_value_seq_lengths=jnp.asarray(lengths, jnp.int32))
@@ -316,8 +410,18 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
         padding["mask"] = attend  # the window too
     elif window and window < t:
         padding["local_window_size"] = (window - 1, 0)
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
-                                       scale=scale, **padding)
+    if sinks is None:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=implementation, scale=scale,
+                                           **padding)
+    else:  # out * Z / (Z + e^sink), Z = e^lse: the sink's share taken from every query
+        out, lse = _fused_with_lse(q, k, v, implementation, scale, padding, attend,
+                                   query_valid)
+        core = functools.partial(attention_core, implementation=implementation, scale=scale,
+                                 window=window)
+        lse = _lse_gradient(core, q, k, lse, (lengths, segment_ids))
+        share = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, None, :])
+        out = (out.astype(jnp.float32) * share[..., None]).astype(q.dtype)
     if hv < q.shape[-1]:
         out = out[..., :hv]
     if query_valid is not None:  # a select, not a product: 0 * inf would be NaN
@@ -359,11 +463,14 @@ class Attention(nnx.Module):
         ``query_pre_attn_scalar ** -0.5``).
       norm_plus_one: the q/k norms' gain is ``1 + scale``
         (:class:`~jaxmp.models.layers.RMSNorm`; Gemma).
+      sinks: a learned sink logit per query head in the softmax denominator (GPT-OSS;
+        :func:`attention_core`), used in float32.
 
     Parameters: ``wq`` [d_model, H, head_dim], ``wk``, ``wv`` [d_model, K, head_dim]
     (``embed``, ``heads``, ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``,
     ``head_dim``, ``embed``); with ``qkv_bias`` ``bq`` [H, head_dim], ``bk``, ``bv``
-    [K, head_dim] (``heads``, ``head_dim``); with ``o_bias`` ``bo`` [d_model] (``embed``).
+    [K, head_dim] (``heads``, ``head_dim``); with ``o_bias`` ``bo`` [d_model] (``embed``);
+    with ``sinks`` ``sinks`` [H] (``heads``, normal init of ``init_std`` as transformers').
 
     Raises:
       ValueError: from :func:`resolve_attention` (e.g. ``"cudnn"`` off a GPU).
@@ -376,7 +483,8 @@ class Attention(nnx.Module):
                  qkv_bias: bool = False, o_bias: bool = False, norm_eps: float = 1e-6,
                  rope: Optional[Rope] = None,
                  target: Optional[target.Target] = None, window: int = 0,
-                 scale: Optional[float] = None, norm_plus_one: bool = False):
+                 scale: Optional[float] = None, norm_plus_one: bool = False,
+                 sinks: bool = False):
         self.path = path
         self.window = int(window)
         self.scale = scale
@@ -402,6 +510,9 @@ class Attention(nnx.Module):
                                                ("heads", "head_dim")))
         if o_bias:
             self.bo = make_param(rngs, nnx.initializers.zeros, (d,), dt, ("embed",))
+        if sinks:
+            self.sinks = make_param(rngs, nnx.initializers.normal(init_std), (h,), dt,
+                                    ("heads",))
         if qk_norm:
             self.q_norm = RMSNorm(k, norm_eps, path=f"{path}/q_norm", rules=rules, rngs=rngs,
                                   axis="head_dim", plus_one=norm_plus_one)
@@ -440,7 +551,8 @@ class Attention(nnx.Module):
                                  window=self.window, scale=self.scale)
         if self.recompute_core:
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
-        out = core(q, k, v, lengths=lengths, segment_ids=segment_ids)
+        sinks = self.sinks[...].astype(jnp.float32) if hasattr(self, "sinks") else None
+        out = core(q, k, v, lengths=lengths, segment_ids=segment_ids, sinks=sinks)
         y = matmul(self, out, "wo", "bthk,hkd->btd", operands=operands)
         if hasattr(self, "bo"):
             y = y + p.cast_to_compute(self.bo[...])

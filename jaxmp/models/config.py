@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Tuple
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, check, is_int, option
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.layers import MLP_ACTIVATIONS, ROPE_LAYOUTS, ROPE_SCALINGS, Rope
-from jaxmp.models.moe import GROUP_SCORES, MOE_KERNELS, SCORE_FNS
+from jaxmp.models.moe import EXPERT_ACTIVATIONS, GROUP_SCORES, MOE_KERNELS, SCORE_FNS
 
 __all__ = ["ModelConfig", "REMAT_POLICIES", "LAYER_TYPES"]
 
@@ -89,6 +89,9 @@ class ModelConfig:
         transformers ``rope_scaling`` keys ``factor``, ``original_max_position_embeddings``,
         ``low_freq_factor``, ``high_freq_factor``, ``beta_fast``, ``beta_slow``,
         ``mscale``, ``mscale_all_dim``.
+      rope_truncate: yarn's ``truncate``: the ramp's edges are rounded out to whole
+        dimensions (``floor`` / ``ceil``; transformers' default), or kept fractional
+        (GPT-OSS).
       norm_topk_prob: normalize the chosen experts' scores to sum to 1 (today's routing);
         False keeps the raw scores (Qwen3-MoE's option).
       routed_scaling_factor: multiplies the routed experts' gates (DeepSeek-V3: 2.5).
@@ -115,6 +118,19 @@ class ModelConfig:
       embed_scale: the embedding rows' multiplier (Gemma: ``sqrt(d_model)``).
       query_pre_attn_scalar: the attention scores' scale is ``query_pre_attn_scalar ** -0.5``
         (Gemma); 0 = ``head_dim ** -0.5``.
+      moe_bias: a learned bias of the router's logits and biases on each routed expert's
+        projections (GPT-OSS's ``router.bias``, ``gate_up_proj_bias``,
+        ``down_proj_bias``): parameters ``.../moe/router/logit_bias``,
+        ``.../moe/experts/b_gate``, ``b_up``, ``b_down``.
+      expert_activation: the routed experts' activation, one of
+        :data:`~jaxmp.models.moe.EXPERT_ACTIVATIONS`: ``silu`` (SwiGLU) or
+        ``clamped_swiglu`` (GPT-OSS: ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha
+        g)``, ``g = min(gate, limit)``).
+      swiglu_alpha, swiglu_limit: ``alpha`` and ``limit`` of ``clamped_swiglu``
+        (transformers' ``GptOssConfig`` defaults, 1.702 and 7.0); unread otherwise.
+      attention_sinks: a learned logit per query head in the attention softmax's
+        denominator, with no value (GPT-OSS's ``sinks``; module parameter
+        ``blocks/{i}/attn/sinks``): a query may attend to nothing.
       mlp_activation: the gated FFN's activation, a key of
         :data:`~jaxmp.models.layers.MLP_ACTIVATIONS`: ``silu`` (SwiGLU) or ``gelu_tanh``
         (GeGLU, Gemma).
@@ -184,6 +200,8 @@ class ModelConfig:
     rope_beta_fast: float = option(32.0, "yarn: ramp edge in rotations (extrapolation)", Real())
     rope_beta_slow: float = option(1.0, "yarn: ramp edge in rotations (interpolation)", Real())
     rope_mscale: float = option(0.0, "yarn: mscale of the attention factor (0 = unset)", Real())
+    rope_truncate: bool = option(True, "yarn: round the ramp's edges to whole dimensions "
+                                       "(transformers' truncate)", BOOL)
     rope_mscale_all_dim: float = option(0.0, "yarn: mscale_all_dim (0 = unset; MLA scales "
                                              "scores by its mscale squared)", Real())
     norm_topk_prob: bool = option(True, "normalize the chosen experts' gates to sum to 1", BOOL)
@@ -216,6 +234,17 @@ class ModelConfig:
                                 _POSITIVE)
     query_pre_attn_scalar: float = option(0.0, "attention scores scaled by its -1/2 power "
                                                "(Gemma; 0 = head_dim)", Real(0))
+    moe_bias: bool = option(False, "a learned router logit bias and biases on each expert's "
+                                   "projections (GPT-OSS)", BOOL)
+    expert_activation: str = option("silu", "routed experts' activation: silu (SwiGLU) | "
+                                            "clamped_swiglu (GPT-OSS)",
+                                    Choice(EXPERT_ACTIVATIONS))
+    swiglu_alpha: float = option(1.702, "clamped_swiglu: the sigmoid's gain alpha (GPT-OSS)",
+                                 _POSITIVE)
+    swiglu_limit: float = option(7.0, "clamped_swiglu: the clamp of gate (above) and up "
+                                      "(both sides) (GPT-OSS)", _POSITIVE)
+    attention_sinks: bool = option(False, "a learned per-head logit in the attention softmax's "
+                                          "denominator (GPT-OSS)", BOOL)
     mlp_activation: str = option("silu", "gated FFN activation: silu (SwiGLU) | gelu_tanh "
                                          "(GeGLU, Gemma)", Choice(tuple(MLP_ACTIVATIONS)))
     q_lora_rank: int = option(0, "MLA: query latent width (0 = a plain q projection)", Int(0))
@@ -284,6 +313,8 @@ class ModelConfig:
                  "window (tokens)")
         need(not (self.is_mla and self.sliding_window),
              f"sliding_window={self.sliding_window} is not defined for MLA (kv_lora_rank > 0)")
+        need(not (self.is_mla and self.attention_sinks),
+             "attention_sinks are not defined for MLA (kv_lora_rank > 0)")
         need(not (self.is_mla and (self.norm_plus_one or self.query_pre_attn_scalar)),
              "norm_plus_one and query_pre_attn_scalar are not defined for MLA (kv_lora_rank > 0)")
         need(not (self.rope_local_theta and not self.sliding_window),

@@ -376,6 +376,8 @@ class Rope:
       low_freq_factor, high_freq_factor: llama3's band edges.
       beta_fast, beta_slow: yarn's ramp edges in rotations.
       mscale, mscale_all_dim: yarn's attention-factor scalars (0 = unset).
+      truncate: yarn's ``truncate``: the ramp's edges rounded out to whole dimensions
+        (``floor`` / ``ceil``), else fractional (GPT-OSS).
     """
 
     # No defaults here: ModelConfig's ``rope_<name>`` fields (config keys ``model.rope_*``)
@@ -392,6 +394,7 @@ class Rope:
     beta_slow: float
     mscale: float
     mscale_all_dim: float
+    truncate: bool
 
     def is_plain(self) -> bool:
         """True for the whole-head, half-split, unscaled RoPE of :func:`apply_rope`'s default."""
@@ -418,8 +421,10 @@ class Rope:
                 return (dim * math.log(self.original_max_len / (rotations * 2 * math.pi))
                         / (2 * math.log(self.theta)))
 
-            low = max(math.floor(correction(self.beta_fast)), 0)
-            high = min(math.ceil(correction(self.beta_slow)), dim - 1)
+            low, high = correction(self.beta_fast), correction(self.beta_slow)
+            if self.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, dim - 1)
             if low == high:
                 high += 0.001
             ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)

@@ -66,6 +66,7 @@ __all__ = [
     "SCORE_FNS",
     "GROUP_SCORES",
     "MOE_KERNELS",
+    "EXPERT_ACTIVATIONS",
     "resolve_moe_kernel",
 ]
 
@@ -74,6 +75,9 @@ SCORE_FNS = ("softmax", "sigmoid")
 # noaux_tc) or its best score (DeepSeek-V2's group_limited_greedy).
 GROUP_SCORES = ("top2_sum", "max")
 MOE_KERNELS = ("auto", "ragged_dot", "pallas")
+# The routed experts' gated activation: SwiGLU, or GPT-OSS's clamped SwiGLU
+# ``(clip(up, -l, l) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, l)``.
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 
 
 def resolve_moe_kernel(name: str, dtype, d_model: int, d_expert: int, fp8_recipe=None,
@@ -199,8 +203,11 @@ class Router(nnx.Module):
         scores (DeepSeek-V3's ``noaux_tc``), or ``"max"``, its highest (DeepSeek-V2's
         ``group_limited_greedy``, the device-limited routing of the DeepSeek-V2 report,
         section 2.2.2); see :data:`GROUP_SCORES`.
+      logit_bias: a learned bias added to the float32 logits (GPT-OSS's
+        ``router.bias``), unlike ``bias`` a parameter, and part of the scores.
 
     Variables: ``kernel`` [d_model, E] (``embed``, ``expert_logit``) in ``policy.param_dtype``;
+    with ``logit_bias`` ``logit_bias`` [E] (``expert_logit``), zeros;
     ``bias`` :class:`RouterBias` float32 [E] (``expert_logit``: never split, every device
     routes to every expert), zeros.
 
@@ -211,7 +218,8 @@ class Router(nnx.Module):
     def __init__(self, d_model: int, num_experts: int, top_k: int, score_fn: str = "softmax", *,
                  path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
-                 n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum"):
+                 n_group: int = 1, topk_group: int = 1, group_score: str = "top2_sum",
+                 logit_bias: bool = False):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if score_fn not in SCORE_FNS:
@@ -234,12 +242,17 @@ class Router(nnx.Module):
         self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32),
                                out_sharding=("expert_logit",),
                                eager_sharding=False)
+        if logit_bias:
+            self.logit_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,),
+                                         self.policy.param_dtype, ("expert_logit",))
 
     def __call__(self, x: jax.Array) -> Routing:
         """Routes ``x`` [..., d_model]; returns a :class:`Routing` (float32 decisions)."""
         p = self.policy
         logits = ops.router_logits(p.cast_to_compute(x), p.cast_to_compute(self.kernel[...]))
         logits = logits.astype(jnp.float32)
+        if hasattr(self, "logit_bias"):  # a learned bias of the logits (GPT-OSS), float32
+            logits = logits + self.logit_bias[...].astype(jnp.float32)
         if self.score_fn == "softmax":
             scores = ops.softmax(logits, axis=-1, dtype=jnp.float32)
         else:
@@ -301,9 +314,10 @@ def _dropless(experts, x, expert_ids, gates, grouped=None, operands=None):
     xs = x[order // k]  # token of each sorted assignment
     grouped_matmul = functools.partial(matmul, group_sizes=group_sizes, grouped=grouped,
                                        operands=operands)
-    h = (jax.nn.silu(grouped_matmul(experts, xs, "w_gate"))
-         * grouped_matmul(experts, xs, "w_up"))
-    ys = grouped_matmul(experts, h, "w_down")
+    rows = flat[order]  # the expert of each sorted assignment: its biases' row
+    h = experts.activate(experts.add_bias(grouped_matmul(experts, xs, "w_gate"), "b_gate", rows),
+                         experts.add_bias(grouped_matmul(experts, xs, "w_up"), "b_up", rows))
+    ys = experts.add_bias(grouped_matmul(experts, h, "w_down"), "b_down", rows)
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
     # Gate-weighted sum in float32; the float32 copy of ys is recomputed, not saved.
     return ops.cast_matmul(gates, ys, "nk,nkd->nd")
@@ -353,9 +367,10 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
     xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
     if expert_axis is None:
-        h = (jax.nn.silu(mm(experts, xe, "w_gate", "becd,edf->becf"))
-             * mm(experts, xe, "w_up", "becd,edf->becf"))
-        ye = mm(experts, h, "w_down", "becf,efd->becd")
+        slot_bias = functools.partial(experts.add_bias, rows=(None, slice(None), None))
+        h = experts.activate(slot_bias(mm(experts, xe, "w_gate", "becd,edf->becf"), "b_gate"),
+                             slot_bias(mm(experts, xe, "w_up", "becd,edf->becf"), "b_up"))
+        ye = slot_bias(mm(experts, h, "w_down", "becf,efd->becd"), "b_down")
     else:
         groups = jax.lax.axis_size(expert_axis)
         local = num_experts // groups
@@ -365,9 +380,11 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
             xs = fp8.all_to_all(xe, expert_axis, 1, 1)
         else:
             xs = jax.lax.all_to_all(xe, expert_axis, 1, 1)
-        h = (jax.nn.silu(mm(experts, xs, "w_gate", "bsecd,edf->bsecf"))
-             * mm(experts, xs, "w_up", "bsecd,edf->bsecf"))
-        ys = mm(experts, h, "w_down", "bsecf,efd->bsecd")
+        slot_bias = functools.partial(experts.add_bias,
+                                      rows=(None, None, slice(None), None))
+        h = experts.activate(slot_bias(mm(experts, xs, "w_gate", "bsecd,edf->bsecf"), "b_gate"),
+                             slot_bias(mm(experts, xs, "w_up", "bsecd,edf->bsecf"), "b_up"))
+        ys = slot_bias(mm(experts, h, "w_down", "bsecf,efd->bsecd"), "b_down")
         ye = jax.lax.all_to_all(ys, expert_axis, 1, 1).reshape(b, num_experts, capacity, -1)
     y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
     if valid_length is None:
@@ -397,25 +414,44 @@ class RoutedExperts(nnx.Module):
       path: attribute path, e.g. ``blocks/2/moe/experts``.
       rules: per-module precision rules.
       rngs: NNX rngs.
+      bias: biases on each expert's projections (GPT-OSS).
+      activation: one of :data:`EXPERT_ACTIVATIONS`: ``"silu"`` (SwiGLU) or
+        ``"clamped_swiglu"`` (GPT-OSS: ``(clip(up, -limit, limit) + 1) * g *
+        sigmoid(alpha g)`` with ``g = min(gate, limit)``, transformers'
+        ``GptOssExperts._apply_gate``), in the compute dtype.
+      swiglu_alpha, swiglu_limit: the clamped SwiGLU's ``alpha`` and ``limit`` (needed by
+        it, unread otherwise).
 
     Parameters: ``w_gate``, ``w_up`` [E, d_model, d_expert] (``expert``, ``embed``,
     ``expert_mlp``); ``w_down`` [E, d_expert, d_model] (``expert``, ``expert_mlp``,
-    ``embed``), in ``policy.param_dtype``; under delayed FP8 scaling an
+    ``embed``), in ``policy.param_dtype``; with ``bias`` ``b_gate``, ``b_up``
+    [E, d_expert] (``expert``, ``expert_mlp``) and ``b_down`` [E, d_model] (``expert``,
+    ``embed``), zeros, added to each product in the compute dtype; under delayed FP8 scaling an
     :class:`~jaxmp.models.layers.FP8State` per weight (one scale for all experts).
     Under expert parallelism (inside the train step's ``shard_map``, ``expert_axis`` of
     :meth:`__call__`) a device holds ``E / X`` of them and capacity dispatch exchanges the
     tokens by all-to-all.
 
     Raises:
-      ValueError: negative ``capacity_factor``; a ``moe_kernel`` that cannot run.
+      ValueError: negative ``capacity_factor``; a ``moe_kernel`` that cannot run; an
+        unknown ``activation``, or the clamped SwiGLU without its two parameters.
     """
 
     def __init__(self, num_experts: int, d_model: int, d_expert: int, capacity_factor=None, *,
                  path: str, rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
                  out_std: float = 0.02, moe_kernel: str = "ragged_dot",
-                 target: Optional[compile_target.Target] = None):
+                 target: Optional[compile_target.Target] = None, bias: bool = False,
+                 activation: str = "silu", swiglu_alpha: Optional[float] = None,
+                 swiglu_limit: Optional[float] = None):
         if capacity_factor is not None and capacity_factor < 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be None, 0 (dropless) or > 0")
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation {activation!r}; allowed: "
+                             f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if activation == "clamped_swiglu" and (swiglu_alpha is None or swiglu_limit is None):
+            raise ValueError("the clamped SwiGLU needs swiglu_alpha and swiglu_limit")
+        self.activation = activation
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.capacity_factor = float(capacity_factor or 0.0)
@@ -427,10 +463,38 @@ class RoutedExperts(nnx.Module):
         self.w_up = make_param(rngs, nnx.initializers.normal(init_std), shape_in, dt, axes_in)
         self.w_down = make_param(rngs, nnx.initializers.normal(out_std), shape_out, dt, axes_out)
         add_fp8_states(self, ("w_gate", "w_up", "w_down"))
+        if bias:
+            zeros = nnx.initializers.zeros
+            self.b_gate = make_param(rngs, zeros, (num_experts, d_expert), dt,
+                                     ("expert", "expert_mlp"))
+            self.b_up = make_param(rngs, zeros, (num_experts, d_expert), dt,
+                                   ("expert", "expert_mlp"))
+            self.b_down = make_param(rngs, zeros, (num_experts, d_model), dt,
+                                     ("expert", "embed"))
         tgt = target or compile_target.current()
         self.moe_kernel = resolve_moe_kernel(moe_kernel, self.policy.compute_dtype, d_model,
                                              d_expert, self.policy.fp8, tgt)
         self.num_sms = tgt.core_count or grouped_gemm.DEFAULT_NUM_SMS
+
+    def add_bias(self, y: jax.Array, name: str, rows) -> jax.Array:
+        """``y`` plus bias ``name``'s rows in the compute dtype (``y`` itself without
+        biases): ``rows`` an int array, the expert of each row of ``y`` (dropless), or an
+        index that lays ``[E, n]`` out as ``y``'s slots (``(None, slice(None), None)``
+        for ``[B, E, C, n]``)."""
+        if not hasattr(self, name):
+            return y
+        return y + self.policy.cast_to_compute(getattr(self, name)[...][rows])
+
+    def activate(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The gated activation of :data:`EXPERT_ACTIVATIONS` ``self.activation`` of the
+        gate and up products (biases added)."""
+        if self.activation == "silu":
+            return jax.nn.silu(gate) * up
+        limit = jnp.asarray(self.swiglu_limit, gate.dtype)
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * jnp.asarray(self.swiglu_alpha,
+                                                                    gate.dtype)))
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, gates: jax.Array, *,
                  expert_axis: Optional[str] = None,
@@ -546,7 +610,11 @@ class MoE(nnx.Module):
       rules: per-module precision rules. rngs: NNX rngs.
       init_std / out_std: normal init std of input / output projections.
       router_options: ``norm_topk_prob``, ``routed_scaling_factor``, ``n_group``,
-        ``topk_group`` of :class:`Router`.
+        ``topk_group``, ``group_score`` of :class:`Router`.
+      bias: a learned router logit bias and biases on each expert's projections (GPT-OSS:
+        :class:`Router`'s ``logit_bias``, :class:`RoutedExperts`' ``bias``).
+      activation, swiglu_alpha, swiglu_limit: the routed experts' activation
+        (:class:`RoutedExperts`).
       target: the compile target of :class:`RoutedExperts`' kernel choice.
     """
 
@@ -554,15 +622,19 @@ class MoE(nnx.Module):
                  d_expert: int, score_fn: str = "softmax", capacity_factor=None, *, path: str,
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02, out_std: float = 0.02,
                  moe_kernel: str = "ragged_dot", target: Optional[compile_target.Target] = None,
+                 bias: bool = False, activation: str = "silu",
+                 swiglu_alpha: Optional[float] = None, swiglu_limit: Optional[float] = None,
                  **router_options):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.router = Router(d_model, num_experts, top_k, score_fn, path=f"{path}/router",
-                             rules=rules, rngs=rngs, init_std=init_std, **router_options)
+                             rules=rules, rngs=rngs, init_std=init_std, logit_bias=bias,
+                             **router_options)
         self.experts = RoutedExperts(num_experts, d_model, d_expert, capacity_factor,
                                      path=f"{path}/experts", rules=rules, rngs=rngs,
                                      init_std=init_std, out_std=out_std, moe_kernel=moe_kernel,
-                                     target=target)
+                                     target=target, bias=bias, activation=activation,
+                                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.shared_experts = (
             SwiGLU(d_model, num_shared_experts * d_expert, path=f"{path}/shared_experts",
                    rules=rules, rngs=rngs, init_std=init_std, out_std=out_std)

@@ -231,7 +231,8 @@ class Block(nnx.Module):
                                   target=target, window=config.attention_window(index),
                                   scale=(config.query_pre_attn_scalar ** -0.5
                                          if config.query_pre_attn_scalar else None),
-                                  norm_plus_one=config.norm_plus_one)
+                                  norm_plus_one=config.norm_plus_one,
+                                  sinks=config.attention_sinks)
         self.ffn_norm = norm(path=f"{path}/ffn_norm")
         if config.post_norms:  # Gemma's sandwich: each branch normalized before its add
             self.post_attn_norm = norm(path=f"{path}/post_attn_norm")
@@ -245,7 +246,9 @@ class Block(nnx.Module):
                            moe_kernel=config.moe_kernel, norm_topk_prob=config.norm_topk_prob,
                            routed_scaling_factor=config.routed_scaling_factor,
                            n_group=config.n_group, topk_group=config.topk_group,
-                           group_score=config.group_score, target=target)
+                           group_score=config.group_score, target=target,
+                           bias=config.moe_bias, activation=config.expert_activation,
+                           swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs, init_std=std, out_std=out_std,

@@ -14,10 +14,10 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from jaxmp._checks import Choice, Real
+from jaxmp._checks import BOOL, Choice, Real
 from jaxmp.models.hf.families import FAMILIES
-from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, NEEDED, POSITIVE,
-                                  STRING,
+from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, MAX_LISTED_LAYERS,
+                                  NEEDED, POSITIVE, STRING,
                                   Field, field_name, fixed, inexact, missing, non_finite,
                                   not_allowed, read_field, short)
 from jaxmp.models.config import LAYER_TYPES, ModelConfig
@@ -33,7 +33,7 @@ _ROPE_PARAMS: Dict[str, Field] = {
     "beta_fast": Field(POSITIVE, None, null=None),
     "beta_slow": Field(POSITIVE, None, null=None),
     "mscale": Field(Real(), None, null=None), "mscale_all_dim": Field(Real(), None, null=None),
-    "truncate": fixed(True),
+    "truncate": Field(BOOL, None, null=None),
     "attention_factor": Field(Choice((), "unset (derived from factor and mscale)"), None,
                               null=None, exact=True),
 }
@@ -143,6 +143,8 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
     for key, field in names.items():
         if key in merged:
             out[field] = float(merged[key])
+    if kind == "yarn" and "truncate" in merged:
+        out["rope_truncate"] = merged["truncate"]
     if kind == "llama3" and not merged["high_freq_factor"] > merged["low_freq_factor"]:
         raise not_allowed(model_type, f"{where['high_freq_factor']}.high_freq_factor",
                           merged["high_freq_factor"],
@@ -175,10 +177,6 @@ def text_config(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
     return text, wrapper
 
 
-# The most layers a config.json may have where its sliding and global layers are listed
-# one by one (no released model has a thousand; a file announcing 2**31 must not allocate
-# a list of them before its tensors are looked at).
-MAX_LISTED_LAYERS = 1 << 20
 
 
 def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
@@ -323,8 +321,9 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     out.update(fam.fixed)
     if fam.read is not None:
         fam.read(vals, hf, out)
-    if "quantization_config" in hf:
-        raise inexact(model_type, "quantization_config", hf["quantization_config"], "absent")
+    if hf.get("quantization_config") is not None:
+        raise inexact(model_type, "quantization_config", hf["quantization_config"],
+                      "absent (jaxmp reads unquantized float16, bfloat16 or float32 weights)")
     out.setdefault("head_dim", 0)
     if not out.get("kv_lora_rank"):
         out["head_dim"] = out["head_dim"] or out["d_model"] // out["num_heads"]
@@ -377,6 +376,8 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
                 scaling["mscale"] = config.rope_mscale
             if config.rope_mscale_all_dim:
                 scaling["mscale_all_dim"] = config.rope_mscale_all_dim
+            if not config.rope_truncate:
+                scaling["truncate"] = False
         hf["rope_scaling"] = scaling
     try:
         back = config_from_hf(hf)  # what the file says must be exactly this model
@@ -395,17 +396,18 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
 
 _MOE_FIELDS = ("num_shared_experts", "top_k", "d_expert", "first_dense_layers", "score_fn",
                "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group",
-               "group_score", "mlp_only_layers")
+               "group_score", "mlp_only_layers", "moe_bias", "expert_activation",
+               "swiglu_alpha", "swiglu_limit")
 # The ModelConfig fields of the rope_scaling parameters, and those each scaling reads.
 _SCALING_PARAMS = ("rope_factor", "rope_original_max_len", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale",
-                   "rope_mscale_all_dim")
+                   "rope_mscale_all_dim", "rope_truncate")
 _PARAMS_OF = {
     "none": (), "linear": ("rope_factor",),
     "llama3": ("rope_factor", "rope_original_max_len", "rope_low_freq_factor",
                "rope_high_freq_factor"),
     "yarn": ("rope_factor", "rope_original_max_len", "rope_beta_fast", "rope_beta_slow",
-             "rope_mscale", "rope_mscale_all_dim"),
+             "rope_mscale", "rope_mscale_all_dim", "rope_truncate"),
 }
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                "v_head_dim")
@@ -418,6 +420,8 @@ def _relevant_fields(config: ModelConfig) -> List[str]:
         skip |= set(_MOE_FIELDS)
     if config.topk_group == config.n_group:  # routing not group-limited
         skip.add("group_score")
+    if config.expert_activation == "silu":
+        skip |= {"swiglu_alpha", "swiglu_limit"}
     if config.num_dense_layers == 0:
         skip.add("d_ff")
     if config.is_mla:

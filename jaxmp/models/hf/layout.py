@@ -3,7 +3,8 @@ differs.
 
 transformers' ``nn.Linear`` weight ``[out, in]`` is jaxmp's ``[in, out]`` transposed, with
 the head axis split out (``q_proj.weight [H * h, d]`` is ``wq [d, H, h]``); routed experts
-are stacked (``experts.{e}.gate_proj.weight`` are ``w_gate[e]``). The names of attention,
+are stacked (``experts.{e}.gate_proj.weight`` are ``w_gate[e]``), or stored stacked
+already (GPT-OSS's ``experts.gate_up_proj``, gate and up interleaved). The names of attention,
 dense MLPs and norms are common to every family; a family's record names its MoE block,
 experts, router and shared experts (:attr:`~jaxmp.models.hf.spec.Family.moe`).
 """
@@ -19,7 +20,7 @@ from jaxmp.models.hf.files import Files
 from jaxmp.models.config import ModelConfig
 from jaxmp.models.transformer import MoETransformer
 
-__all__ = ["read_tensor", "layer_table", "global_table", "param_sources", "norm_index"]
+__all__ = ["INTERLEAVED", "read_tensor", "layer_table", "global_table", "param_sources", "norm_index"]
 
 
 def norm_index(index, shape):
@@ -30,7 +31,9 @@ def norm_index(index, shape):
 
 # A mapping reads one parameter of jaxmp's shape for a device index from HF tensors.
 # kinds: "same" (identical layout), "in" (ours = W[out, in].T, out split into ours[1:]),
-# "out" (ours = W[out, in].T, in split into ours[:-1]), "vec" (a vector reshaped).
+# "out" (ours = W[out, in].T, in split into ours[:-1]), "vec" (a vector reshaped),
+# "even" / "odd" (ours = W[..., 0::2] / W[..., 1::2]: GPT-OSS's interleaved gate and up).
+INTERLEAVED = ("even", "odd")
 
 
 def read_tensor(files: Files, name: str, kind: str, shape: Tuple[int, ...], index) -> np.ndarray:
@@ -38,6 +41,9 @@ def read_tensor(files: Files, name: str, kind: str, shape: Tuple[int, ...], inde
         return files.read(name, index)
     if kind == "vec":
         return files.read(name, slice(None)).reshape(shape)[index]
+    if kind in INTERLEAVED:  # the device's rows, every column; then its half's columns
+        w = files.read(name, tuple(index[:-1]) + (slice(None),))
+        return w[..., INTERLEAVED.index(kind)::2][..., index[-1]]
     if kind == "in":  # ours [in, *out]
         w = files.read(name, (slice(None), index[0]))  # [out, in_local]
         return w.T.reshape((w.shape[1],) + tuple(shape[1:]))[(slice(None),) + tuple(index[1:])]
@@ -80,18 +86,31 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
     t["attn/wo"] = (f"{a}.o_proj.weight", "out")
     if config.o_bias:
         t["attn/bo"] = (f"{a}.o_proj.bias", "same")
+    if config.attention_sinks:
+        t["attn/sinks"] = (f"{a}.sinks", "same")
     if config.is_moe_layer(i):
         moe = fam.moe
         b = f"{p}.{moe['block']}"
-        g, u, d = moe["experts"]
         experts = range(config.num_experts)
         t["moe/router/kernel"] = (f"{b}.{moe['router']}.weight", "in")
         if "bias" in moe:
             t["moe/router/bias"] = (f"{b}.{moe['bias']}", "same")
-        for ours, theirs, kind in (("w_gate", g, "in"), ("w_up", u, "in"),
-                                   ("w_down", d, "out")):
-            t[f"moe/experts/{ours}"] = (tuple(f"{b}.experts.{e}.{theirs}.weight"
-                                              for e in experts), kind)
+        if config.moe_bias:
+            t["moe/router/logit_bias"] = (f"{b}.{moe['router']}.bias", "same")
+        if moe.get("fused"):  # stacked experts, gate and up interleaved (GPT-OSS)
+            x = f"{b}.experts"
+            for ours, theirs, kind in (("gate", "gate_up_proj", "even"),
+                                       ("up", "gate_up_proj", "odd"),
+                                       ("down", "down_proj", "same")):
+                t[f"moe/experts/w_{ours}"] = (f"{x}.{theirs}", kind)
+                if config.moe_bias:
+                    t[f"moe/experts/b_{ours}"] = (f"{x}.{theirs}_bias", kind)
+        else:
+            g, u, d = moe["experts"]
+            for ours, theirs, kind in (("w_gate", g, "in"), ("w_up", u, "in"),
+                                       ("w_down", d, "out")):
+                t[f"moe/experts/{ours}"] = (tuple(f"{b}.experts.{e}.{theirs}.weight"
+                                                  for e in experts), kind)
         if config.num_shared_experts:
             s = f"{b}.{moe['shared']}"
             for ours, theirs, kind in (("w_gate", "gate_proj", "in"), ("w_up", "up_proj", "in"),

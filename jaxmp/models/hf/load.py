@@ -129,6 +129,7 @@ def _check_shapes(files: Files, model: MoETransformer, family: str, sources) -> 
             names = name if isinstance(name, tuple) else (name,)
             want = shape[1:] if isinstance(name, tuple) else shape
             expect = {"same": want, "vec": (int(np.prod(want)),),
+                      "even": want[:-1] + (2 * want[-1],), "odd": want[:-1] + (2 * want[-1],),
                       "in": (int(np.prod(want[1:])), want[0]) if want else (),
                       "out": (want[-1], int(np.prod(want[:-1]))) if want else ()}[kind]
             for n in names:

@@ -15,7 +15,7 @@ from flax import nnx
 from jaxmp.models.hf.config import config_to_hf, family_of
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import safetensors_module
-from jaxmp.models.hf.layout import global_table, layer_table, param_sources
+from jaxmp.models.hf.layout import INTERLEAVED, global_table, layer_table, param_sources
 from jaxmp.models.layers import FP8State
 from jaxmp.models.moe import RouterBias
 from jaxmp.models.transformer import MoETransformer
@@ -26,7 +26,26 @@ MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size="5GB"
 
 
 def _hf_tensors(model: MoETransformer, family: str):
-    """Yields ``(hf name, numpy array)`` for every tensor of ``family``'s checkpoint."""
+    """Yields ``(hf name, numpy array)`` for every tensor of ``family``'s checkpoint; the
+    two halves of an interleaved tensor (:data:`~jaxmp.models.hf.layout.INTERLEAVED`)
+    once both are read."""
+    halves: Dict[str, Dict[str, np.ndarray]] = {}
+    for name, kind, w in _hf_parts(model, family):
+        if kind not in INTERLEAVED:
+            yield name, w
+            continue
+        halves.setdefault(name, {})[kind] = w
+        if len(halves[name]) == len(INTERLEAVED):
+            part = halves.pop(name)
+            even, odd = (part[k] for k in INTERLEAVED)
+            both = np.empty(even.shape[:-1] + (2 * even.shape[-1],), even.dtype)
+            both[..., 0::2], both[..., 1::2] = even, odd
+            yield name, both
+
+
+def _hf_parts(model: MoETransformer, family: str):
+    """Yields ``(hf name, layout kind, numpy array)`` for every jaxmp variable's part of
+    ``family``'s checkpoint."""
     config = model.config
     sources = param_sources(model, family)
     for path, var in nnx.to_flat_state(nnx.state(model)):
@@ -52,7 +71,7 @@ def _hf_tensors(model: MoETransformer, family: str):
                     w = w.reshape(-1, w.shape[-1]).T
                 elif kind == "vec":
                     w = w.reshape(-1)
-                yield n, np.ascontiguousarray(w)
+                yield n, kind, np.ascontiguousarray(w)
 
 
 def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] = None,

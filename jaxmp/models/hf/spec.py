@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, is_int
 
-__all__ = ["Field", "Family", "WINDOWS", "FEATURES", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
+__all__ = ["Field", "Family", "WINDOWS", "FEATURES", "MAX_LISTED_LAYERS", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
            "common_specs", "COMMON_FIELDS", "COUNT", "COUNT0", "POSITIVE", "OBJECT", "STRING",
            "NAMES", "INDICES", "short", "field_name", "inexact", "not_allowed", "missing",
            "non_finite", "read_field"]
@@ -45,7 +45,15 @@ FEATURES: Dict[str, Callable[[Any], bool]] = {
     "mlp_activation": lambda c: c.mlp_activation != "silu",
     "rope_local_theta": lambda c: c.rope_local_theta != 0,
     "o_bias": lambda c: c.o_bias,
+    "attention_sinks": lambda c: c.attention_sinks,
+    "moe_bias": lambda c: bool(c.num_experts and c.moe_bias),
+    "expert_activation": lambda c: bool(c.num_experts and c.expert_activation != "silu"),
 }
+
+# The most layers a config.json may have where its sliding and global layers are listed
+# one by one (no released model has a thousand; a file announcing 2**31 must not allocate
+# a list of them before its tensors are looked at).
+MAX_LISTED_LAYERS = 1 << 20
 
 NEEDED = type("_Needed", (), {"__repr__": lambda self: "NEEDED"})()
 ABSENT = type("_Absent", (), {"__repr__": lambda self: "ABSENT"})()
@@ -124,6 +132,9 @@ def common_specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Opti
         "mlp_bias": fixed(False), "pretraining_tp": fixed(1),
         "router_jitter_noise": fixed(0.0, 0),
         "sliding_window": Field(COUNT, window, null=None),
+        # Quantized weights (DeepSeek-V3's FP8, GPT-OSS's MXFP4) are refused by the reader
+        # in its own words (hf.config.config_from_hf), not as an unknown field.
+        "quantization_config": Field(OBJECT, None, null=None),
         "use_sliding_window": (Field(BOOL, window_switch) if windows else
                                Field(Choice((False,), "False"), window_switch, exact=True)),
     }
@@ -156,7 +167,11 @@ class Family:
       fixed: ModelConfig fields the family always has (``qk_norm=True`` for Qwen3).
       moe: the MoE tensor names ``{"block": ..., "experts": (gate, up, down), "router": ...,
         "bias": ..., "shared": ...}`` (None: a dense family); ``"bias"`` present means the
-        family stores a router bias (DeepSeek-V3's ``e_score_correction_bias``).
+        family stores a router bias (DeepSeek-V3's ``e_score_correction_bias``);
+        ``"fused": True`` means the experts are stored stacked, ``experts.gate_up_proj``
+        ``[E, d, 2 * d_expert]`` with gate and up columns interleaved and
+        ``experts.down_proj`` ``[E, d_expert, d]`` (GPT-OSS), with their ``_bias``
+        tensors where the model has ``moe_bias`` (and ``experts`` is not given).
       specs: ``{config.json field: Field}``, every field the family reads (``fields`` and
         those its hooks read): its type, range and default. A field neither here nor in
         :data:`IGNORED_FIELDS` is refused.
