@@ -10,7 +10,7 @@ transformers: ``models/gpt_oss/configuration_gpt_oss.py`` and ``modeling_gpt_oss
 The released checkpoints' MXFP4 experts (``quantization_config``) are refused.
 """
 from jaxmp._checks import BOOL
-from jaxmp.models.hf.spec import (COMMON_FIELDS, COUNT, MAX_LISTED_LAYERS, OBJECT, POSITIVE,
+from jaxmp.models.hf.spec import (ABSENT, COMMON_FIELDS, COUNT, MAX_LISTED_LAYERS, OBJECT, POSITIVE,
                                   Family, Field, common_specs, not_allowed)
 
 # transformers' GptOssConfig default when config.json gives no RoPE parameters.
@@ -56,7 +56,11 @@ FAMILY = Family(
                  attention_bias=Field(BOOL, True),
                  num_local_experts=Field(COUNT), num_experts_per_tok=Field(COUNT),
                  swiglu_alpha=Field(POSITIVE, 1.702), swiglu_limit=Field(POSITIVE, 7.0),
-                 rope_parameters=Field(OBJECT, None, null={})),
+                 rope_parameters=Field(OBJECT, None, null={}),
+                 # Written by OpenAI's release beside transformers' own fields, and read by
+                 # neither transformers nor jaxmp (num_experts_per_tok and
+                 # rope_scaling.original_max_position_embeddings are).
+                 experts_per_token=Field(COUNT, ABSENT), initial_context_length=Field(COUNT, ABSENT)),
     read=_read, write=_write,
     maps=lambda c: not c.is_mla and bool(c.num_experts) and c.attention_sinks,
     window="layered",
