@@ -416,7 +416,10 @@ def _expected(c):
     if scaling.get("type") == "yarn":
         e.update(rope_beta_fast=scaling["beta_fast"], rope_beta_slow=scaling["beta_slow"],
                  rope_mscale=scaling["mscale"], rope_mscale_all_dim=scaling["mscale_all_dim"])
-    if kind in ("llama", "mixtral", "qwen3_moe"):
+    if scaling.get("rope_type") == "yarn" and "truncate" in scaling:
+        e.update(rope_beta_fast=scaling["beta_fast"], rope_beta_slow=scaling["beta_slow"],
+                 rope_truncate=scaling["truncate"])
+    if kind in ("llama", "mixtral", "qwen3_moe", "gpt_oss"):
         e.update(num_kv_heads=c["num_key_value_heads"],
                  head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]))
     if kind == "llama":
@@ -428,6 +431,11 @@ def _expected(c):
                  bias_update_rate=0.0)
     if kind == "mixtral":
         e.update(d_expert=c["intermediate_size"], d_ff=0)
+    if kind == "gpt_oss":
+        e.update(d_expert=c["intermediate_size"], d_ff=0, qkv_bias=c["attention_bias"],
+                 o_bias=c["attention_bias"], attention_sinks=True, moe_bias=True,
+                 expert_activation="clamped_swiglu", swiglu_limit=c["swiglu_limit"],
+                 sliding_window=c["sliding_window"], layer_types=tuple(c["layer_types"]))
     if kind == "qwen3_moe":
         e.update(d_expert=c["moe_intermediate_size"], d_ff=c["intermediate_size"],
                  qk_norm=True, norm_topk_prob=c["norm_topk_prob"])
