@@ -613,3 +613,77 @@ def test_a_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path, monkeypat
                                          r"Face tokenizer reproduces exactly"):
         export("char", tmp_path / "out_char")
     assert not (tmp_path / "out_char").exists()
+
+
+def _mxfp4(w, rng):
+    """GPT-OSS's MXFP4 storage of expert tensor ``w`` [E, in, out]: random E2M1 codes
+    and E8M0 exponents near ``w``'s scale, as ``(blocks [E, out, in/32, 16] uint8,
+    scales [E, out, in/32] uint8)``; the weights they stand for are what transformers'
+    own dequantizer makes of them."""
+    e, n_in, n_out = w.shape
+    blocks = rng.randint(0, 256, (e, n_out, n_in // 32, 16)).astype(np.uint8)
+    scales = rng.randint(120, 125, (e, n_out, n_in // 32)).astype(np.uint8)
+    return blocks, scales
+
+
+def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
+    """A GPT-OSS checkpoint as OpenAI releases it: experts in MXFP4 (``*_blocks``,
+    ``*_scales``, ``quantization_config: {quant_method: mxfp4}``). jaxmp's loader
+    dequantizes them into float32 masters; the reference is a transformers model whose
+    experts are transformers' ``convert_moe_packed_tensors`` of the same blocks, so the
+    layout (nibble order, the transpose, gate/up interleave) is transformers'."""
+    from safetensors.numpy import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(6)
+    config = transformers.AutoConfig.for_model("gpt_oss", **{**BASE, **FAMILIES["gpt_oss"],
+                                                             "hidden_size": 64,
+                                                             "intermediate_size": 32})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    rng = np.random.RandomState(7)
+    quantized = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = _mxfp4(p.numpy(), rng)
+                p.copy_(convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                                   dtype=torch.float32))
+                quantized[name] = (blocks, scales)
+            elif "norm" in name or name.endswith(("bias", "sinks")):
+                p.add_(0.1 * torch.randn_like(p))
+    ref = _hf_logits(model)
+    tensors = {n: p.detach().numpy() for n, p in model.state_dict().items()
+               if n not in quantized}
+    for name, (blocks, scales) in quantized.items():
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    config_json = {**json.loads(config.to_json_string()), "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                            "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    ours = from_pretrained(str(tmp_path), "fp32", attention="reference")
+    assert _rel_err(_logits(ours), ref) < 2e-4
+    # the export is unquantized, and transformers reads it as the same model
+    save_pretrained(ours, str(tmp_path / "out"))
+    assert "quantization_config" not in json.load(open(tmp_path / "out" / "config.json"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+    assert _rel_err(_hf_logits(back.eval()), ref) < 2e-4
+    # one-line refusals: an exponent past float32 (E8M0 255), blocks of the wrong dtype,
+    # and MXFP4 tensors without the quantization_config that says what they are
+    name = next(iter(quantized))
+    for bad, message in (
+            ({f"{name}_scales": np.full_like(quantized[name][1], 255)},
+             r"MXFP4 tensor .*gate_up_proj has scales beyond float32's range"),
+            ({f"{name}_blocks": quantized[name][0].astype(np.int8)},
+             r"MXFP4 tensor .*gate_up_proj: .* I8 .*allowed: uint8")):
+        save_file({**tensors, **bad}, str(tmp_path / "model.safetensors"),
+                  metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=message) as info:
+            from_pretrained(str(tmp_path), "fp32", attention="reference")
+        assert "\n" not in str(info.value)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    del config_json["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    with pytest.raises(ValueError, match=r"gate_up_proj' as MXFP4 .*no quantization_config"):
+        from_pretrained(str(tmp_path), "fp32", attention="reference")

@@ -241,8 +241,18 @@ DROP = object()
     ("gpt_oss", dict(swiglu_alpha="1.7"), r"swiglu_alpha='1\.7' is not allowed"),
     ("gpt_oss", dict(use_sliding_window=True), r"use_sliding_window=True cannot be "
                                                r"represented exactly; allowed: absent"),
-    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}),
-     r"quantization_config=.* cannot be represented exactly; allowed: absent"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "fp8"}),
+     r"quantization_config=.* cannot be represented exactly; allowed: absent \(jaxmp reads "
+     r"unquantized float16, bfloat16 or float32 weights, and mxfp4 ones\)"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4", "dequantize": False}),
+     r"quantization_config\.dequantize=False cannot be represented exactly; allowed: the keys "
+     r"modules_to_not_convert, quant_method"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4",
+                                          "modules_to_not_convert": "lm_head"}),
+     r"quantization_config\.modules_to_not_convert='lm_head' is not allowed"),
+    ("llama", dict(quantization_config={"quant_method": "mxfp4"}),
+     r"quantization_config=.* allowed: absent \(jaxmp reads unquantized float16, bfloat16 "
+     r"or float32 weights\)"),
     ("gpt_oss", dict(rope_parameters={**YARN, "truncate": "no"}),
      r"rope_parameters\.truncate='no' is not allowed"),
     ("gpt_oss", dict(num_hidden_layers=2 ** 31 - 1),

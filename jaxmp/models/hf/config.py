@@ -17,12 +17,13 @@ from typing import Any, Dict, List, Optional, Tuple
 from jaxmp._checks import BOOL, Choice, Real
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, MAX_LISTED_LAYERS,
-                                  NEEDED, POSITIVE, STRING,
+                                  NAMES, NEEDED, POSITIVE, STRING,
                                   Field, field_name, fixed, inexact, missing, non_finite,
                                   not_allowed, read_field, short)
 from jaxmp.models.config import LAYER_TYPES, ModelConfig
 
 __all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "text_config",
+           "quantization_method",
            "RUNTIME_FIELDS"]
 
 # rope_scaling / rope_parameters keys: their types, and the rope_type(s) that read them.
@@ -149,6 +150,36 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
         raise not_allowed(model_type, f"{where['high_freq_factor']}.high_freq_factor",
                           merged["high_freq_factor"],
                           f"a number > low_freq_factor={merged['low_freq_factor']}")
+
+
+# The quantization_config keys a method the loader dequantizes may have (transformers'
+# Mxfp4Config: modules_to_not_convert names what is stored unquantized).
+_QUANTIZATION_KEYS = {"quant_method", "modules_to_not_convert"}
+
+
+def quantization_method(model_type: str, hf: Dict[str, Any]) -> Optional[str]:
+    """The ``quantization_config.quant_method`` of ``hf`` when the family's loader
+    dequantizes it (:attr:`Family.quantization`), None without one.
+
+    Raises:
+      ValueError: any other quantization, or a key of it jaxmp does not read (one line).
+    """
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    methods = FAMILIES[model_type].quantization
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    if method not in methods:
+        raise inexact(model_type, "quantization_config", q,
+                      "absent (jaxmp reads unquantized float16, bfloat16 or float32 weights"
+                      + (f", and {' or '.join(methods)} ones" if methods else "") + ")")
+    extra = sorted(set(q) - _QUANTIZATION_KEYS)
+    if extra:
+        raise inexact(model_type, f"quantization_config.{extra[0]}", q[extra[0]],
+                      f"the keys {', '.join(sorted(_QUANTIZATION_KEYS))}")
+    read_field(model_type, "quantization_config.modules_to_not_convert", Field(NAMES, None,
+               null=None), "modules_to_not_convert" in q, q.get("modules_to_not_convert"))
+    return method
 
 
 def text_config(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
@@ -321,9 +352,7 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     out.update(fam.fixed)
     if fam.read is not None:
         fam.read(vals, hf, out)
-    if hf.get("quantization_config") is not None:
-        raise inexact(model_type, "quantization_config", hf["quantization_config"],
-                      "absent (jaxmp reads unquantized float16, bfloat16 or float32 weights)")
+    quantization_method(model_type, hf)
     out.setdefault("head_dim", 0)
     if not out.get("kv_lora_rank"):
         out["head_dim"] = out["head_dim"] or out["d_model"] // out["num_heads"]

@@ -9,6 +9,7 @@ the end) is named; every slice read is checked finite. Each fault is a one-line
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -149,6 +150,8 @@ class Files:
         self.path, self._safe_open = path, safetensors_module().safe_open
         self._headers: Dict[str, Dict[str, Tuple[Tuple[int, ...], str]]] = {}
         self._real: Dict[str, str] = {}  # our name -> the file's (take_text_model)
+        # name -> {its blocks' and scales' names: their files} (take_mxfp4)
+        self._mxfp4: Dict[str, Dict[str, str]] = {}
         index = os.path.join(path, INDEX)
         if regular_file(index, INDEX, missing_ok=True):
             weight_map = read_json(index, INDEX).get("weight_map")
@@ -204,6 +207,53 @@ class Files:
         self.weight_map = kept
         return sorted(left)
 
+    def take_mxfp4(self) -> List[str]:
+        """Names each MXFP4 pair ``X_blocks`` / ``X_scales`` as one tensor ``X`` read
+        dequantized (GPT-OSS's released experts, ``quant_method: mxfp4``); returns the
+        names taken.
+
+        The OCP Microscaling format (MX v1.0): ``X_blocks`` uint8 ``[..., R, G, 16]`` holds
+        two E2M1 values a byte (the low nibble first), ``X_scales`` uint8 ``[..., R, G]``
+        one E8M0 exponent (bias 127) per block of 32. ``X`` is ``[..., G * 32, R]``, the
+        transpose of the blocks' rows, as transformers' ``convert_moe_packed_tensors``
+        lays it out (``gate_up_proj [E, d, 2I]``), read in float32: every E2M1 value times
+        a power of two is exact there.
+        """
+        taken = []
+        for name in sorted(self.weight_map):
+            base = name[:-len("_blocks")]
+            if name.endswith("_blocks") and f"{base}_scales" in self.weight_map:
+                taken.append(base)
+        for base in taken:
+            parts = (f"{base}_blocks", f"{base}_scales")
+            self._mxfp4[base] = {n: self.weight_map.pop(n) for n in parts}
+            self.weight_map[base] = self._mxfp4[base][parts[0]]
+        return taken
+
+    @contextlib.contextmanager
+    def _parts_of(self, name: str):
+        """Inside, the blocks and scales of MXFP4 tensor ``name`` are tensors of their own
+        (for :meth:`info` and :meth:`read`)."""
+        parts = self._mxfp4[name]
+        self.weight_map.update(parts)
+        try:
+            yield tuple(parts)
+        finally:
+            for n in parts:
+                del self.weight_map[n]
+
+    def _mxfp4_parts(self, name: str):
+        """``(blocks, scales)`` names of MXFP4 tensor ``name`` with their headers checked:
+        uint8 ``[..., R, G, 16]`` and ``[..., R, G]``."""
+        with self._parts_of(name) as (blocks, scales):
+            (bshape, bdtype), (sshape, sdtype) = self.info(blocks), self.info(scales)
+        if bdtype != "U8" or sdtype != "U8" or len(bshape) < 3 or bshape[-1] != 16 or \
+                tuple(bshape[:-1]) != tuple(sshape):
+            raise ValueError(f"{self.path}: MXFP4 tensor {name}: {blocks} {list(bshape)} "
+                             f"{bdtype} and {scales} {list(sshape)} {sdtype}; allowed: uint8 "
+                             f"[..., R, G, 16] blocks and uint8 [..., R, G] scales")
+        return blocks, scales, tuple(bshape)
+
     def real_name(self, name: str) -> str:
         """The tensor's name in its file (a wrapper's text model is read under another)."""
         return self._real.get(name, name)
@@ -231,9 +281,13 @@ class Files:
         return self._headers[file]
 
     def info(self, name: str) -> Tuple[Tuple[int, ...], str]:
-        """The tensor's ``(shape, dtype)``, from its file's header."""
+        """The tensor's ``(shape, dtype)``, from its file's header (``"MXFP4"`` and the
+        dequantized shape for a tensor :meth:`take_mxfp4` took)."""
         if name not in self.weight_map:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        if name in self._mxfp4:
+            *prefix, rows, groups, _ = self._mxfp4_parts(name)[2]
+            return tuple(prefix) + (groups * 32, rows), "MXFP4"
         file = self.weight_map[name]
         header = self._header(file)
         if self.real_name(name) not in header:
@@ -257,6 +311,8 @@ class Files:
         """
         if name not in self.weight_map:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
+        if name in self._mxfp4:
+            return self._read_mxfp4(name, index)
         file = os.path.join(self.path, self.weight_map[name])
         try:
             with self._safe_open(file, "np") as f:
@@ -267,6 +323,34 @@ class Files:
             raise ValueError(f"{file}: tensor {name} holds non-finite values (NaN or "
                              f"infinity); allowed: finite weights")
         return x
+
+
+    def _read_mxfp4(self, name: str, index) -> np.ndarray:
+        """``X[index]`` of MXFP4 tensor ``X`` (:meth:`take_mxfp4`), float32: the rows of
+        the index's prefix and last axis, every block, dequantized, transposed, then cut to
+        the index's second-to-last axis."""
+        blocks, scales, shape = self._mxfp4_parts(name)
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(shape) - 1 - len(index))
+        *prefix, cols, rows = index
+        stored = tuple(prefix) + (rows,)
+        with self._parts_of(name):
+            b = self.read(blocks, stored).astype(np.uint8)
+            e = self.read(scales, stored).astype(np.int32) - 127
+        values = np.empty(b.shape[:-1] + (32,), np.float32)
+        values[..., 0::2], values[..., 1::2] = E2M1[b & 0x0F], E2M1[b >> 4]
+        with np.errstate(over="ignore"):
+            x = np.ldexp(values, e[..., None]).reshape(b.shape[:-2] + (-1,))
+        if not all_finite(x):  # E8M0 255 is NaN; a scale past float32's range is inf
+            raise ValueError(f"{self.path}: MXFP4 tensor {name} has scales beyond float32's "
+                             f"range ({scales} up to {int(e.max()) + 127}); allowed: finite "
+                             f"weights")
+        return np.swapaxes(x, -1, -2)[..., cols, :]
+
+
+# The 16 values of an E2M1 nibble (OCP Microscaling v1.0, section 5.3.3), by its bits.
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
 def all_finite(x: np.ndarray) -> bool:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.models.hf.config import RUNTIME_FIELDS, config_from_hf, field_values, text_config
+from jaxmp.models.hf.config import (RUNTIME_FIELDS, config_from_hf, field_values,
+                                    quantization_method, text_config)
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import (FLOAT_DTYPES, SKIPPED, Files, all_finite, check_directory,
                                    first_names, read_config, safetensors_module)
@@ -97,6 +98,11 @@ def _check_names(files: Files, config: ModelConfig, family: str, mtp_layers: ran
     for i in range(config.num_layers):
         for key, (name, _) in layer_table(config, family, i).items():
             for n in (name if isinstance(name, tuple) else (name,)):
+                if n not in have and f"{n}_blocks" in have:
+                    raise ValueError(f"{files.path}: the checkpoint has tensor {n!r} as MXFP4 "
+                                     f"({n}_blocks, _scales), and config.json has no "
+                                     f"quantization_config saying so; allowed: "
+                                     f"quantization_config {{quant_method: mxfp4}}")
                 if n not in have:
                     raise ValueError(f"{files.path}: the checkpoint has no tensor {n!r}: "
                                      f"layer {i} is missing or incomplete, and config.json "
@@ -134,7 +140,7 @@ def _check_shapes(files: Files, model: MoETransformer, family: str, sources) -> 
                       "out": (want[-1], int(np.prod(want[:-1]))) if want else ()}[kind]
             for n in names:
                 have, dtype = files.info(n)
-                if dtype not in FLOAT_DTYPES:
+                if dtype not in FLOAT_DTYPES + ("MXFP4",):
                     raise ValueError(
                         f"{os.path.join(files.path, files.weight_map[n])}: tensor {n} has "
                         f"dtype {dtype}; allowed: {', '.join(FLOAT_DTYPES)}"
@@ -230,6 +236,8 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
             warnings.warn(f"{path}: {len(left)} tensor(s) of the {wrapper} checkpoint are not "
                           f"the text model's and are not read (the vision tower and "
                           f"projector: {first_names(left)})", RuntimeWarning, stacklevel=3)
+    if quantization_method(family, text) == "mxfp4":  # GPT-OSS's experts, dequantized
+        files.take_mxfp4()
     vals = field_values(family, text)
     layers = vals["num_hidden_layers"]
     _check_names(files, config, family,

@@ -207,6 +207,9 @@ class Family:
       text_prefixes: ``((prefix, head), ...)``: where a wrapper's checkpoint keeps the
         text model's ``model.*`` tensors and its ``lm_head.weight``, one pair per naming
         transformers has used.
+      quantization: the ``quantization_config.quant_method`` values whose weights the
+        loader dequantizes (GPT-OSS's ``"mxfp4"`` experts:
+        :meth:`~jaxmp.models.hf.files.Files.take_mxfp4`); any other is refused.
     """
 
     model_type: str
@@ -224,6 +227,7 @@ class Family:
     features: frozenset = frozenset()
     text_of: str = ""
     text_prefixes: Tuple[Tuple[str, str], ...] = ()
+    quantization: Tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = set(self.features) - set(FEATURES)

@@ -7,7 +7,9 @@ experts are stored stacked, gate and up interleaved in one ``gate_up_proj`` tens
 (:attr:`Family.moe` ``"fused"``).
 
 transformers: ``models/gpt_oss/configuration_gpt_oss.py`` and ``modeling_gpt_oss.py``.
-The released checkpoints' MXFP4 experts (``quantization_config``) are refused.
+The released checkpoints' MXFP4 experts (``quantization_config: {quant_method: mxfp4}``,
+tensors ``*_blocks`` and ``*_scales``) are dequantized as they are read
+(:meth:`~jaxmp.models.hf.files.Files.take_mxfp4`) into the run's masters.
 """
 from jaxmp._checks import BOOL
 from jaxmp.models.hf.spec import (ABSENT, COMMON_FIELDS, COUNT, MAX_LISTED_LAYERS, OBJECT, POSITIVE,
@@ -64,4 +66,5 @@ FAMILY = Family(
     read=_read, write=_write,
     maps=lambda c: not c.is_mla and bool(c.num_experts) and c.attention_sinks,
     window="layered",
-    features=frozenset({"o_bias", "attention_sinks", "moe_bias", "expert_activation"}))
+    features=frozenset({"o_bias", "attention_sinks", "moe_bias", "expert_activation"}),
+    quantization=("mxfp4",))
