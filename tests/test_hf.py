@@ -687,3 +687,130 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config_json))
     with pytest.raises(ValueError, match=r"gate_up_proj' as MXFP4 .*no quantization_config"):
         from_pretrained(str(tmp_path), "fp32", attention="reference")
+
+
+def _fp8_checkpoint(model, path, block, rng):
+    """``model`` written as DeepSeek's FP8 releases are: every projection's weight E4M3
+    with a float32 ``weight_scale_inv`` per ``block`` (random scales near the weights'
+    own), the rest as it is; ``config.json`` with its ``quantization_config``. Returns
+    the names quantized."""
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)  # the checkpoint's own names (per-expert tensors)
+    tensors, quantized = {}, []
+    for name, p in load_file(os.path.join(path, "model.safetensors")).items():
+        if name.endswith("proj.weight") and p.dim() == 2 and "norm" not in name:
+            rows, cols = (-(-n // b) for n, b in zip(p.shape, block))
+            scale = torch.tensor(rng.uniform(0.5, 2.0, (rows, cols)), dtype=torch.float32) \
+                * p.abs().max() / 448
+            full = scale.repeat_interleave(block[0], 0)[:p.shape[0]].repeat_interleave(
+                block[1], 1)[:, :p.shape[1]]
+            tensors[name] = (p / full).to(torch.float8_e4m3fn)
+            tensors[f"{name}_scale_inv"] = scale
+            quantized.append(name)
+        else:
+            tensors[name] = p.contiguous()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return quantized
+
+
+def _dequantized(stored, name, block):
+    """NumPy float32 ``weight * scale`` of the block each element is in (DeepSeek's
+    ``weight_dequant``: blocks of ``block``, the last ones partial)."""
+    w = stored[name].float().numpy()
+    s = stored[f"{name}_scale_inv"].numpy()
+    return w * np.repeat(np.repeat(s, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+
+
+# Blocks that divide every projection of the tiny models (transformers' loader derives the
+# block from the scale grid, which only holds then), and DeepSeek-V3 with partial blocks
+# (its released kv_a_proj_with_mqa has 576 rows: 4.5 blocks of 128).
+@pytest.mark.parametrize("family, block, partial", [("deepseek_v3", (8, 8), False),
+                                                    ("qwen3_moe", (8, 16), False),
+                                                    ("deepseek_v3", (16, 32), True)])
+def test_blockwise_fp8_checkpoints_load_as_transformers_loads_them(family, block, partial,
+                                                                   tmp_path):
+    """Issue 42, point 1: a blockwise-FP8 checkpoint (E4M3 weights, one float32
+    ``weight_scale_inv`` per block, ``quantization_config: {quant_method: fp8}``) loads
+    into float32 masters, each exactly ``weight * scale`` of its block; its logits are
+    those of transformers' own load of the same files (which dequantizes on a machine
+    without a GPU) or, with partial blocks, of transformers' model holding NumPy's
+    dequantization; bfloat16 masters under mixed_bf16 to bfloat16's rounding."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("accelerate", reason="transformers' FP8 load needs accelerate")
+    torch.manual_seed(8)
+    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    quantized = _fp8_checkpoint(model, str(tmp_path), block, np.random.RandomState(9))
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    if partial:  # the reference: transformers' model of the NumPy dequantization
+        ref_dir = tmp_path / "ref"
+        model.save_pretrained(str(ref_dir))
+        plain = load_file(str(ref_dir / "model.safetensors"))
+        plain.update({n: torch.tensor(_dequantized(stored, n, block)) for n in quantized})
+        from safetensors.torch import save_file
+        save_file(plain, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(
+                str(tmp_path), dtype=torch.float32)
+    ref = _hf_logits(theirs.float().eval())
+    ours = from_pretrained(str(tmp_path), "fp32", attention="reference")
+    assert _rel_err(_logits(ours), ref) < 2e-4
+    name = next(n for n in quantized if n.endswith("layers.0.self_attn.o_proj.weight"))
+    mine = np.asarray(ours.blocks[0].attn.wo[...])  # [H, h, d]: o_proj.weight [d, H * h]
+    np.testing.assert_array_equal(mine.reshape(-1, mine.shape[-1]).T,
+                                  _dequantized(stored, name, block).astype(np.float32))
+    bf16 = from_pretrained(str(tmp_path), "mixed_bf16", attention="reference")
+    assert _rel_err(_logits(bf16), ref) < 3e-2
+
+
+def test_bad_fp8_checkpoints_are_one_line_errors(tmp_path):
+    """Issue 42, point 5: a missing ``weight_scale_inv``, NaN or zero scales, scales of
+    the wrong grid, and a ``weight_block_size`` that is not two positive integers are each
+    one line naming the tensor or field, before any weight is used."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(10)
+    config = transformers.AutoConfig.for_model("llama", **BASE)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    quantized = _fp8_checkpoint(model, str(tmp_path), (8, 8), np.random.RandomState(11))
+    good = load_file(str(tmp_path / "model.safetensors"))
+    config_json = json.load(open(tmp_path / "config.json"))
+    name = quantized[0]
+    scale = f"{name}_scale_inv"
+    cases = [
+        ({scale: None}, {}, rf"tensor {name} has dtype F8_E4M3; .*needs its "
+                            rf"{name}_scale_inv and config\.json's quantization_config"),
+        ({scale: good[scale] * float("nan")}, {}, rf"tensor {scale} holds non-finite"),
+        ({scale: good[scale] * 0}, {}, rf"tensor {scale} holds a scale <= 0"),
+        ({scale: good[scale][:1]}, {}, rf"FP8 weight {name} .* allowed: an F8_E4M3 \[out, in\] "
+                                       rf"weight and a float scale \[ceil\(out / 8\)"),
+        ({}, {"weight_block_size": [128]}, r"quantization_config\.weight_block_size=\[128\] is "
+                                           r"not allowed; allowed: \[rows, cols\]"),
+        ({}, {"fmt": "e5m2"}, r"quantization_config\.fmt='e5m2' cannot be represented"),
+        ({}, {"activation_scheme": "static"}, r"quantization_config\.activation_scheme='static'"),
+    ]
+    for tensors, quantization, message in cases:
+        bad = {k: v for k, v in {**good, **tensors}.items() if v is not None}
+        save_file(bad, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        q = {**config_json["quantization_config"], **quantization}
+        (tmp_path / "config.json").write_text(json.dumps({**config_json,
+                                                          "quantization_config": q}))
+        with pytest.raises(ValueError, match=message) as info:
+            from_pretrained(str(tmp_path), "fp32", attention="reference")
+        assert "\n" not in str(info.value), message

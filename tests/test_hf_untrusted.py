@@ -245,14 +245,14 @@ DROP = object()
      r"quantization_config=.* cannot be represented exactly; allowed: absent \(jaxmp reads "
      r"unquantized float16, bfloat16 or float32 weights, and mxfp4 ones\)"),
     ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4", "dequantize": False}),
-     r"quantization_config\.dequantize=False cannot be represented exactly; allowed: the keys "
-     r"modules_to_not_convert, quant_method"),
+     r"quantization_config\.dequantize=False cannot be represented exactly; allowed: the mxfp4 "
+     r"keys quant_method, modules_to_not_convert"),
     ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4",
                                           "modules_to_not_convert": "lm_head"}),
      r"quantization_config\.modules_to_not_convert='lm_head' is not allowed"),
     ("llama", dict(quantization_config={"quant_method": "mxfp4"}),
      r"quantization_config=.* allowed: absent \(jaxmp reads unquantized float16, bfloat16 "
-     r"or float32 weights\)"),
+     r"or float32 weights, and fp8 ones\)"),
     ("gpt_oss", dict(rope_parameters={**YARN, "truncate": "no"}),
      r"rope_parameters\.truncate='no' is not allowed"),
     ("gpt_oss", dict(num_hidden_layers=2 ** 31 - 1),
@@ -532,8 +532,9 @@ def test_fp8_weights_without_quantization_config_are_named(tmp_path):
     _checkpoint(tmp_path, {})
     _raw_safetensors(tmp_path / "model.safetensors", tensors)
     _raises(str(tmp_path), r"tensor model\.layers\.0\.mlp\.up_proj\.weight has dtype F8_E4M3; "
-                           r"allowed: F16, BF16, F32, F64 \(FP8 weights need a "
-                           r"quantization_config")
+                           r"allowed: F16, BF16, F32, F64 \(an FP8 weight needs its "
+                           r"model\.layers\.0\.mlp\.up_proj\.weight_scale_inv and config\.json's "
+                           r"quantization_config \{quant_method: fp8\}\)")
 
 
 def test_tensors_skipped_on_purpose_load_bit_for_bit(tmp_path):

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from jaxmp._checks import BOOL, Choice, Real
+from jaxmp._checks import BOOL, Choice, Kind, Real, is_int
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, MAX_LISTED_LAYERS,
                                   NAMES, NEEDED, POSITIVE, STRING,
@@ -23,7 +23,7 @@ from jaxmp.models.hf.spec import (ABSENT, COUNT, FEATURES, IGNORED_FIELDS, MAX_L
 from jaxmp.models.config import LAYER_TYPES, ModelConfig
 
 __all__ = ["config_from_hf", "config_to_hf", "family_of", "field_values", "text_config",
-           "quantization_method",
+           "quantization",
            "RUNTIME_FIELDS"]
 
 # rope_scaling / rope_parameters keys: their types, and the rope_type(s) that read them.
@@ -152,17 +152,29 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                           f"a number > low_freq_factor={merged['low_freq_factor']}")
 
 
-# The quantization_config keys a method the loader dequantizes may have (transformers'
-# Mxfp4Config: modules_to_not_convert names what is stored unquantized).
-_QUANTIZATION_KEYS = {"quant_method", "modules_to_not_convert"}
+# The quantization_config each method the loader dequantizes may have: {key: Field}
+# (transformers' Mxfp4Config and FineGrainedFP8Config; modules_to_not_convert names what is
+# stored unquantized, which the loader sees from the tensors' dtypes).
+_BLOCK = Kind(lambda v: isinstance(v, list) and len(v) == 2 and all(is_int(b) and b >= 1
+                                                                   for b in v),
+              "[rows, cols], two integers >= 1")
+_QUANTIZATIONS = {
+    "mxfp4": {"modules_to_not_convert": Field(NAMES, None, null=None)},
+    "fp8": {"modules_to_not_convert": Field(NAMES, None, null=None),
+            "fmt": fixed("e4m3"), "activation_scheme": fixed("dynamic"),
+            "weight_block_size": Field(_BLOCK)},
+}
 
 
-def quantization_method(model_type: str, hf: Dict[str, Any]) -> Optional[str]:
-    """The ``quantization_config.quant_method`` of ``hf`` when the family's loader
-    dequantizes it (:attr:`Family.quantization`), None without one.
+def quantization(model_type: str, hf: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
+    """``(quant_method, {key: checked value})`` of ``hf``'s ``quantization_config`` when the
+    family's loader dequantizes that method (:attr:`Family.quantization`: GPT-OSS's
+    ``mxfp4`` experts, the blockwise ``fp8`` of DeepSeek-V3, Qwen3, GLM-4.5), None without
+    one.
 
     Raises:
-      ValueError: any other quantization, or a key of it jaxmp does not read (one line).
+      ValueError: any other quantization, a key jaxmp does not read, or a value it cannot
+        (one line, naming it).
     """
     q = hf.get("quantization_config")
     if q is None:
@@ -173,13 +185,13 @@ def quantization_method(model_type: str, hf: Dict[str, Any]) -> Optional[str]:
         raise inexact(model_type, "quantization_config", q,
                       "absent (jaxmp reads unquantized float16, bfloat16 or float32 weights"
                       + (f", and {' or '.join(methods)} ones" if methods else "") + ")")
-    extra = sorted(set(q) - _QUANTIZATION_KEYS)
+    specs = _QUANTIZATIONS[method]
+    extra = sorted(set(q) - set(specs) - {"quant_method"})
     if extra:
         raise inexact(model_type, f"quantization_config.{extra[0]}", q[extra[0]],
-                      f"the keys {', '.join(sorted(_QUANTIZATION_KEYS))}")
-    read_field(model_type, "quantization_config.modules_to_not_convert", Field(NAMES, None,
-               null=None), "modules_to_not_convert" in q, q.get("modules_to_not_convert"))
-    return method
+                      f"the {method} keys {', '.join(['quant_method', *sorted(specs)])}")
+    return method, {k: read_field(model_type, f"quantization_config.{k}", spec, k in q,
+                                  q.get(k)) for k, spec in specs.items()}
 
 
 def text_config(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
@@ -352,7 +364,7 @@ def config_from_hf(hf: Dict[str, Any]) -> Dict[str, Any]:
     out.update(fam.fixed)
     if fam.read is not None:
         fam.read(vals, hf, out)
-    quantization_method(model_type, hf)
+    quantization(model_type, hf)
     out.setdefault("head_dim", 0)
     if not out.get("kv_lora_rank"):
         out["head_dim"] = out["head_dim"] or out["d_model"] // out["num_heads"]

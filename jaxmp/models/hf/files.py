@@ -152,6 +152,9 @@ class Files:
         self._real: Dict[str, str] = {}  # our name -> the file's (take_text_model)
         # name -> {its blocks' and scales' names: their files} (take_mxfp4)
         self._mxfp4: Dict[str, Dict[str, str]] = {}
+        # weight -> (its scale's name and file, the block [rows, cols]) (take_fp8)
+        self._fp8: Dict[str, Tuple[str, str, Tuple[int, int]]] = {}
+        self._offsets: Dict[str, Tuple[int, Dict[str, Any]]] = {}  # file -> its header (FP8)
         index = os.path.join(path, INDEX)
         if regular_file(index, INDEX, missing_ok=True):
             weight_map = read_json(index, INDEX).get("weight_map")
@@ -230,11 +233,35 @@ class Files:
             self.weight_map[base] = self._mxfp4[base][parts[0]]
         return taken
 
+    def take_fp8(self, block: Tuple[int, int]) -> List[str]:
+        """Names each FP8 weight with its ``weight_scale_inv`` as one tensor read
+        dequantized (DeepSeek-V3's, Qwen3's and GLM-4.5's released FP8 checkpoints,
+        ``quant_method: fp8``); returns the names taken.
+
+        ``X.weight`` E4M3 ``[out, in]`` and ``X.weight_scale_inv`` ``[ceil(out / b0),
+        ceil(in / b1)]`` (``block = (b0, b1)``, ``weight_block_size``) are ``X.weight``
+        float32 ``[out, in]``, each element times its block's scale, in float32 (as
+        transformers' ``_dequantize_fp8_weight`` computes it: one rounding of the product).
+        Shapes and dtypes are checked by :meth:`info`, the scales as they are read.
+        """
+        taken = []
+        for name in sorted(self.weight_map):
+            scale = f"{name}_scale_inv"
+            if name.endswith(".weight") and scale in self.weight_map:
+                self._fp8[name] = (scale, self.weight_map.pop(scale), tuple(block))
+                taken.append(name)
+        return taken
+
+    def _fp8_scale(self, name: str):
+        """Inside, the scale of FP8 weight ``name`` is a tensor of its own."""
+        scale, file, _ = self._fp8[name]
+        return self._parts_of(name, {scale: file})
+
     @contextlib.contextmanager
-    def _parts_of(self, name: str):
+    def _parts_of(self, name: str, parts=None):
         """Inside, the blocks and scales of MXFP4 tensor ``name`` are tensors of their own
-        (for :meth:`info` and :meth:`read`)."""
-        parts = self._mxfp4[name]
+        (for :meth:`info` and :meth:`read`); ``parts``: ``{name: file}`` of other parts."""
+        parts = self._mxfp4[name] if parts is None else parts
         self.weight_map.update(parts)
         try:
             yield tuple(parts)
@@ -288,6 +315,8 @@ class Files:
         if name in self._mxfp4:
             *prefix, rows, groups, _ = self._mxfp4_parts(name)[2]
             return tuple(prefix) + (groups * 32, rows), "MXFP4"
+        if name in self._fp8:
+            return self._fp8_info(name)
         file = self.weight_map[name]
         header = self._header(file)
         if self.real_name(name) not in header:
@@ -313,6 +342,8 @@ class Files:
             raise ValueError(f"{self.path}: the checkpoint has no tensor {name!r}")
         if name in self._mxfp4:
             return self._read_mxfp4(name, index)
+        if name in self._fp8:
+            return self._read_fp8(name, index)
         file = os.path.join(self.path, self.weight_map[name])
         try:
             with self._safe_open(file, "np") as f:
@@ -346,6 +377,66 @@ class Files:
                              f"range ({scales} up to {int(e.max()) + 127}); allowed: finite "
                              f"weights")
         return np.swapaxes(x, -1, -2)[..., cols, :]
+
+
+    def _fp8_info(self, name: str) -> Tuple[Tuple[int, ...], str]:
+        """``(shape, "FP8")`` of FP8 weight ``name`` once its header and its scale's are
+        checked: E4M3 ``[out, in]`` and a float scale per block."""
+        scale, _, (b0, b1) = self._fp8[name]
+        file = self.weight_map[name]
+        header = self._header(file)
+        if self.real_name(name) not in header:
+            raise ValueError(f"{self.path}: {file} has no tensor {self.real_name(name)!r} "
+                             f"(the index says it has)")
+        shape, dtype = header[self.real_name(name)]
+        with self._fp8_scale(name):
+            sshape, sdtype = self.info(scale)
+        want = tuple(-(-n // b) for n, b in zip(shape, (b0, b1)))
+        if dtype != "F8_E4M3" or len(shape) != 2 or sdtype not in FLOAT_DTYPES or \
+                tuple(sshape) != want:
+            raise ValueError(f"{self.path}: FP8 weight {name} {list(shape)} {dtype} with "
+                             f"{scale} {list(sshape)} {sdtype}; allowed: an F8_E4M3 [out, in] "
+                             f"weight and a float scale [ceil(out / {b0}), ceil(in / {b1})] "
+                             f"(weight_block_size [{b0}, {b1}])")
+        return tuple(shape), "FP8"
+
+    def _read_fp8(self, name: str, index) -> np.ndarray:
+        """``X.weight[index]`` of FP8 weight ``X.weight`` (:meth:`take_fp8`), float32:
+        the E4M3 slice read from the file's bytes (NumPy has no E4M3 type for
+        safetensors to read into: ml_dtypes', which jax ships, is used), times the scales
+        of the blocks it covers."""
+        import ml_dtypes
+
+        scale, _, (b0, b1) = self._fp8[name]
+        shape, _ = self._fp8_info(name)
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (2 - len(index))
+        rows, cols = (np.arange(n)[i] for n, i in zip(shape, index))
+        file = os.path.join(self.path, self.weight_map[name])
+        try:
+            if file not in self._offsets:  # the header's byte ranges, read once per file
+                with open(file, "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    self._offsets[file] = 8 + size, json.loads(f.read(size))
+            start, header = self._offsets[file]
+            begin, end = header[self.real_name(name)]["data_offsets"]
+            if end - begin != shape[0] * shape[1]:
+                raise ValueError(f"{end - begin} bytes for {shape[0]} x {shape[1]} E4M3 values")
+            data = np.memmap(file, np.uint8, "r", offset=start + begin, shape=(end - begin,))
+            w = data.view(ml_dtypes.float8_e4m3fn).reshape(shape)[np.ix_(rows, cols)]
+            del data
+        except Exception as e:  # noqa: BLE001  OSError, a damaged header
+            raise ValueError(f"{file}: cannot read tensor {name} ({one_line(e)})") from None
+        with self._fp8_scale(name):
+            s = self.read(scale, slice(None)).astype(np.float32)
+        if not np.all(s > 0):
+            raise ValueError(f"{os.path.join(self.path, self._fp8[name][1])}: tensor {scale} "
+                             f"holds a scale <= 0; allowed: positive scales")
+        x = w.astype(np.float32) * s[np.ix_(rows // b0, cols // b1)]
+        if not all_finite(x):  # an E4M3 NaN, or a product past float32's range
+            raise ValueError(f"{file}: FP8 weight {name} holds non-finite values (NaN, or "
+                             f"beyond float32's range times its scale); allowed: finite weights")
+        return x
 
 
 # The 16 values of an E2M1 nibble (OCP Microscaling v1.0, section 5.3.3), by its bits.

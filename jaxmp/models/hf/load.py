@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp.models.hf.config import (RUNTIME_FIELDS, config_from_hf, field_values,
-                                    quantization_method, text_config)
+                                    quantization, text_config)
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import (FLOAT_DTYPES, SKIPPED, Files, all_finite, check_directory,
                                    first_names, read_config, safetensors_module)
@@ -140,12 +140,13 @@ def _check_shapes(files: Files, model: MoETransformer, family: str, sources) -> 
                       "out": (want[-1], int(np.prod(want[:-1]))) if want else ()}[kind]
             for n in names:
                 have, dtype = files.info(n)
-                if dtype not in FLOAT_DTYPES + ("MXFP4",):
+                if dtype not in FLOAT_DTYPES + ("MXFP4", "FP8"):
                     raise ValueError(
                         f"{os.path.join(files.path, files.weight_map[n])}: tensor {n} has "
                         f"dtype {dtype}; allowed: {', '.join(FLOAT_DTYPES)}"
-                        + (" (FP8 weights need a quantization_config, which jaxmp does not "
-                           "read)" if dtype.startswith("F8") else ""))
+                        + (f" (an FP8 weight needs its {n}_scale_inv and config.json's "
+                           f"quantization_config {{quant_method: fp8}})"
+                           if dtype.startswith("F8") else ""))
                 if have != tuple(expect):
                     raise ValueError(f"{files.path}: tensor {n} has shape {list(have)}; the "
                                      f"config.json says {list(expect)} (jaxmp {key})")
@@ -236,8 +237,11 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
             warnings.warn(f"{path}: {len(left)} tensor(s) of the {wrapper} checkpoint are not "
                           f"the text model's and are not read (the vision tower and "
                           f"projector: {first_names(left)})", RuntimeWarning, stacklevel=3)
-    if quantization_method(family, text) == "mxfp4":  # GPT-OSS's experts, dequantized
+    quantized = quantization(family, text)  # read dequantized into the run's masters
+    if quantized and quantized[0] == "mxfp4":
         files.take_mxfp4()
+    elif quantized:
+        files.take_fp8(tuple(quantized[1]["weight_block_size"]))
     vals = field_values(family, text)
     layers = vals["num_hidden_layers"]
     _check_names(files, config, family,

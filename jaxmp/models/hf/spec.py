@@ -208,8 +208,10 @@ class Family:
         text model's ``model.*`` tensors and its ``lm_head.weight``, one pair per naming
         transformers has used.
       quantization: the ``quantization_config.quant_method`` values whose weights the
-        loader dequantizes (GPT-OSS's ``"mxfp4"`` experts:
-        :meth:`~jaxmp.models.hf.files.Files.take_mxfp4`); any other is refused.
+        loader dequantizes: blockwise ``"fp8"`` (E4M3 ``weight`` and ``weight_scale_inv``
+        per ``nn.Linear``: :meth:`~jaxmp.models.hf.files.Files.take_fp8`), GPT-OSS's
+        ``"mxfp4"`` experts (:meth:`~jaxmp.models.hf.files.Files.take_mxfp4`); any
+        other is refused.
     """
 
     model_type: str
@@ -227,7 +229,7 @@ class Family:
     features: frozenset = frozenset()
     text_of: str = ""
     text_prefixes: Tuple[Tuple[str, str], ...] = ()
-    quantization: Tuple[str, ...] = ()
+    quantization: Tuple[str, ...] = ("fp8",)
 
     def __post_init__(self):
         unknown = set(self.features) - set(FEATURES)
