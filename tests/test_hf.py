@@ -814,3 +814,55 @@ def test_bad_fp8_checkpoints_are_one_line_errors(tmp_path):
         with pytest.raises(ValueError, match=message) as info:
             from_pretrained(str(tmp_path), "fp32", attention="reference")
         assert "\n" not in str(info.value), message
+
+
+GPT_OSS_FILE = dict(model_type="gpt_oss", vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=64, sliding_window=5)
+
+
+@pytest.mark.parametrize("change", [
+    {},  # no RoPE keys: GptOssConfig's yarn (factor 32, truncate false)
+    {"rope_parameters": {}},  # {} is not None: plain RoPE of the default base
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},  # original max: max_position
+    {"num_experts": 4, "num_local_experts": None},  # transformers' alias
+    {"layer_types": ["full_attention", "sliding_attention"]},
+], ids=["no_rope", "empty_rope_parameters", "yarn_without_original_max", "num_experts",
+        "layer_types"])
+def test_gpt_oss_config_files_read_as_transformers_reads_them(change, tmp_path):
+    """config.json files as written by hand, each read as transformers' GptOssConfig reads
+    it: the logits of jaxmp's load are those of transformers' load of the same file."""
+    cfg = {k: v for k, v in {**GPT_OSS_FILE, **change}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(str(tmp_path)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "sinks")):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # the file as written above
+    ref = _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval())
+    ours = from_pretrained(str(tmp_path), "fp32", attention="reference")
+    assert _rel_err(_logits(ours), ref) < 2e-4
+
+
+def test_a_gpt_oss_without_windows_saves_what_transformers_runs(tmp_path):
+    """transformers' GPT-OSS builds its sliding mask whatever the layers: a model without
+    windows is written with an integer sliding_window and every layer full_attention,
+    and transformers' logits of it are jaxmp's."""
+    from flax import nnx
+
+    cfg = ModelConfig(vocab_size=VOCAB, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                      head_dim=16, max_len=64, num_experts=4, top_k=2, d_expert=24, d_ff=0,
+                      norm_eps=1e-5, qkv_bias=True, o_bias=True, attention_sinks=True,
+                      moe_bias=True, expert_activation="clamped_swiglu", capacity_factor=None,
+                      attention="reference", moe_kernel="ragged_dot")
+    model = MoETransformer(cfg, "fp32", rngs=nnx.Rngs(0))
+    assert save_pretrained(model, str(tmp_path)) == "gpt_oss"
+    written = json.load(open(tmp_path / "config.json"))
+    assert written["layer_types"] == ["full_attention"] * 2 and written["sliding_window"] >= 1
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    assert _rel_err(_hf_logits(back), np.asarray(_logits(model), np.float64)) < 2e-4

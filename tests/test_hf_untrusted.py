@@ -237,6 +237,11 @@ DROP = object()
     ("qwen3_moe", dict(layer_types=[]), r"layer_types=\[\] is not allowed; allowed: one entry "
                                         r"per layer"),
     ("gpt_oss", dict(num_local_experts=DROP), r"num_local_experts is missing"),
+    ("gpt_oss", dict(sliding_window=None), r"sliding_window=None is not allowed"),
+    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0},
+                   rope_parameters={"rope_theta": 1000.0}),
+     r"rope_parameters\.rope_theta=1000\.0 cannot be represented exactly; allowed: absent, or "
+     r"rope_scaling's value \(transformers reads rope_scaling and ignores rope_parameters"),
     ("gpt_oss", dict(swiglu_limit=-1.0), r"swiglu_limit=-1\.0 is not allowed"),
     ("gpt_oss", dict(swiglu_alpha="1.7"), r"swiglu_alpha='1\.7' is not allowed"),
     ("gpt_oss", dict(use_sliding_window=True), r"use_sliding_window=True cannot be "
@@ -859,11 +864,12 @@ ROPE_P = {"rope_type": "default", "rope_theta": 10000.0}
      r"\(both are given"),
     # transformers reads rope_scaling, jaxmp read rope_parameters
     ("llama", dict(rope_scaling=YARN, rope_parameters={**YARN, "factor": 2.0}),
-     r"rope_parameters\.factor=2\.0 is not allowed; allowed: rope_scaling\.factor's 4\.0 "
-     r"\(both are given\)"),
+     r"rope_parameters\.factor=2\.0 cannot be represented exactly; allowed: absent, or "
+     r"rope_scaling's value"),
     ("llama", dict(rope_scaling={**YARN, "type": "yarn"},
                    rope_parameters={**YARN, "rope_type": "llama3"}),
-     r"rope_parameters\.rope_type='llama3' is not allowed; allowed: rope_scaling\.rope_type's"),
+     r"rope_parameters\.rope_type='llama3' cannot be represented exactly; allowed: absent, or "
+     r"rope_scaling's value"),
     ("llama", dict(layer_types=["full_attention"]),
      r"layer_types=\['full_attention'\] is not allowed; allowed: one entry per layer \(2, "),
     ("llama", dict(layer_types=["full_attention"] * 5), r"layer_types=.* one entry per layer"),

@@ -375,6 +375,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
     if segment_ids is not None and jnp.shape(segment_ids) != q.shape[:2]:
         raise ValueError(f"segment_ids of shape {jnp.shape(segment_ids)}; expected [B, T] = "
                          f"{list(q.shape[:2])}")
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
     if sinks is not None and jnp.shape(sinks) != (q.shape[2],):
         raise ValueError(f"sinks of shape {jnp.shape(sinks)}; expected [H] = [{q.shape[2]}]")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:

@@ -74,6 +74,14 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
     """The RoPE fields of ``out`` from the old (``rope_theta`` + ``rope_scaling``) or new
     (``rope_parameters``) transformers layout, each key checked (:data:`_ROPE_PARAMS`)."""
     specs = FAMILIES[model_type].specs
+    if vals["rope_scaling"] and vals["rope_parameters"]:
+        # transformers reads rope_scaling alone then (rope_scaling or rope_parameters): a
+        # key only rope_parameters says would be jaxmp's and not transformers'
+        for key, value in vals["rope_parameters"].items():
+            if key not in vals["rope_scaling"] or vals["rope_scaling"][key] != value:
+                raise inexact(model_type, f"rope_parameters.{field_name(key)}", value,
+                              f"absent, or rope_scaling's value (transformers reads "
+                              f"rope_scaling and ignores rope_parameters when both are given)")
     merged: Dict[str, Any] = {}
     where: Dict[str, str] = {}  # key -> the dict it came from, for the messages
     seen: Dict[str, Tuple[str, Any]] = {}  # key (type: rope_type) -> (source, value)
@@ -128,6 +136,9 @@ def _rope_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
                           "no parameters for rope_type default")
     if kind == "default":
         return
+    if kind == "yarn" and "original_max_position_embeddings" not in merged:
+        # transformers' yarn takes max_position_embeddings then (_compute_yarn_parameters)
+        merged["original_max_position_embeddings"] = vals["max_position_embeddings"]
     for key in _ROPE_TYPES[kind]:
         if key not in merged and _ROPE_PARAMS[key].default is NEEDED:
             raise missing(model_type, f"{prefix}.{key}", _ROPE_PARAMS[key].allowed.allowed,
@@ -396,9 +407,9 @@ def config_to_hf(config: ModelConfig, family: Optional[str] = None,
         written.add(field)
         value = c[field]
         hf[key] = list(value) if isinstance(value, tuple) else value
-    if fam.write is not None:
-        fam.write(config, hf)
     _write_window(config, fam, hf)
+    if fam.write is not None:  # after the shared writers: a family may say more
+        fam.write(config, hf)
     hf["rope_theta"] = config.rope_theta
     partial = (config.rope_dim or config.head_dim) / config.head_dim
     if partial != 1.0 or fam.specs["partial_rotary_factor"].default != 1.0:

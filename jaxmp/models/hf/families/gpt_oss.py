@@ -24,8 +24,10 @@ def _read(vals, hf, out):
     """``o_bias`` with ``attention_bias``; transformers' defaults of the RoPE parameters
     (yarn) and of ``layer_types`` (the even layers slide)."""
     out["o_bias"] = out["qkv_bias"]
-    if not any(hf.get(k) for k in ("rope_scaling", "rope_parameters")):
-        vals["rope_parameters"] = {**DEFAULT_ROPE, **vals["rope_parameters"]}
+    # transformers: rope_parameters = rope_scaling or rope_parameters, and None takes
+    # GptOssConfig's yarn (an empty {} does not: plain RoPE)
+    if not hf.get("rope_scaling") and hf.get("rope_parameters") is None:
+        vals["rope_parameters"] = dict(DEFAULT_ROPE)
     n = out["num_layers"]
     if out.get("sliding_window") and not vals["layer_types"] and n > 1:
         if n > MAX_LISTED_LAYERS:
@@ -38,6 +40,9 @@ def _read(vals, hf, out):
 
 def _write(config, hf):
     hf["attention_bias"] = bool(config.qkv_bias)
+    if not config.sliding_window:  # transformers' GPT-OSS always builds its sliding mask
+        hf["sliding_window"] = 128
+        hf["layer_types"] = ["full_attention"] * config.num_layers
     if config.rope_scaling == "none":  # else transformers' default would be yarn
         hf["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
 
@@ -47,7 +52,8 @@ FAMILY = Family(
     "GPT-OSS (attention sinks, q/k/v/o biases, alternating sliding and global layers, "
     "router and expert biases, clamped SwiGLU)",
     dict(COMMON_FIELDS, intermediate_size="d_expert", attention_bias="qkv_bias",
-         num_local_experts="num_experts", num_experts_per_tok="top_k",
+         num_local_experts="num_experts", num_experts="num_experts",  # an alias
+         num_experts_per_tok="top_k",
          swiglu_alpha="swiglu_alpha", swiglu_limit="swiglu_limit"),
     {"attention_sinks": True, "moe_bias": True, "expert_activation": "clamped_swiglu",
      "score_fn": "softmax", "norm_topk_prob": True, "num_shared_experts": 0,
@@ -56,7 +62,10 @@ FAMILY = Family(
     common_specs(max_len=131072, kv_heads=8, head_dim=64, eps=1e-5, theta=150000.0,
                  window=128, windows=True,
                  attention_bias=Field(BOOL, True),
-                 num_local_experts=Field(COUNT), num_experts_per_tok=Field(COUNT),
+                 # an integer: transformers' GPT-OSS builds a sliding mask whatever the layers
+                 sliding_window=Field(COUNT, 128),
+                 num_local_experts=Field(COUNT), num_experts=Field(COUNT),
+                 num_experts_per_tok=Field(COUNT),
                  swiglu_alpha=Field(POSITIVE, 1.702), swiglu_limit=Field(POSITIVE, 7.0),
                  rope_parameters=Field(OBJECT, None, null={}),
                  # Written by OpenAI's release beside transformers' own fields, and read by

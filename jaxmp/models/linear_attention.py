@@ -1,0 +1,132 @@
+"""Gated DeltaNet linear attention (Qwen3-Next's ``linear_attention`` layers).
+
+The gated delta rule (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks", eq. 10)
+keeps a ``[d_k, d_v]`` state per head instead of the keys and values of every earlier
+token: at token ``t``, with decay ``a_t = exp(g_t)`` and write strength ``beta_t``,
+
+    S_t = a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T,    o_t = S_t^T q_t.
+
+:func:`gated_delta_rule` computes it chunk by chunk (the WY / UT form of DeltaNet, Yang et
+al. 2024, section 3; transformers' ``torch_chunk_gated_delta_rule``, FLA's
+``chunk_gated_delta_rule``): within a chunk of ``chunk_size`` tokens the updates are one
+triangular solve and a few matmuls, and a ``jax.lax.scan`` carries the state across
+chunks. Everything runs in float32, as transformers' and FLA's reference forms do. There is
+no Pallas kernel yet: on a GPU this is XLA's chunked form (see the README's feature table).
+
+Documents packed in a row (``segment_ids``) do not see each other: a token reads the state
+only of its own document, and the causal convolution of :class:`GatedDeltaNet` does not
+reach across a boundary.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.models.layers import add_fp8_states, make_param, matmul
+from jaxmp.precision.policy import Policy, PolicyRules
+
+__all__ = ["gated_delta_rule", "causal_conv", "GatedDeltaNet"]
+
+
+def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                     segment_ids: Optional[jax.Array] = None,
+                     chunk_size: int = 64) -> jax.Array:
+    """The gated delta rule over a sequence, chunked; float32.
+
+    Args:
+      q, k: ``[B, T, H, d_k]`` queries (scaled as the caller wants) and keys (L2-normalized
+        for a stable rule).
+      v: ``[B, T, H, d_v]``.
+      g: ``[B, T, H]``, the log decay of each token (``<= 0``).
+      beta: ``[B, T, H]``, each token's write strength (in ``[0, 1]``).
+      segment_ids: optional int ``[B, T]``: a token reads and writes the state of its own
+        segment only (the state starts at 0 with each segment).
+      chunk_size: tokens per chunk (transformers' and FLA's 64).
+
+    Returns:
+      ``o [B, T, H, d_v]`` float32.
+
+    Raises:
+      ValueError: shapes that do not fit.
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != (b, t, h) or g.shape != (b, t, h) or \
+            beta.shape != (b, t, h):
+        raise ValueError(f"q, k [B, T, H, d_k], v [B, T, H, d_v], g, beta [B, T, H] expected; "
+                         f"got {q.shape}, {k.shape}, {v.shape}, {g.shape}, {beta.shape}")
+    c = int(chunk_size)
+    pad = (-t) % c
+    n = (t + pad) // c
+    seg = (jnp.zeros((b, t), jnp.int32) if segment_ids is None
+           else jnp.asarray(segment_ids, jnp.int32))
+    # padding positions get a segment of their own (-1): they touch no real token
+    seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+
+    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] float32
+        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        x = x.reshape((b, n, c, h) + x.shape[3:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    seg = seg.reshape(b, 1, n, c)
+    prev = jnp.concatenate([jnp.full((b, 1, 1, 1), -2, jnp.int32), seg[:, :, :-1, -1:]], 2)
+    same = seg[..., :, None] == seg[..., None, :]  # [B, 1, N, C, C]
+    reads = (seg == prev).astype(jnp.float32)  # token reads the state carried in
+    writes = (seg == seg[..., -1:]).astype(jnp.float32)  # its write reaches the chunk's end
+    carry = (seg[..., -1] == prev[..., 0]).astype(jnp.float32)  # the chunk is one segment
+
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]: log decay from the chunk's start
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    pair = jnp.where(lower & same, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :],
+                                                     0.0)), 0.0)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
+    system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), system, 0.0) + jnp.eye(c)
+    def solve(a, x):  # (I + L)^-1 x: the UT transform of the chunk's delta updates
+        return jax.scipy.linalg.solve_triangular(a, x, lower=True, unit_diagonal=True)
+
+    new_values = solve(system, v_beta)
+    k_decayed = solve(system, k_beta * (jnp.exp(cum) * reads)[..., None])
+    intra = jnp.einsum("...ik,...jk->...ij", q, k) * pair
+    q_decayed = q * (jnp.exp(cum) * reads)[..., None]
+    k_to_end = k * (jnp.exp(cum[..., -1:] - cum) * writes)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1]) * carry  # [B, H, N]
+
+    def step(state, xs):
+        nv, kd, qd, it, ke, cd = xs
+        v_new = nv - kd @ state
+        out = qd @ state + it @ v_new
+        state = state * cd[..., None, None] + jnp.swapaxes(ke, -1, -2) @ v_new
+        return state, out
+
+    per_chunk = [jnp.moveaxis(x, 2, 0) for x in (new_values, k_decayed, q_decayed, intra,
+                                                 k_to_end, chunk_decay)]
+    _, out = jax.lax.scan(step, jnp.zeros((b, h, dk, dv), jnp.float32), per_chunk)
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
+    return jnp.moveaxis(out, 1, 2)
+
+
+def causal_conv(x: jax.Array, w: jax.Array,
+                segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """Depthwise causal convolution: ``y[t, c] = sum_j w[c, j] x[t - K + 1 + j, c]``
+    (``torch.nn.Conv1d(groups=C, padding=K - 1)`` cut to ``T``), in ``x``'s dtype.
+
+    Args:
+      x: ``[B, T, C]``. w: ``[C, K]``.
+      segment_ids: optional int ``[B, T]``: no term crosses a segment boundary.
+    """
+    kernel = w.shape[-1]
+    t = x.shape[1]
+    y = jnp.zeros_like(x)
+    for shift in range(kernel):  # x[t - shift] times w[:, K - 1 - shift]
+        xs = jnp.pad(x, ((0, 0), (shift, 0), (0, 0)))[:, :t]
+        if segment_ids is not None and shift:
+            seg = jnp.asarray(segment_ids)
+            same = jnp.pad(seg, ((0, 0), (shift, 0)), constant_values=-1)[:, :t] == seg
+            xs = jnp.where(same[..., None], xs, jnp.zeros((), x.dtype))
+        y = y + xs * w[:, kernel - 1 - shift].astype(x.dtype)
+    return y
