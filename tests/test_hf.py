@@ -71,6 +71,12 @@ FAMILIES = {
                     rope_parameters=dict(YARN, rope_theta=1000.0, beta_fast=32.0,
                                          beta_slow=1.0, truncate=False),
                     swiglu_alpha=1.3, swiglu_limit=0.1),
+    # Qwen3-Next: Gated DeltaNet, gated attention (a full layer every second), a dense layer,
+    # a shared expert twice the experts' width.
+    "qwen3_next": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, full_attention_interval=2, mlp_only_layers=[1]),
     "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
                      use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
                      num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
@@ -106,7 +112,7 @@ def checkpoint(request, tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms at 1 and a zero bias would hide a mapping error
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
+            if "norm" in name or name.endswith(("bias", "sinks", "A_log")):
                 p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
@@ -453,11 +459,12 @@ def test_init_from_trains_and_exports(tmp_path, monkeypatch):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gpt_oss"])
-def test_a_family_with_windows_trains_two_steps_from_init_from_and_exports(tmp_path, family):
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gpt_oss", "qwen3_next"])
+def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, family):
     """train.py's path (configs/finetune.py, model.init_from=DIR) for the families whose
-    windows, norms and embedding are new: two steps on a 2-device mesh with scanned layers
-    (a stack per window) at a learning rate too small to move float32 weights, then
+    windows, norms, sinks, linear attention and experts are new: two steps on a 2-device
+    mesh with scanned layers (a stack per window and layer kind) at a learning rate too
+    small to move float32 weights, then
     ``export --format hf``: transformers' logits of the export are the original's."""
     from jaxmp import export
     from jaxmp.train.config import load_config
@@ -484,7 +491,7 @@ def test_a_family_with_windows_trains_two_steps_from_init_from_and_exports(tmp_p
         f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
         "model.remat=none", "model.scan_layers=True", "train.steps=2",
         "train.sample_tokens=0", "train.eval_every=0"])
-    assert cfg.model.sliding_window == FAMILIES[family]["sliding_window"]
+    assert cfg.model.sliding_window == FAMILIES[family].get("sliding_window", 0)
     summary = train_and_evaluate(cfg, str(tmp_path / "run"), num_devices=2)
     assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
     out = tmp_path / "out"
@@ -511,7 +518,7 @@ def test_released_configs_map():
 
     files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "hf",
                                           "*.json")))
-    assert len(files) == 7
+    assert len(files) == 8
     for f in files:
         ModelConfig(**hf.config_from_hf(json.load(open(f))))
     # Gemma-3-4B's text_config gives only what differs from transformers' defaults: its

@@ -385,10 +385,12 @@ def test_defaults_are_transformers_own():
                 (family, key, spec.default, default)
             checked += 1
     assert checked > 100, checked
-    # Glm4MoeConfig's __post_init__ sets 0.5; the others read 1.0 (all dimensions).
+    # Glm4MoeConfig's __post_init__ sets 0.5, Qwen3NextConfig's 0.25; the others read 1.0
+    # (all dimensions).
     text = {f: fam for f, fam in hf.FAMILIES.items() if not fam.text_of}  # wrappers have none
-    assert {f: fam.specs["partial_rotary_factor"].default
-            for f, fam in text.items()} == {f: 0.5 if f == "glm4_moe" else 1.0 for f in text}
+    partial = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+    assert {f: fam.specs["partial_rotary_factor"].default for f, fam in text.items()} == {
+        f: partial.get(f, 1.0) for f in text}
 
 
 def test_defaults_filled_in_are_transformers_not_jaxmps():
@@ -446,6 +448,23 @@ def _expected(c):
                  bias_update_rate=0.0)
     if kind == "mixtral":
         e.update(d_expert=c["intermediate_size"], d_ff=0)
+    if kind == "qwen3_next":
+        every = c["full_attention_interval"]
+        e.update(num_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                 num_experts=c["num_experts"], top_k=c["num_experts_per_tok"],
+                 d_expert=c["moe_intermediate_size"], d_ff=c["intermediate_size"],
+                 num_shared_experts=c["shared_expert_intermediate_size"]
+                 // c["moe_intermediate_size"], qk_norm=True, norm_plus_one=True,
+                 attention_output_gate=True, shared_expert_gate=True,
+                 rope_dim=int(c["head_dim"] * c["partial_rotary_factor"]),
+                 linear_num_key_heads=c["linear_num_key_heads"],
+                 linear_num_value_heads=c["linear_num_value_heads"],
+                 linear_key_head_dim=c["linear_key_head_dim"],
+                 linear_value_head_dim=c["linear_value_head_dim"],
+                 linear_conv_kernel=c["linear_conv_kernel_dim"],
+                 layer_types=tuple("linear_attention" if (i + 1) % every else "full_attention"
+                                   for i in range(c["num_hidden_layers"])),
+                 capacity_factor=None, aux_loss_weight=0.0, bias_update_rate=0.0)
     if kind == "gpt_oss":
         e.update(d_expert=c["intermediate_size"], d_ff=0, qkv_bias=c["attention_bias"],
                  o_bias=c["attention_bias"], attention_sinks=True, moe_bias=True,

@@ -88,6 +88,14 @@ FEATURES = {
         layer_types=("sliding_attention", "full_attention"), num_experts=4, top_k=2,
         d_expert=128, moe_bias=True, expert_activation="clamped_swiglu", swiglu_limit=0.5,
         rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=16, rope_truncate=False),
+    # Qwen3-Next's: Gated DeltaNet and gated attention layers, zero-centred norms, partial
+    # rotary, a gated shared expert.
+    "qwen3_next_linear_gated": dict(
+        d_model=128, num_heads=2, num_kv_heads=1, head_dim=128, qk_norm=True,
+        norm_plus_one=True, attention_output_gate=True, rope_dim=32,
+        layer_types=("linear_attention", "full_attention"), linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+        num_experts=4, top_k=2, d_expert=128, num_shared_experts=1, shared_expert_gate=True),
 }
 
 

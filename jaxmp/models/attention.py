@@ -467,8 +467,13 @@ class Attention(nnx.Module):
         (:class:`~jaxmp.models.layers.RMSNorm`; Gemma).
       sinks: a learned sink logit per query head in the softmax denominator (GPT-OSS;
         :func:`attention_core`), used in float32.
+      output_gate: the q projection also gives a gate per head and dimension, and the
+        core's output is multiplied by its sigmoid before the output projection
+        (Qwen3-Next's gated attention: ``q_proj`` ``[H * 2 h, d]``, query and gate
+        halves per head).
 
-    Parameters: ``wq`` [d_model, H, head_dim], ``wk``, ``wv`` [d_model, K, head_dim]
+    Parameters: ``wq`` [d_model, H, head_dim] (``[d_model, H, 2 head_dim]`` with
+    ``output_gate``: query then gate per head), ``wk``, ``wv`` [d_model, K, head_dim]
     (``embed``, ``heads``, ``head_dim``), ``wo`` [H, head_dim, d_model] (``heads``,
     ``head_dim``, ``embed``); with ``qkv_bias`` ``bq`` [H, head_dim], ``bk``, ``bv``
     [K, head_dim] (``heads``, ``head_dim``); with ``o_bias`` ``bo`` [d_model] (``embed``);
@@ -486,7 +491,7 @@ class Attention(nnx.Module):
                  rope: Optional[Rope] = None,
                  target: Optional[target.Target] = None, window: int = 0,
                  scale: Optional[float] = None, norm_plus_one: bool = False,
-                 sinks: bool = False):
+                 sinks: bool = False, output_gate: bool = False):
         self.path = path
         self.window = int(window)
         self.scale = scale
@@ -500,15 +505,18 @@ class Attention(nnx.Module):
                                                 target)
         self.recompute_core = bool(recompute_core)
         dt = self.policy.param_dtype
+        self.output_gate = bool(output_gate)
         for name, heads in (("wq", h), ("wk", kv), ("wv", kv)):
+            width = 2 * k if name == "wq" and output_gate else k
             setattr(self, name, make_param(rngs, nnx.initializers.normal(init_std),
-                                           (d, heads, k), dt, ("embed", "heads", "head_dim")))
+                                           (d, heads, width), dt, ("embed", "heads", "head_dim")))
         self.wo = make_param(rngs, nnx.initializers.normal(out_std), (h, k, d), dt,
                              ("heads", "head_dim", "embed"))
         add_fp8_states(self, ("wq", "wk", "wv", "wo"))
         if qkv_bias:
             for name, heads in (("bq", h), ("bk", kv), ("bv", kv)):
-                setattr(self, name, make_param(rngs, nnx.initializers.zeros, (heads, k), dt,
+                width = 2 * k if name == "bq" and output_gate else k
+                setattr(self, name, make_param(rngs, nnx.initializers.zeros, (heads, width), dt,
                                                ("heads", "head_dim")))
         if o_bias:
             self.bo = make_param(rngs, nnx.initializers.zeros, (d,), dt, ("embed",))
@@ -522,10 +530,19 @@ class Attention(nnx.Module):
                                   axis="head_dim", plus_one=norm_plus_one)
 
     def _project(self, x, name, operands):
+        """The ``name`` projection, biased and normed; for ``q`` with ``output_gate``
+        ``(q, gate)``."""
         p = self.policy
         y = matmul(self, x, f"w{name}", "btd,dhk->bthk", operands=operands)
         if hasattr(self, f"b{name}"):
             y = y + p.cast_to_compute(getattr(self, f"b{name}")[...])
+        if name == "q" and self.output_gate:
+            y, gate = jnp.split(y, 2, axis=-1)
+            return self._norm(y, name), gate
+        return self._norm(y, name)
+
+    def _norm(self, y, name):
+        p = self.policy
         if hasattr(self, f"{name}_norm"):  # Qwen3: per-head RMSNorm before RoPE
             y = p.cast_to_compute(getattr(self, f"{name}_norm")(y))
         return y
@@ -546,7 +563,9 @@ class Attention(nnx.Module):
         positions = jnp.arange(x.shape[1]) if positions is None else positions
         # Weights go to the compute dtype inside ops.cast_matmul (recast, not saved, for
         # backward), or to FP8 by the policy's recipe (layers.matmul).
-        q = apply_rope(self._project(x, "q", operands), positions, self.rope_theta, self.rope)
+        q = self._project(x, "q", operands)
+        q, gate = q if self.output_gate else (q, None)
+        q = apply_rope(q, positions, self.rope_theta, self.rope)
         k = apply_rope(self._project(x, "k", operands), positions, self.rope_theta, self.rope)
         v = self._project(x, "v", operands)
         core = functools.partial(attention_core, implementation=self.implementation,
@@ -555,6 +574,8 @@ class Attention(nnx.Module):
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable)
         sinks = self.sinks[...].astype(jnp.float32) if hasattr(self, "sinks") else None
         out = core(q, k, v, lengths=lengths, segment_ids=segment_ids, sinks=sinks)
+        if gate is not None:  # Qwen3-Next: the output gated per head and dimension
+            out = out * jax.nn.sigmoid(gate)
         y = matmul(self, out, "wo", "bthk,hkd->btd", operands=operands)
         if hasattr(self, "bo"):
             y = y + p.cast_to_compute(self.bo[...])

@@ -14,8 +14,8 @@ from jaxmp.models.moe import EXPERT_ACTIVATIONS, GROUP_SCORES, MOE_KERNELS, SCOR
 __all__ = ["ModelConfig", "REMAT_POLICIES", "LAYER_TYPES"]
 
 # What a layer's attention is (transformers' ``layer_types`` names): every earlier token,
-# or the last ``sliding_window`` tokens.
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# the last ``sliding_window`` tokens, or Gated DeltaNet's state (Qwen3-Next).
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 # model.remat settings, in order of growing recomputation (jaxmp.models.transformer's
 # docstring says what each recomputes).
@@ -108,6 +108,17 @@ class ModelConfig:
       layer_types: per layer, one of :data:`LAYER_TYPES` (transformers' ``layer_types``);
         ``()`` = every layer ``sliding_attention`` when ``sliding_window > 0``, else every
         layer ``full_attention`` (see :meth:`attention_window`).
+      linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+        linear_value_head_dim, linear_conv_kernel: the ``linear_attention`` layers'
+        Gated DeltaNet (:class:`~jaxmp.models.linear_attention.GatedDeltaNet`,
+        transformers' ``linear_*`` fields of ``Qwen3NextConfig``); needed (>= 1) when
+        ``layer_types`` names such a layer.
+      attention_output_gate: the q projection gives a gate too, and attention's output is
+        multiplied by its sigmoid (Qwen3-Next's gated attention; ``wq`` is ``[d, H, 2
+        head_dim]``).
+      shared_expert_gate: the shared experts' output is multiplied by ``sigmoid(x w)``,
+        ``w [d_model, 1]`` (Qwen3-Next's ``shared_expert_gate``; parameter
+        ``.../moe/shared_gate``).
       rope_local_theta: the RoPE base of the sliding-window layers, which rotate by plain
         RoPE whatever ``rope_scaling`` says (Gemma 3's ``rope_local_base_freq``); 0 = every
         layer's RoPE is the one ``rope_*`` describes.
@@ -221,10 +232,23 @@ class ModelConfig:
                                     "sliding_window - 1 tokens before it (0 = none)",
                                  Int(0, 2**31 - 1))
     layer_types: Tuple[str, ...] = option(
-        (), "per layer full_attention | sliding_attention (() = every layer sliding when "
-            "sliding_window > 0)",
+        (), "per layer full_attention | sliding_attention | linear_attention (() = every "
+            "layer sliding when sliding_window > 0)",
         Kind(lambda v: isinstance(v, (tuple, list)) and all(t in LAYER_TYPES for t in v),
              f"a tuple of {' | '.join(LAYER_TYPES)}, one per layer"))
+    linear_num_key_heads: int = option(0, "linear_attention layers: q/k heads (Qwen3-Next)",
+                                       Int(0))
+    linear_num_value_heads: int = option(0, "linear_attention layers: value heads, a multiple "
+                                            "of linear_num_key_heads", Int(0))
+    linear_key_head_dim: int = option(0, "linear_attention layers: q/k head width", Int(0))
+    linear_value_head_dim: int = option(0, "linear_attention layers: value head width", Int(0))
+    linear_conv_kernel: int = option(4, "linear_attention layers: the causal convolution's "
+                                        "width in tokens", Int(1))
+    attention_output_gate: bool = option(False, "attention's output times the sigmoid of a "
+                                                "gate the q projection gives (Qwen3-Next)",
+                                         BOOL)
+    shared_expert_gate: bool = option(False, "the shared experts' output times a sigmoid gate "
+                                             "of the token (Qwen3-Next)", BOOL)
     rope_local_theta: float = option(0.0, "RoPE base of the sliding-window layers, plain RoPE "
                                           "(Gemma 3; 0 = as every layer)", Real(0))
     norm_plus_one: bool = option(False, "RMSNorm gains are 1 + scale (Gemma)", BOOL)
@@ -311,6 +335,19 @@ class ModelConfig:
             need(self.sliding_window > 0 or "sliding_attention" not in self.layer_types,
                  "layer_types names sliding_attention layers but sliding_window=0; give the "
                  "window (tokens)")
+        if "linear_attention" in self.layer_types:
+            need(min(self.linear_num_key_heads, self.linear_num_value_heads,
+                     self.linear_key_head_dim, self.linear_value_head_dim) >= 1,
+                 "layer_types names linear_attention layers: linear_num_key_heads, "
+                 "linear_num_value_heads, linear_key_head_dim and linear_value_head_dim must "
+                 "be >= 1")
+            need(self.linear_num_value_heads % self.linear_num_key_heads == 0,
+                 f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                 f"linear_num_key_heads={self.linear_num_key_heads}")
+            need(not self.is_mla, "linear_attention layers are not defined with MLA "
+                                  "(kv_lora_rank > 0)")
+        need(not (self.shared_expert_gate and not self.num_shared_experts),
+             "shared_expert_gate needs shared experts (num_shared_experts > 0)")
         need(not (self.is_mla and self.sliding_window),
              f"sliding_window={self.sliding_window} is not defined for MLA (kv_lora_rank > 0)")
         need(not (self.is_mla and self.attention_sinks),
@@ -382,9 +419,16 @@ class ModelConfig:
             return dataclasses.replace(self.rope, theta=self.rope_local_theta, scaling="none")
         return self.rope
 
+    def layer_type(self, i: int) -> str:
+        """Layer ``i``'s kind, one of :data:`LAYER_TYPES`."""
+        if self.layer_types:
+            return self.layer_types[i]
+        return "sliding_attention" if self.sliding_window else "full_attention"
+
     def attention_window(self, i: int) -> int:
-        """Layer ``i``'s sliding window in tokens, 0 for full (causal) attention."""
-        if not self.sliding_window:
+        """Layer ``i``'s sliding window in tokens, 0 for full (causal) attention and for a
+        linear_attention layer."""
+        if not self.sliding_window or self.layer_type(i) == "linear_attention":
             return 0
         slides = not self.layer_types or self.layer_types[i] == "sliding_attention"
         return self.sliding_window if slides else 0

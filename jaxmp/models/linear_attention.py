@@ -105,7 +105,9 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
 
     per_chunk = [jnp.moveaxis(x, 2, 0) for x in (new_values, k_decayed, q_decayed, intra,
                                                  k_to_end, chunk_decay)]
-    _, out = jax.lax.scan(step, jnp.zeros((b, h, dk, dv), jnp.float32), per_chunk)
+    # zeros like the inputs (inside shard_map they carry the inputs' varying mesh axes)
+    state = jnp.zeros_like(new_values, shape=(b, h, dk, dv))
+    _, out = jax.lax.scan(step, state, per_chunk)
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
     return jnp.moveaxis(out, 1, 2)
 
@@ -130,3 +132,112 @@ def causal_conv(x: jax.Array, w: jax.Array,
             xs = jnp.where(same[..., None], xs, jnp.zeros((), x.dtype))
         y = y + xs * w[:, kernel - 1 - shift].astype(x.dtype)
     return y
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3-Next's linear-attention layer: projections, a short causal convolution, the
+    gated delta rule and a gated RMSNorm (transformers' ``Qwen3NextGatedDeltaNet``).
+
+    ``[q, k, v, z] = x W_qkvz`` per key head, ``[b, a] = x W_ba``; ``q, k, v`` go through
+    the depthwise causal convolution (kernel ``conv_kernel``) and SiLU; ``beta =
+    sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)``; q and k are L2-normalized
+    (epsilon 1e-6, as FLA), q scaled by ``d_k ** -0.5``, and each key head serves
+    ``num_value_heads / num_key_heads`` value heads; ``o = gated_delta_rule(...)``,
+    then ``RMSNorm(o) * silu(z)`` per value head (float32, plain gain, epsilon
+    ``norm_eps``) and the output projection.
+
+    Args:
+      d_model: model width.
+      num_key_heads, num_value_heads: heads of q/k and of v (the second a multiple of the
+        first).
+      key_head_dim, value_head_dim: their widths.
+      conv_kernel: the convolution's width in tokens.
+      path, rules, rngs, init_std, out_std: as :class:`~jaxmp.models.attention.Attention`'s.
+      norm_eps: the gated norm's epsilon.
+
+    Parameters: ``wqkvz`` [d_model, Hk, 2 d_k + 2 r d_v] and ``wba`` [d_model, Hk, 2 r]
+    (``r = Hv / Hk``; ``embed``, ``heads``, None), ``conv`` [2 Hk d_k + Hv d_v, 1, K]
+    (depthwise, no axes), ``dt_bias``, ``A_log`` [Hv] (``heads``), ``norm_scale`` [d_v],
+    ``wo`` [Hv, d_v, d_model] (``heads``, ``head_dim``, ``embed``).
+    """
+
+    def __init__(self, d_model: int, num_key_heads: int, num_value_heads: int,
+                 key_head_dim: int, value_head_dim: int, conv_kernel: int, *, path: str,
+                 rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
+                 out_std: float = 0.02, norm_eps: float = 1e-6):
+        if num_value_heads % num_key_heads:
+            raise ValueError(f"num_value_heads={num_value_heads} must be a multiple of "
+                             f"num_key_heads={num_key_heads}")
+        self.path = path
+        self.policy: Policy = rules.resolve(path)
+        self.hk, self.hv, self.dk, self.dv = num_key_heads, num_value_heads, key_head_dim, \
+            value_head_dim
+        self.norm_eps = float(norm_eps)
+        r = num_value_heads // num_key_heads
+        dt = self.policy.param_dtype
+        normal = nnx.initializers.normal(init_std)
+        self.wqkvz = make_param(rngs, normal, (d_model, num_key_heads,
+                                               2 * key_head_dim + 2 * r * value_head_dim),
+                                dt, ("embed", "heads", None))
+        self.wba = make_param(rngs, normal, (d_model, num_key_heads, 2 * r), dt,
+                              ("embed", "heads", None))
+        channels = 2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim
+        self.conv = make_param(rngs, normal, (channels, 1, conv_kernel), dt, (None, None, None))
+        self.dt_bias = make_param(rngs, nnx.initializers.ones, (num_value_heads,), dt,
+                                  ("heads",))
+        # A_log ~ U(0, log 16): A in (1, 16) (transformers draws A ~ U(0.01, 16))
+        self.A_log = make_param(rngs, nnx.initializers.uniform(jnp.log(16.0)),
+                                (num_value_heads,), dt, ("heads",))
+        self.norm_scale = make_param(rngs, nnx.initializers.ones, (value_head_dim,), dt,
+                                     (None,))
+        self.wo = make_param(rngs, nnx.initializers.normal(out_std),
+                             (num_value_heads, value_head_dim, d_model), dt,
+                             ("heads", "head_dim", "embed"))
+        add_fp8_states(self, ("wqkvz", "wba", "wo"))
+
+    def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None, *,
+                 segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
+                 operands: Optional[dict] = None) -> jax.Array:
+        """[B, T, d_model] -> [B, T, d_model] in ``policy.output_dtype``; the arguments as
+        :meth:`~jaxmp.models.attention.Attention.__call__`'s (``positions`` unused: no
+        RoPE here)."""
+        del positions
+        p = self.policy
+        x = p.cast_to_compute(x)
+        b, t, _ = x.shape
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        r = hv // hk
+        qkvz = matmul(self, x, "wqkvz", "btd,dhk->bthk", operands=operands)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+        ba = matmul(self, x, "wba", "btd,dhk->bthk", operands=operands)
+        beta = jax.nn.sigmoid(ba[..., :r].reshape(b, t, hv).astype(jnp.float32))
+        a = ba[..., r:].reshape(b, t, hv).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a + self.dt_bias[...].astype(jnp.float32))
+        mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1),
+                                 v.reshape(b, t, -1)], -1)
+        mixed = jax.nn.silu(causal_conv(mixed, p.cast_to_compute(self.conv[...][:, 0]),
+                                        segment_ids))
+        q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)
+
+        def l2(y):  # float32, FLA's epsilon
+            y = y.astype(jnp.float32)
+            return y * jax.lax.rsqrt(jnp.sum(y * y, -1, keepdims=True) + 1e-6)
+
+        q = jnp.repeat(l2(q.reshape(b, t, hk, dk)), r, axis=2) * dk ** -0.5
+        k = jnp.repeat(l2(k.reshape(b, t, hk, dk)), r, axis=2)
+        o = gated_delta_rule(q, k, v.reshape(b, t, hv, dv), g, beta, segment_ids)
+        valid = None
+        if segment_ids is not None:
+            valid = jnp.asarray(segment_ids) != 0
+        if lengths is not None:
+            real = jnp.arange(t)[None, :] < jnp.asarray(lengths)[:, None]
+            valid = real if valid is None else valid & real
+        if valid is not None:  # padding: an output row of 0, as attention's
+            o = jnp.where(valid[:, :, None, None], o, 0.0)
+        # gated RMSNorm per value head (transformers' Qwen3NextRMSNormGated), float32
+        o = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + self.norm_eps)
+        o = o * self.norm_scale[...].astype(jnp.float32) * jax.nn.silu(
+            z.reshape(b, t, hv, dv).astype(jnp.float32))
+        y = matmul(self, p.cast_to_compute(o), "wo", "bthk,hkd->btd", operands=operands)
+        return p.cast_to_output(y)

@@ -615,6 +615,9 @@ class MoE(nnx.Module):
         :class:`Router`'s ``logit_bias``, :class:`RoutedExperts`' ``bias``).
       activation, swiglu_alpha, swiglu_limit: the routed experts' activation
         (:class:`RoutedExperts`).
+      shared_gate: the shared experts' output times ``sigmoid(x w)`` in float32, ``w``
+        ``[d_model, 1]`` (parameter ``shared_gate``, ``embed``; Qwen3-Next's
+        ``shared_expert_gate``).
       target: the compile target of :class:`RoutedExperts`' kernel choice.
     """
 
@@ -624,7 +627,7 @@ class MoE(nnx.Module):
                  moe_kernel: str = "ragged_dot", target: Optional[compile_target.Target] = None,
                  bias: bool = False, activation: str = "silu",
                  swiglu_alpha: Optional[float] = None, swiglu_limit: Optional[float] = None,
-                 **router_options):
+                 shared_gate: bool = False, **router_options):
         self.path = path
         self.policy: Policy = rules.resolve(path)
         self.router = Router(d_model, num_experts, top_k, score_fn, path=f"{path}/router",
@@ -639,6 +642,9 @@ class MoE(nnx.Module):
             SwiGLU(d_model, num_shared_experts * d_expert, path=f"{path}/shared_experts",
                    rules=rules, rngs=rngs, init_std=init_std, out_std=out_std)
             if num_shared_experts > 0 else None)
+        if shared_gate:  # Qwen3-Next: sigmoid(x w) scales the shared experts' output
+            self.shared_gate = make_param(rngs, nnx.initializers.normal(init_std), (d_model, 1),
+                                          self.policy.param_dtype, ("embed", None))
 
     def __call__(self, x: jax.Array, *, expert_axis: Optional[str] = None,
                  dispatch_dtype: str = comm.DEFAULT_DISPATCH_DTYPE,
@@ -658,7 +664,12 @@ class MoE(nnx.Module):
                                   operands=operands)
         y = y.astype(jnp.float32)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x, operands=operands).astype(jnp.float32)
+            shared = self.shared_experts(x, operands=operands).astype(jnp.float32)
+            if hasattr(self, "shared_gate"):  # a float32 gate of the token (Qwen3-Next)
+                shared = shared * jax.nn.sigmoid(jnp.einsum(
+                    "btd,do->bto", x.astype(jnp.float32),
+                    self.shared_gate[...].astype(jnp.float32)))
+            y = y + shared
         num_experts = routing.scores.shape[-1]
         counts = jax.nn.one_hot(routing.expert_ids, num_experts,
                                 dtype=jnp.float32).sum(axis=(0, 1, 2))

@@ -118,6 +118,7 @@ from flax import nnx
 from jaxmp import target as compile_target
 from jaxmp._checks import check_choice
 from jaxmp.models.attention import Attention, MLAttention
+from jaxmp.models.linear_attention import GatedDeltaNet
 from jaxmp.models.config import REMAT_POLICIES, ModelConfig
 from jaxmp.models.layers import Embed, Head, ParamKeys, RMSNorm, SwiGLU
 from jaxmp.models.moe import MoE, MoEStats, RoutedExperts
@@ -173,7 +174,7 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
       e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers.
     """
     def signature(i):
-        return (config.is_moe_layer(i), config.attention_window(i),
+        return (config.is_moe_layer(i), config.layer_type(i), config.attention_window(i),
                 tuple(rules.resolve(f"blocks/{i}/{sub}")
                       for sub in _block_module_suffixes(config, i)))
 
@@ -208,7 +209,13 @@ class Block(nnx.Module):
         norm = functools.partial(RMSNorm, config.d_model, config.norm_eps, rules=rules,
                                  rngs=rngs, plus_one=config.norm_plus_one)
         self.attn_norm = norm(path=f"{path}/attn_norm")
-        if config.is_mla:
+        if config.layer_type(index) == "linear_attention":  # Qwen3-Next: Gated DeltaNet
+            self.attn = GatedDeltaNet(config.d_model, config.linear_num_key_heads,
+                                      config.linear_num_value_heads, config.linear_key_head_dim,
+                                      config.linear_value_head_dim, config.linear_conv_kernel,
+                                      path=f"{path}/attn", rules=rules, rngs=rngs,
+                                      init_std=std, out_std=out_std, norm_eps=config.norm_eps)
+        elif config.is_mla:
             self.attn = MLAttention(config.d_model, config.num_heads,
                                     q_lora_rank=config.q_lora_rank,
                                     kv_lora_rank=config.kv_lora_rank,
@@ -232,7 +239,8 @@ class Block(nnx.Module):
                                   scale=(config.query_pre_attn_scalar ** -0.5
                                          if config.query_pre_attn_scalar else None),
                                   norm_plus_one=config.norm_plus_one,
-                                  sinks=config.attention_sinks)
+                                  sinks=config.attention_sinks,
+                                  output_gate=config.attention_output_gate)
         self.ffn_norm = norm(path=f"{path}/ffn_norm")
         if config.post_norms:  # Gemma's sandwich: each branch normalized before its add
             self.post_attn_norm = norm(path=f"{path}/post_attn_norm")
@@ -248,7 +256,8 @@ class Block(nnx.Module):
                            n_group=config.n_group, topk_group=config.topk_group,
                            group_score=config.group_score, target=target,
                            bias=config.moe_bias, activation=config.expert_activation,
-                           swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit)
+                           swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit,
+                           shared_gate=config.shared_expert_gate)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, path=f"{path}/mlp", rules=rules,
                               rngs=rngs, init_std=std, out_std=out_std,

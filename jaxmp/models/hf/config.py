@@ -245,9 +245,11 @@ def _window_fields(model_type: str, hf: Dict[str, Any], vals: Dict[str, Any],
         raise not_allowed(model_type, "layer_types", hf["layer_types"],
                           f"one entry per layer ({n}, num_hidden_layers; transformers refuses "
                           f"another length)")
-    if any(t not in LAYER_TYPES for t in types):
+    kinds = [t for t in LAYER_TYPES if t != "linear_attention" or
+             "linear_attention" in fam.features]
+    if any(t not in kinds for t in types):
         raise inexact(model_type, "layer_types", hf["layer_types"],
-                      f"{' or '.join(LAYER_TYPES)} per layer")
+                      f"{' or '.join(kinds)} per layer")
     window = vals["sliding_window"]
     switch = fam.specs["use_sliding_window"].default is not ABSENT  # the family reads it
     if switch and not vals["use_sliding_window"]:

@@ -65,7 +65,16 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
                   "ffn_norm/scale": (f"{p}.pre_feedforward_layernorm.weight", "same"),
                   "post_ffn_norm/scale": (f"{p}.post_feedforward_layernorm.weight", "same")})
     a = f"{p}.self_attn"
-    if config.is_mla:
+    if config.layer_type(i) == "linear_attention":  # Qwen3-Next's Gated DeltaNet
+        la = f"{p}.linear_attn"
+        t.update({"attn/wqkvz": (f"{la}.in_proj_qkvz.weight", "in"),
+                  "attn/wba": (f"{la}.in_proj_ba.weight", "in"),
+                  "attn/conv": (f"{la}.conv1d.weight", "same"),
+                  "attn/dt_bias": (f"{la}.dt_bias", "same"),
+                  "attn/A_log": (f"{la}.A_log", "same"),
+                  "attn/norm_scale": (f"{la}.norm.weight", "same"),
+                  "attn/wo": (f"{la}.out_proj.weight", "out")})
+    elif config.is_mla:
         if config.q_lora_rank:
             t["attn/wq_a"] = (f"{a}.q_a_proj.weight", "in")
             t["attn/q_a_norm/scale"] = (f"{a}.q_a_layernorm.weight", "same")
@@ -83,8 +92,9 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
         if config.qk_norm:
             t["attn/q_norm/scale"] = (f"{a}.q_norm.weight", "same")
             t["attn/k_norm/scale"] = (f"{a}.k_norm.weight", "same")
-    t["attn/wo"] = (f"{a}.o_proj.weight", "out")
-    if config.o_bias:
+    if config.layer_type(i) != "linear_attention":
+        t["attn/wo"] = (f"{a}.o_proj.weight", "out")
+    if config.o_bias and config.layer_type(i) != "linear_attention":
         t["attn/bo"] = (f"{a}.o_proj.bias", "same")
     if config.attention_sinks:
         t["attn/sinks"] = (f"{a}.sinks", "same")
@@ -116,6 +126,8 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
             for ours, theirs, kind in (("w_gate", "gate_proj", "in"), ("w_up", "up_proj", "in"),
                                        ("w_down", "down_proj", "out")):
                 t[f"moe/shared_experts/{ours}"] = (f"{s}.{theirs}.weight", kind)
+            if config.shared_expert_gate:
+                t["moe/shared_gate"] = (f"{b}.{moe['shared_gate']}.weight", "in")
     else:
         m = f"{p}.mlp"
         for ours, theirs, kind in (("w_gate", "gate_proj", "in"), ("w_up", "up_proj", "in"),

@@ -48,6 +48,9 @@ FEATURES: Dict[str, Callable[[Any], bool]] = {
     "attention_sinks": lambda c: c.attention_sinks,
     "moe_bias": lambda c: bool(c.num_experts and c.moe_bias),
     "expert_activation": lambda c: bool(c.num_experts and c.expert_activation != "silu"),
+    "linear_attention": lambda c: "linear_attention" in c.layer_types,
+    "attention_output_gate": lambda c: c.attention_output_gate,
+    "shared_expert_gate": lambda c: bool(c.num_experts and c.shared_expert_gate),
 }
 
 # The most layers a config.json may have where its sliding and global layers are listed
@@ -171,7 +174,8 @@ class Family:
         ``"fused": True`` means the experts are stored stacked, ``experts.gate_up_proj``
         ``[E, d, 2 * d_expert]`` with gate and up columns interleaved and
         ``experts.down_proj`` ``[E, d_expert, d]`` (GPT-OSS), with their ``_bias``
-        tensors where the model has ``moe_bias`` (and ``experts`` is not given).
+        tensors where the model has ``moe_bias`` (and ``experts`` is not given). ``"shared_gate"``: the name of the shared experts' gate
+        (Qwen3-Next's ``shared_expert_gate``, ``[1, d]``).
       specs: ``{config.json field: Field}``, every field the family reads (``fields`` and
         those its hooks read): its type, range and default. A field neither here nor in
         :data:`IGNORED_FIELDS` is refused.

@@ -1,0 +1,150 @@
+"""Gated DeltaNet (issue 43, point 2; Qwen3-Next's linear_attention layers): the chunked
+gated delta rule against a NumPy float64 recurrence token by token, with chunk sizes that
+do and do not divide the sequence, packed documents, and gradients against a per-token
+JAX recurrence; the causal convolution against NumPy; the model's linear layers under
+packing, scanned layers, remat and every policy. The qwen3_next family's logits against
+transformers are in tests/test_hf.py."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmp.models import ModelConfig, MoETransformer
+from jaxmp.models.linear_attention import causal_conv, gated_delta_rule
+
+B, T, H, DK, DV = 2, 37, 3, 8, 6
+
+
+def np_delta_rule(q, k, v, g, beta, seg=None):
+    """float64, token by token: ``S = e^g S``; ``S += k (beta (v - S^T k))^T``; ``o = S^T q``,
+    the state zeroed where a segment starts (Yang et al. 2024, eq. 10)."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    out = np.zeros(v.shape)
+    for b in range(q.shape[0]):
+        s = np.zeros((q.shape[2], q.shape[3], v.shape[3]))
+        for t in range(q.shape[1]):
+            if seg is not None and t and seg[b, t] != seg[b, t - 1]:
+                s = np.zeros_like(s)
+            s = s * np.exp(g[b, t])[:, None, None]
+            delta = beta[b, t][:, None] * (v[b, t] - np.einsum("hkv,hk->hv", s, k[b, t]))
+            s = s + np.einsum("hk,hv->hkv", k[b, t], delta)
+            out[b, t] = np.einsum("hkv,hk->hv", s, q[b, t])
+    return out
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal((B, T, H, DK)) for _ in range(2))
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((B, T, H, DV))
+    g = -0.3 * np.abs(rng.standard_normal((B, T, H)))
+    beta = 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
+    return [jnp.asarray(x, jnp.float32) for x in (q * DK ** -0.5, k, v, g, beta)]
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 64])
+def test_the_chunked_rule_is_the_recurrence(chunk):
+    args = _inputs()
+    np.testing.assert_allclose(np.asarray(gated_delta_rule(*args, chunk_size=chunk)),
+                               np_delta_rule(*args), atol=2e-6)
+
+
+def test_packed_documents_start_from_an_empty_state():
+    """Three documents in a row (boundaries inside and across chunks of 8) and padding
+    (segment 0): each document's outputs are the recurrence over it alone."""
+    args = _inputs(1)
+    seg = np.array([[1] * 10 + [2] * 20 + [3] * 5 + [0] * 2, [4] * T], np.int32)
+    out = np.asarray(gated_delta_rule(*args, segment_ids=jnp.asarray(seg), chunk_size=8))
+    np.testing.assert_allclose(out, np_delta_rule(*args, seg=seg), atol=2e-6)
+    a, b = 10, 30
+    alone = np_delta_rule(*(x[:1, a:b] for x in args))
+    np.testing.assert_allclose(out[:1, a:b], alone, atol=2e-6)
+
+
+def test_gradients_are_the_per_token_recurrences():
+    """jax.grad through the chunked form (triangular solves and the chunk scan) equals
+    jax.grad through the per-token recurrence, in every input."""
+    args = _inputs(2)
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((B, T, H, DV)), jnp.float32)
+
+    def recurrent(q, k, v, g, beta):
+        def step(s, x):
+            qt, kt, vt, gt, bt = x
+            s = s * jnp.exp(gt)[..., None, None]
+            delta = bt[..., None] * (vt - jnp.einsum("bhkv,bhk->bhv", s, kt))
+            s = s + jnp.einsum("bhk,bhv->bhkv", kt, delta)
+            return s, jnp.einsum("bhkv,bhk->bhv", s, qt)
+        xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+        _, out = jax.lax.scan(step, jnp.zeros((B, H, DK, DV)), xs)
+        return jnp.sum(jnp.moveaxis(out, 0, 1) * w)
+
+    def chunked(*a):
+        return jnp.sum(gated_delta_rule(*a, chunk_size=8) * w)
+
+    want = jax.grad(recurrent, argnums=range(5))(*args)
+    got = jax.grad(chunked, argnums=range(5))(*args)
+    for name, x, y in zip("q k v g beta".split(), got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=5e-5, err_msg=name)
+
+
+def test_the_causal_convolution_is_numpys_and_stops_at_segments():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 9, 5)).astype(np.float32)
+    w = rng.standard_normal((5, 4)).astype(np.float32)
+    seg = np.array([[1] * 4 + [2] * 5, [3] * 9])
+    want = np.zeros_like(x, np.float64)
+    for b in range(2):
+        for t in range(9):
+            for j in range(4):  # torch Conv1d(padding=K - 1) cut to T: x[t - 3 + j] w[:, j]
+                src = t - 3 + j
+                if src >= 0 and seg[b, src] == seg[b, t]:
+                    want[b, t] += x[b, src] * w[:, j]
+    got = causal_conv(jnp.asarray(x), jnp.asarray(w), jnp.asarray(seg))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+BASE = dict(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, head_dim=16,
+            max_len=80, d_ff=64, attention="reference", moe_kernel="ragged_dot",
+            layer_types=("linear_attention", "full_attention", "linear_attention"),
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8, attention_output_gate=True, qk_norm=True,
+            norm_plus_one=True, rope_dim=4)
+TOKENS = jax.random.randint(jax.random.key(0), (2, 70), 0, 64)
+
+
+def _logits(model, tokens=TOKENS, **kwargs):
+    return np.asarray(jax.jit(lambda t: model(t, **kwargs)[0])(tokens), np.float64)
+
+
+def test_a_packed_document_has_its_logits_alone():
+    """Documents packed in a row (segment ids, positions restarting): the linear layers'
+    state and convolution restart at each document, so each document's logits are those
+    it has alone."""
+    model = MoETransformer(ModelConfig(**BASE), "fp32", rngs=nnx.Rngs(0))
+    a, b = TOKENS[0, :30], TOKENS[1, :40]
+    row = jnp.concatenate([a, b])[None]
+    seg = jnp.asarray([[1] * 30 + [2] * 40])
+    pos = jnp.asarray([list(range(30)) + list(range(40))])
+    packed = _logits(model, row, segment_ids=seg, positions=pos)
+    np.testing.assert_allclose(packed[0, :30], _logits(model, a[None])[0], atol=2e-5)
+    np.testing.assert_allclose(packed[0, 30:], _logits(model, b[None])[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("scan, remat", [(True, "full"), (True, "attention"),
+                                         (False, "dots_saveable")])
+def test_scanned_and_rematerialized_linear_layers_are_the_plain_model(scan, remat):
+    ref = MoETransformer(ModelConfig(**BASE), "fp32", rngs=nnx.Rngs(0))
+    other = MoETransformer(ModelConfig(**BASE, scan_layers=scan, remat=remat), "fp32",
+                           rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(_logits(other), _logits(ref), atol=2e-5)
+
+
+def test_bad_linear_attention_configs_are_named():
+    with pytest.raises(ValueError, match="linear_num_key_heads, linear_num_value_heads"):
+        ModelConfig(**{**BASE, "linear_num_key_heads": 0})
+    with pytest.raises(ValueError, match="linear_num_value_heads=5 must be a multiple of "
+                                         "linear_num_key_heads=2"):
+        ModelConfig(**{**BASE, "linear_num_value_heads": 5})
+    with pytest.raises(ValueError, match="shared_expert_gate needs shared experts"):
+        ModelConfig(**{**BASE, "shared_expert_gate": True, "num_experts": 4, "d_expert": 8})
