@@ -293,5 +293,10 @@ def test_training_flops_of_sliding_window_layers_by_hand():
     # a window as long as the row (or longer) is full attention
     assert cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560,
                                windows=[4096, 9000]) == pytest.approx(full, rel=1e-12)
-    with pytest.raises(ValueError, match=r"windows must give one int >= 0 per layer \(2\)"):
+    # a linear-attention layer (None) has no attention term: one full layer's is left
+    assert cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560,
+                               windows=[None, 0]) == pytest.approx(
+        1e6 * (6e9 + 6 * 4096 * 2560), rel=1e-12)
+    with pytest.raises(ValueError, match=r"windows must give one int >= 0 \(or None\) per "
+                                         r"layer \(2\)"):
         cost.training_flops(1e9, 1e6, num_layers=2, seq_len=4096, d_model=2560, windows=[1])

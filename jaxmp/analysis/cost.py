@@ -229,14 +229,17 @@ def training_flops(active_params: float, tokens: float, *, num_layers: int = 0,
     A layer with a sliding window of ``W < seq_len`` tokens attends to ``min(i + 1, W)``
     keys at position ``i``: on average ``W - W**2 / (2 T)`` where full causal attention
     counts ``T / 2`` (the two agree at ``W = T``), so its term is
-    ``12 * d_model * (W - W**2 / (2 T))`` per token instead of ``6 * T * d_model``.
+    ``12 * d_model * (W - W**2 / (2 T))`` per token instead of ``6 * T * d_model``. A
+    linear-attention layer (Gated DeltaNet) has no such term: its state updates,
+    ``O(d_k d_v)`` per token and head, are not counted (the figure is a lower bound).
 
     Args:
       active_params: parameters used per token (for a MoE, the active ones, not the total).
       tokens: training tokens.
       num_layers, seq_len, d_model: give all three for the attention term, or none.
       windows: each layer's sliding window in tokens, 0 for full attention
-        (:meth:`jaxmp.models.ModelConfig.attention_window`); empty: every layer full.
+        (:meth:`jaxmp.models.ModelConfig.attention_window`), None for a linear-attention
+        layer; empty: every layer full.
 
     Returns:
       Training FLOPs (float).
@@ -256,12 +259,13 @@ def training_flops(active_params: float, tokens: float, *, num_layers: int = 0,
                          f"got only {', '.join(given)}")
     windows = list(windows)
     if windows and (len(windows) != num_layers or
-                    not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0
-                            for w in windows)):
-        raise ValueError(f"windows must give one int >= 0 per layer ({num_layers}), got "
-                         f"{len(windows)} entries")
+                    not all(w is None or (isinstance(w, int) and not isinstance(w, bool)
+                                          and w >= 0) for w in windows)):
+        raise ValueError(f"windows must give one int >= 0 (or None) per layer ({num_layers}), "
+                         f"got {len(windows)} entries")
     t = float(seq_len)
-    context = sum(w - w * w / (2 * t) if 0 < w < t else t / 2 for w in windows) if windows \
+    context = sum(0.0 if w is None else w - w * w / (2 * t) if 0 < w < t else t / 2
+                  for w in windows) if windows \
         else float(num_layers) * t / 2  # keys attended per token, summed over the layers
     return float(tokens) * (6.0 * float(active_params) + 12.0 * context * float(d_model))
 

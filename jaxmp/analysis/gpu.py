@@ -417,8 +417,9 @@ def gpu_report(config: ml_collections.ConfigDict, gpu: GpuTarget, num_devices: i
     m = exp.model_config
     model_flops = cost.training_flops(active, tokens, num_layers=m.num_layers,
                                       seq_len=cfg.data.seq_len, d_model=m.d_model,
-                                      windows=([m.attention_window(i) for i in range(m.num_layers)]
-                                               if m.sliding_window else ()))
+                                      windows=[None if m.layer_type(i) == "linear_attention"
+                                               else m.attention_window(i)
+                                               for i in range(m.num_layers)])
     six_nd = 6.0 * active * tokens
     bound["tokens_per_s_bound"] = tokens / bound["bound_s"] if bound["bound_s"] else None
     bound["mfu_bound"] = (model_flops / bound["bound_s"] / gpu.peak_flops("bf16")
