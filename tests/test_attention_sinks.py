@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _packed import assert_documents_alone
 from jaxmp.models import ModelConfig, MoETransformer
 from jaxmp.models.attention import attention_core
 
@@ -182,11 +183,4 @@ def test_the_models_sinks_under_scan_remat_and_paths_are_the_unscanned_reference
 def test_a_packed_document_with_sinks_has_its_logits_alone():
     """Two documents packed in a row (segment ids, positions restarting) give each
     document the logits it has alone: the sink is per query, not per row."""
-    model = _model()
-    a, b = TOKENS[0, :7], TOKENS[1, :9]
-    row = jnp.concatenate([a, b])[None]
-    seg = jnp.asarray([[1] * 7 + [2] * 9])
-    pos = jnp.asarray([list(range(7)) + list(range(9))])
-    packed = _logits(model, row, segment_ids=seg, positions=pos)
-    np.testing.assert_allclose(packed[0, :7], _logits(model, a[None])[0], atol=2e-5)
-    np.testing.assert_allclose(packed[0, 7:], _logits(model, b[None])[0], atol=2e-5)
+    assert_documents_alone(_model(), [TOKENS[0, :7], TOKENS[1, :9]], atol=2e-5)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from _packed import assert_documents_alone
 from jaxmp.models import ModelConfig, MoETransformer
 from jaxmp.models.linear_attention import causal_conv, gated_delta_rule
 
@@ -122,13 +123,7 @@ def test_a_packed_document_has_its_logits_alone():
     state and convolution restart at each document, so each document's logits are those
     it has alone."""
     model = MoETransformer(ModelConfig(**BASE), "fp32", rngs=nnx.Rngs(0))
-    a, b = TOKENS[0, :30], TOKENS[1, :40]
-    row = jnp.concatenate([a, b])[None]
-    seg = jnp.asarray([[1] * 30 + [2] * 40])
-    pos = jnp.asarray([list(range(30)) + list(range(40))])
-    packed = _logits(model, row, segment_ids=seg, positions=pos)
-    np.testing.assert_allclose(packed[0, :30], _logits(model, a[None])[0], atol=2e-5)
-    np.testing.assert_allclose(packed[0, 30:], _logits(model, b[None])[0], atol=2e-5)
+    assert_documents_alone(model, [TOKENS[0, :30], TOKENS[1, :40]], atol=2e-5)
 
 
 @pytest.mark.parametrize("scan, remat", [(True, "full"), (True, "attention"),

@@ -16,6 +16,13 @@ EXPERTS = ("gate_proj", "up_proj", "down_proj")
 
 def _read(vals, hf, out):
     qwen3.read(vals, hf, out)
+    dense_layers(vals, out)
+
+
+def dense_layers(vals, out):
+    """``out``'s ``mlp_only_layers``: those config.json names and those
+    ``decoder_sparse_step`` leaves dense (transformers: sparse where ``(i + 1) % step ==
+    0``)."""
     step = vals["decoder_sparse_step"]
     dense = set(out["mlp_only_layers"])
     if step > 1:  # every layer is sparse at step 1: nothing to enumerate

@@ -7,6 +7,7 @@ router and a shared expert scaled by ``sigmoid(shared_expert_gate x)``. Without
 transformers: ``models/qwen3_next/configuration_qwen3_next.py`` and
 ``modeling_qwen3_next.py``.
 """
+from jaxmp.models.hf.families import qwen3_moe
 from jaxmp.models.hf.spec import (BOOL, COMMON_FIELDS, COUNT, COUNT0, INDICES,
                                   MAX_LISTED_LAYERS, Family, Field, common_specs, inexact,
                                   not_allowed)
@@ -29,11 +30,7 @@ def _read(vals, hf, out):
         raise inexact("qwen3_next", "full_attention_interval", hf["full_attention_interval"],
                       "absent where layer_types is given (transformers reads layer_types)")
     out["layer_types"] = tuple(types)
-    step = vals["decoder_sparse_step"]
-    dense = set(out["mlp_only_layers"])
-    if step > 1:
-        dense |= {i for i in range(n) if (i + 1) % step}
-    out["mlp_only_layers"] = tuple(sorted(dense))
+    qwen3_moe.dense_layers(vals, out)
     shared, width = vals["shared_expert_intermediate_size"], vals["moe_intermediate_size"]
     if shared % width:
         raise inexact("qwen3_next", "shared_expert_intermediate_size", shared,
