@@ -77,6 +77,20 @@ FAMILIES = {
                        moe_intermediate_size=16, shared_expert_intermediate_size=32,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=8, full_attention_interval=2, mlp_only_layers=[1]),
+    # Qwen3.5-MoE: Qwen3-Next's stack with split DeltaNet projections and M-RoPE keys (plain
+    # RoPE on text), every layer routed.
+    "qwen3_5_moe_text": dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=8,
+                             full_attention_interval=2,
+                             rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                                  partial_rotary_factor=0.25,
+                                                  mrope_section=[1, 1, 0],
+                                                  mrope_interleaved=True)),
+    # Qwen3.5-MoE multimodal: the text model above inside, a tiny vision tower beside it.
+    "qwen3_5_moe": dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+                                           num_heads=2, out_hidden_size=32, patch_size=14)),
     "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
                      use_qk_norm=True, n_routed_experts=8, n_shared_experts=1,
                      num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
@@ -104,8 +118,9 @@ def checkpoint(request, tmp_path_factory):
     """(family, directory, transformers' logits on TOKENS, jaxmp's model from the directory)."""
     family = request.param
     torch.manual_seed(0)
-    if family == "gemma3":  # a wrapper: the text model's fields are its text_config
-        text = dict(BASE, **FAMILIES["gemma3_text"], model_type="gemma3_text")
+    text_of = hf.FAMILIES[family].text_of
+    if text_of:  # a wrapper: the text model's fields are its text_config
+        text = dict(BASE, **FAMILIES[text_of], model_type=text_of)
         config = transformers.AutoConfig.for_model(family, text_config=text, **FAMILIES[family])
     else:
         config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
@@ -459,7 +474,8 @@ def test_init_from_trains_and_exports(tmp_path, monkeypatch):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gpt_oss", "qwen3_next",
+                                    "qwen3_5_moe_text"])
 def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, family):
     """train.py's path (configs/finetune.py, model.init_from=DIR) for the families whose
     windows, norms, sinks, linear attention and experts are new: two steps on a 2-device
@@ -873,3 +889,27 @@ def test_a_gpt_oss_without_windows_saves_what_transformers_runs(tmp_path):
     assert written["layer_types"] == ["full_attention"] * 2 and written["sliding_window"] >= 1
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
     assert _rel_err(_hf_logits(back), np.asarray(_logits(model), np.float64)) < 2e-4
+
+
+def test_qwen3_5_mtp_layers_are_skipped_where_announced(tmp_path):
+    """Qwen3.5's multi-token-prediction layers (``mtp.*``, ``mtp_num_hidden_layers``) are
+    not read: with the field the checkpoint loads as before; without it the tensors are
+    unused, and named."""
+    from safetensors.numpy import load_file, save_file
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "qwen3_5_moe_text", **{**BASE, **FAMILIES["qwen3_5_moe_text"]})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(str(tmp_path))
+    ref = _hf_logits(model)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["mtp.fc.weight"] = np.ones((32, 64), np.float32)
+    tensors["mtp.layers.0.input_layernorm.weight"] = np.ones(32, np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"2 tensor\(s\) of the checkpoint are not used .*mtp\."):
+        from_pretrained(str(tmp_path), "fp32", attention="reference")
+    written = json.load(open(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_text(json.dumps({**written, "mtp_num_hidden_layers": 1}))
+    ours = from_pretrained(str(tmp_path), "fp32", attention="reference")
+    assert _rel_err(_logits(ours), ref) < 2e-4

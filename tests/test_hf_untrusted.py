@@ -385,10 +385,11 @@ def test_defaults_are_transformers_own():
                 (family, key, spec.default, default)
             checked += 1
     assert checked > 100, checked
-    # Glm4MoeConfig's __post_init__ sets 0.5, Qwen3NextConfig's 0.25; the others read 1.0
+    # Glm4MoeConfig's __post_init__ sets 0.5, Qwen3NextConfig's and Qwen3_5MoeTextConfig's
+    # 0.25; the others read 1.0
     # (all dimensions).
     text = {f: fam for f, fam in hf.FAMILIES.items() if not fam.text_of}  # wrappers have none
-    partial = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+    partial = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe_text": 0.25}
     assert {f: fam.specs["partial_rotary_factor"].default for f, fam in text.items()} == {
         f: partial.get(f, 1.0) for f in text}
 

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Tuple
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, check, is_int, option
 from jaxmp.models.attention import ATTENTION_IMPLEMENTATIONS
 from jaxmp.models.layers import MLP_ACTIVATIONS, ROPE_LAYOUTS, ROPE_SCALINGS, Rope
+from jaxmp.models.linear_attention import LINEAR_PROJECTIONS
 from jaxmp.models.moe import EXPERT_ACTIVATIONS, GROUP_SCORES, MOE_KERNELS, SCORE_FNS
 
 __all__ = ["ModelConfig", "REMAT_POLICIES", "LAYER_TYPES"]
@@ -113,6 +114,10 @@ class ModelConfig:
         Gated DeltaNet (:class:`~jaxmp.models.linear_attention.GatedDeltaNet`,
         transformers' ``linear_*`` fields of ``Qwen3NextConfig``); needed (>= 1) when
         ``layer_types`` names such a layer.
+      linear_projections: how those layers' input projections are laid out, one of
+        :data:`~jaxmp.models.linear_attention.LINEAR_PROJECTIONS`: ``grouped``
+        (Qwen3-Next's ``in_proj_qkvz``, ``in_proj_ba``) or ``split`` (Qwen3.5's
+        ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
       attention_output_gate: the q projection gives a gate too, and attention's output is
         multiplied by its sigmoid (Qwen3-Next's gated attention; ``wq`` is ``[d, H, 2
         head_dim]``).
@@ -244,6 +249,9 @@ class ModelConfig:
     linear_value_head_dim: int = option(0, "linear_attention layers: value head width", Int(0))
     linear_conv_kernel: int = option(4, "linear_attention layers: the causal convolution's "
                                         "width in tokens", Int(1))
+    linear_projections: str = option("grouped", "linear_attention layers' input projections: "
+                                                "grouped (Qwen3-Next) | split (Qwen3.5)",
+                                     Choice(LINEAR_PROJECTIONS))
     attention_output_gate: bool = option(False, "attention's output times the sigmoid of a "
                                                 "gate the q projection gives (Qwen3-Next)",
                                          BOOL)

@@ -28,7 +28,11 @@ from flax import nnx
 from jaxmp.models.layers import add_fp8_states, make_param, matmul
 from jaxmp.precision.policy import Policy, PolicyRules
 
-__all__ = ["gated_delta_rule", "causal_conv", "GatedDeltaNet"]
+__all__ = ["gated_delta_rule", "causal_conv", "GatedDeltaNet", "LINEAR_PROJECTIONS"]
+
+# How a Gated DeltaNet layer's input projections are laid out (GatedDeltaNet's
+# ``projections``): Qwen3-Next's, grouped per key head, or Qwen3.5's, apart.
+LINEAR_PROJECTIONS = ("grouped", "split")
 
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
@@ -154,9 +158,17 @@ class GatedDeltaNet(nnx.Module):
       conv_kernel: the convolution's width in tokens.
       path, rules, rngs, init_std, out_std: as :class:`~jaxmp.models.attention.Attention`'s.
       norm_eps: the gated norm's epsilon.
+      projections: one of :data:`LINEAR_PROJECTIONS`: ``"grouped"``, Qwen3-Next's
+        ``in_proj_qkvz`` and ``in_proj_ba`` (q, k, v, z and b, a grouped per key head), or
+        ``"split"``, Qwen3.5's ``in_proj_qkv`` (all q, then all k, then all v),
+        ``in_proj_z``, ``in_proj_b`` and ``in_proj_a``: the same layer, its weights laid
+        out otherwise.
 
-    Parameters: ``wqkvz`` [d_model, Hk, 2 d_k + 2 r d_v] and ``wba`` [d_model, Hk, 2 r]
-    (``r = Hv / Hk``; ``embed``, ``heads``, None), ``conv`` [2 Hk d_k + Hv d_v, 1, K]
+    Parameters, ``grouped``: ``wqkvz`` [d_model, Hk, 2 d_k + 2 r d_v] and ``wba``
+    [d_model, Hk, 2 r] (``r = Hv / Hk``; ``embed``, ``heads``, None); ``split``: ``wqkv``
+    [d_model, 2 Hk d_k + Hv d_v] (``embed``, None), ``wz`` [d_model, Hv, d_v] (``embed``,
+    ``heads``, ``head_dim``), ``wb``, ``wa`` [d_model, Hv] (``embed``, ``heads``); both:
+    ``conv`` [2 Hk d_k + Hv d_v, 1, K]
     (depthwise, no axes), ``dt_bias``, ``A_log`` [Hv] (``heads``), ``norm_scale`` [d_v],
     ``wo`` [Hv, d_v, d_model] (``heads``, ``head_dim``, ``embed``).
     """
@@ -164,7 +176,11 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, d_model: int, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel: int, *, path: str,
                  rules: PolicyRules, rngs: nnx.Rngs, init_std: float = 0.02,
-                 out_std: float = 0.02, norm_eps: float = 1e-6):
+                 out_std: float = 0.02, norm_eps: float = 1e-6,
+                 projections: str = "grouped"):
+        if projections not in LINEAR_PROJECTIONS:
+            raise ValueError(f"projections={projections!r}; allowed: "
+                             f"{', '.join(LINEAR_PROJECTIONS)}")
         if num_value_heads % num_key_heads:
             raise ValueError(f"num_value_heads={num_value_heads} must be a multiple of "
                              f"num_key_heads={num_key_heads}")
@@ -176,12 +192,24 @@ class GatedDeltaNet(nnx.Module):
         r = num_value_heads // num_key_heads
         dt = self.policy.param_dtype
         normal = nnx.initializers.normal(init_std)
-        self.wqkvz = make_param(rngs, normal, (d_model, num_key_heads,
-                                               2 * key_head_dim + 2 * r * value_head_dim),
-                                dt, ("embed", "heads", None))
-        self.wba = make_param(rngs, normal, (d_model, num_key_heads, 2 * r), dt,
-                              ("embed", "heads", None))
+        self.projections = projections
         channels = 2 * num_key_heads * key_head_dim + num_value_heads * value_head_dim
+        if projections == "grouped":
+            self.wqkvz = make_param(rngs, normal, (d_model, num_key_heads,
+                                                   2 * key_head_dim + 2 * r * value_head_dim),
+                                    dt, ("embed", "heads", None))
+            self.wba = make_param(rngs, normal, (d_model, num_key_heads, 2 * r), dt,
+                                  ("embed", "heads", None))
+            names = ("wqkvz", "wba", "wo")
+        else:
+            self.wqkv = make_param(rngs, normal, (d_model, channels), dt, ("embed", None))
+            self.wz = make_param(rngs, normal, (d_model, num_value_heads, value_head_dim), dt,
+                                 ("embed", "heads", "head_dim"))
+            self.wb = make_param(rngs, normal, (d_model, num_value_heads), dt,
+                                 ("embed", "heads"))
+            self.wa = make_param(rngs, normal, (d_model, num_value_heads), dt,
+                                 ("embed", "heads"))
+            names = ("wqkv", "wz", "wb", "wa", "wo")
         self.conv = make_param(rngs, normal, (channels, 1, conv_kernel), dt, (None, None, None))
         self.dt_bias = make_param(rngs, nnx.initializers.ones, (num_value_heads,), dt,
                                   ("heads",))
@@ -193,7 +221,7 @@ class GatedDeltaNet(nnx.Module):
         self.wo = make_param(rngs, nnx.initializers.normal(out_std),
                              (num_value_heads, value_head_dim, d_model), dt,
                              ("heads", "head_dim", "embed"))
-        add_fp8_states(self, ("wqkvz", "wba", "wo"))
+        add_fp8_states(self, names)
 
     def __call__(self, x: jax.Array, lengths: Optional[jax.Array] = None, *,
                  segment_ids: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
@@ -207,15 +235,21 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         r = hv // hk
-        qkvz = matmul(self, x, "wqkvz", "btd,dhk->bthk", operands=operands)
-        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-        ba = matmul(self, x, "wba", "btd,dhk->bthk", operands=operands)
-        beta = jax.nn.sigmoid(ba[..., :r].reshape(b, t, hv).astype(jnp.float32))
-        a = ba[..., r:].reshape(b, t, hv).astype(jnp.float32)
+        if self.projections == "grouped":  # Qwen3-Next: per key head [q, k, v, z], [b, a]
+            qkvz = matmul(self, x, "wqkvz", "btd,dhk->bthk", operands=operands)
+            q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+            ba = matmul(self, x, "wba", "btd,dhk->bthk", operands=operands)
+            b_logit, a = ba[..., :r].reshape(b, t, hv), ba[..., r:].reshape(b, t, hv)
+            mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1),
+                                     v.reshape(b, t, -1)], -1)
+        else:  # Qwen3.5: [all q, all k, all v], z, b, a apart
+            mixed = matmul(self, x, "wqkv", "btd,dc->btc", operands=operands)
+            z = matmul(self, x, "wz", "btd,dhk->bthk", operands=operands)
+            b_logit = matmul(self, x, "wb", "btd,dh->bth", operands=operands)
+            a = matmul(self, x, "wa", "btd,dh->bth", operands=operands)
+        beta = jax.nn.sigmoid(b_logit.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a + self.dt_bias[...].astype(jnp.float32))
-        mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1),
-                                 v.reshape(b, t, -1)], -1)
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         mixed = jax.nn.silu(causal_conv(mixed, p.cast_to_compute(self.conv[...][:, 0]),
                                         segment_ids))
         q, k, v = jnp.split(mixed, [hk * dk, 2 * hk * dk], axis=-1)

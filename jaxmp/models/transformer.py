@@ -214,7 +214,8 @@ class Block(nnx.Module):
                                       config.linear_num_value_heads, config.linear_key_head_dim,
                                       config.linear_value_head_dim, config.linear_conv_kernel,
                                       path=f"{path}/attn", rules=rules, rngs=rngs,
-                                      init_std=std, out_std=out_std, norm_eps=config.norm_eps)
+                                      init_std=std, out_std=out_std, norm_eps=config.norm_eps,
+                                      projections=config.linear_projections)
         elif config.is_mla:
             self.attn = MLAttention(config.d_model, config.num_heads,
                                     q_lora_rank=config.q_lora_rank,

@@ -67,9 +67,13 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
     a = f"{p}.self_attn"
     if config.layer_type(i) == "linear_attention":  # Qwen3-Next's Gated DeltaNet
         la = f"{p}.linear_attn"
-        t.update({"attn/wqkvz": (f"{la}.in_proj_qkvz.weight", "in"),
-                  "attn/wba": (f"{la}.in_proj_ba.weight", "in"),
-                  "attn/conv": (f"{la}.conv1d.weight", "same"),
+        if config.linear_projections == "grouped":
+            t.update({"attn/wqkvz": (f"{la}.in_proj_qkvz.weight", "in"),
+                      "attn/wba": (f"{la}.in_proj_ba.weight", "in")})
+        else:  # Qwen3.5
+            t.update({f"attn/w{x}": (f"{la}.in_proj_{x}.weight", "in")
+                      for x in ("qkv", "z", "b", "a")})
+        t.update({"attn/conv": (f"{la}.conv1d.weight", "same"),
                   "attn/dt_bias": (f"{la}.dt_bias", "same"),
                   "attn/A_log": (f"{la}.A_log", "same"),
                   "attn/norm_scale": (f"{la}.norm.weight", "same"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +73,17 @@ def _load_array(files: Files, config, family, layers, key, stacked, shape, dtype
     return _cast(files, name, read_tensor(files, name, kind, shape, tuple(index)), dtype)
 
 
-def _check_names(files: Files, config: ModelConfig, family: str, mtp_layers: range) -> None:
+def _check_names(files: Files, config: ModelConfig, family: str,
+                 skipped: Tuple[str, ...]) -> None:
     """Before the model is built: every tensor ``config`` needs is in the checkpoint's
     weight map (a set lookup per name, layer by layer, failing at the first layer that
     lacks one: a config.json of a million layers over a 2-layer file fails at layer 2 at
     once), and every tensor of the checkpoint is one of them, except those skipped on
     purpose: RoPE's ``rotary_emb.inv_freq`` buffers, the multi-token-prediction layers
-    ``model.layers.{n}..`` that ``num_nextn_predict_layers`` announces (``mtp_layers``:
-    DeepSeek-V3 and GLM-4.5 keep them after the ``n`` layers, jaxmp does not read them) and
+    ``model.layers.{n}..`` that ``num_nextn_predict_layers`` announces, or those under the
+    family's :attr:`~jaxmp.models.hf.spec.Family.mtp_prefix` (``skipped``: the name
+    prefixes; DeepSeek-V3 and GLM-4.5 keep them after the ``n`` layers, Qwen3.5 under
+    ``mtp.``; jaxmp does not read them) and
     ``lm_head.weight`` with tied embeddings (which must equal the embedding:
     :func:`_check_tied_head`).
 
@@ -108,7 +111,7 @@ def _check_names(files: Files, config: ModelConfig, family: str, mtp_layers: ran
                                      f"layer {i} is missing or incomplete, and config.json "
                                      f"says {config.num_layers} layers (jaxmp {key})")
                 used.add(n)
-    mtp = tuple(f"model.layers.{j}." for j in mtp_layers)
+    mtp = tuple(skipped)
     unused = sorted(n for n in have if n not in used and not SKIPPED.fullmatch(n)
                     and not n.startswith(mtp)
                     and not (config.tie_embeddings and n == "lm_head.weight"))
@@ -244,8 +247,11 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
         files.take_fp8(tuple(quantized[1]["weight_block_size"]))
     vals = field_values(family, text)
     layers = vals["num_hidden_layers"]
-    _check_names(files, config, family,
-                 range(layers, layers + vals["num_nextn_predict_layers"]))
+    fam = FAMILIES[family]
+    mtp = vals.get("mtp_num_hidden_layers", 0) or vals["num_nextn_predict_layers"]
+    skipped = () if not mtp else (fam.mtp_prefix,) if fam.mtp_prefix else tuple(
+        f"model.layers.{j}." for j in range(layers, layers + mtp))
+    _check_names(files, config, family, skipped)
     abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0),
                                                      target=target))
     sources = param_sources(abstract, family)

@@ -51,6 +51,8 @@ FEATURES: Dict[str, Callable[[Any], bool]] = {
     "linear_attention": lambda c: "linear_attention" in c.layer_types,
     "attention_output_gate": lambda c: c.attention_output_gate,
     "shared_expert_gate": lambda c: bool(c.num_experts and c.shared_expert_gate),
+    "linear_projections": lambda c: ("linear_attention" in c.layer_types
+                                     and c.linear_projections != "grouped"),
 }
 
 # The most layers a config.json may have where its sliding and global layers are listed
@@ -211,6 +213,10 @@ class Family:
       text_prefixes: ``((prefix, head), ...)``: where a wrapper's checkpoint keeps the
         text model's ``model.*`` tensors and its ``lm_head.weight``, one pair per naming
         transformers has used.
+      mtp_prefix: where the family keeps its multi-token-prediction layers when its
+        ``mtp_num_hidden_layers`` is not 0 (Qwen3.5's ``mtp.``): not read; ``""``: they are
+        the ``model.layers.{n}..`` after the model's (DeepSeek-V3's
+        ``num_nextn_predict_layers``), or there are none.
       quantization: the ``quantization_config.quant_method`` values whose weights the
         loader dequantizes: blockwise ``"fp8"`` (E4M3 ``weight`` and ``weight_scale_inv``
         per ``nn.Linear``: :meth:`~jaxmp.models.hf.files.Files.take_fp8`), GPT-OSS's
@@ -234,6 +240,7 @@ class Family:
     text_of: str = ""
     text_prefixes: Tuple[Tuple[str, str], ...] = ()
     quantization: Tuple[str, ...] = ("fp8",)
+    mtp_prefix: str = ""
 
     def __post_init__(self):
         unknown = set(self.features) - set(FEATURES)
