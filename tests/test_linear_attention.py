@@ -143,3 +143,25 @@ def test_bad_linear_attention_configs_are_named():
         ModelConfig(**{**BASE, "linear_num_value_heads": 5})
     with pytest.raises(ValueError, match="shared_expert_gate needs shared experts"):
         ModelConfig(**{**BASE, "shared_expert_gate": True, "num_experts": 4, "d_expert": 8})
+
+
+def test_the_trainers_step_with_linear_layers_compiles_for_a_gpu():
+    """The trainer's own step (gpu.compile_step, what train.py compiles) with a Gated
+    DeltaNet layer and a full-attention one, for an H200 (deviceless): the full layer is
+    cuDNN's fused kernel forward and backward, the linear layer XLA's chunked form (its
+    UT transforms cuBLAS's triangular solves, the rest XLA's fusions and GEMMs): no fused
+    kernel of its own yet."""
+    from _compiled import compiled_step
+    from jaxmp.analysis import gpu, hlo
+
+    problem = gpu.plugin_problem()
+    if problem:
+        pytest.skip(f"deviceless GPU compile: {problem}")
+    step = compiled_step("tiny_moe", (
+        "--config.model.layer_types=('linear_attention', 'full_attention')",
+        "--config.model.linear_num_key_heads=2", "--config.model.linear_num_value_heads=4",
+        "--config.model.linear_key_head_dim=16", "--config.model.linear_value_head_dim=16"))
+    text = step.compiled.as_text()
+    kinds = [k.kind for k in hlo.hlo_kernels(text)]
+    assert kinds.count("cudnn_attention_fwd") == kinds.count("cudnn_attention_bwd") == 1
+    assert "__cublas$triangularSolve" in text
