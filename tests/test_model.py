@@ -630,3 +630,18 @@ def test_low_precision_logits_train_like_float32_logits():
         # neighbouring bfloat16 value at the head's output: a few bfloat16 ulps.
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2 ** -6,
                                    atol=2 ** -6 * float(jnp.abs(b).max()))
+
+
+def test_count_params_of_biased_experts_by_hand():
+    """GPT-OSS's expert biases are the experts': a token uses top_k of them. One MoE layer,
+    E = 4, k = 2, d = 32, d_expert = 16; router and expert biases, attention biases, sinks."""
+    cfg = ModelConfig(vocab_size=64, num_layers=1, d_model=32, num_heads=4, num_experts=4,
+                      top_k=2, d_expert=16, d_ff=0, moe_bias=True, qkv_bias=True, o_bias=True,
+                      attention_sinks=True, expert_activation="clamped_swiglu",
+                      attention="reference", moe_kernel="ragged_dot")
+    v, d, fe, e = 64, 32, 16, 4
+    attn = 4 * d * d + 3 * d + d + 4  # q, k, v, o weights and biases, a sink per head
+    expert = 3 * d * fe + 2 * fe + d  # w_gate, w_up, w_down, b_gate, b_up, b_down
+    total = 2 * v * d + d + attn + 2 * d + (d * e + e) + e * expert
+    model = nnx.eval_shape(lambda: MoETransformer(cfg, "fp32", rngs=nnx.Rngs(0)))
+    assert count_params(model) == (total, total - (e - 2) * expert)

@@ -585,7 +585,7 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
 
     Active = everything except the routed experts a token does not use: embeddings,
     attention, norms, head, dense FFNs, shared experts, routers, and ``top_k`` of the
-    ``num_experts`` routed experts per MoE layer. Embedding table and output head are
+    ``num_experts`` routed experts per MoE layer (their weights and biases). Embedding table and output head are
     counted in both numbers, as in DeepSeek-V3's "671B total, 37B activated" (that 37B
     is only reached with its 2 x 0.93B embedding/head parameters included). The same in
     either layout (a stack's routed experts hold all its layers).
@@ -598,6 +598,8 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
     cfg = model.config
     for _, module in nnx.iter_modules(model):
         if isinstance(module, RoutedExperts):
-            routed = sum(int(np.prod(w.shape)) for w in (module.w_gate, module.w_up, module.w_down))
+            routed = sum(int(np.prod(getattr(module, name).shape))  # weights, and biases
+                         for name in ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+                         if hasattr(module, name))
             inactive += routed // cfg.num_experts * (cfg.num_experts - cfg.top_k)
     return total, total - inactive
