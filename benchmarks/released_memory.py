@@ -63,13 +63,16 @@ STRATEGIES = ("dp", "zero1", "fsdp", "expert")  # "expert": fsdp with parallel.e
 TARGETS = ("H100", "H200")
 
 # --toy: config.json fields replaced where the file has them (width 64, 2 layers of which
-# the first dense where the family has dense layers, 8 experts of which 2 per token).
+# the first dense where the family has dense layers, 8 experts of which 2 per token, one
+# linear-attention layer where the family has them).
 TOY_FIELDS = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
               "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
               "vocab_size": 256, "n_routed_experts": 8, "num_experts": 8,
               "num_local_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
               "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-              "v_head_dim": 16}
+              "v_head_dim": 16, "linear_num_key_heads": 2,
+              "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16}
 
 
 def toy_config_json(hf: dict) -> dict:
@@ -77,7 +80,10 @@ def toy_config_json(hf: dict) -> dict:
     stays GQA (2 key/value heads) and MHA stays MHA, MLA keeps its low-rank query where
     it has one, group-limited routing keeps 4 groups of which 2 are picked. A multimodal
     wrapper's ``text_config`` is made toy-sized whole (every shape field set, the ones it
-    leaves to transformers' defaults included)."""
+    leaves to transformers' defaults included). Layer kinds are kept: ``layer_types``
+    gives the toy its first two kinds (GPT-OSS's sliding then full layer), a
+    ``full_attention_interval`` of 2 one linear and one full layer (Qwen3-Next), a
+    ``sliding_window_pattern`` of 2 one local and one global layer (Gemma 3)."""
     if isinstance(hf.get("text_config"), dict):
         from jaxmp.models import hf as hf_module
 
@@ -98,6 +104,16 @@ def toy_config_json(hf: dict) -> dict:
         out["q_lora_rank"] = 32
     if hf.get("n_group", 1) > 1:
         out["n_group"], out["topk_group"] = 4, 2
+    if hf.get("layer_types"):  # one layer of each of the first two kinds the file names
+        kinds = list(dict.fromkeys(hf["layer_types"]))
+        out["layer_types"] = (kinds * 2)[:out["num_hidden_layers"]]
+    else:  # or a pattern of period 2, where the family reads one (defaults included)
+        from jaxmp.models.hf.families import FAMILIES
+
+        specs = FAMILIES[hf["model_type"]].specs if hf.get("model_type") in FAMILIES else {}
+        for key in ("sliding_window_pattern", "full_attention_interval"):
+            if key in specs:
+                out[key] = 2
     return out
 
 

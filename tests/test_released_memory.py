@@ -106,6 +106,8 @@ def test_toy_configs_keep_the_family(name):
     assert (small.get("num_kv_heads") == small.get("num_heads")) == \
         (big.get("num_kv_heads") == big.get("num_heads"))
     assert bool(small.get("num_experts")) == bool(big.get("num_experts"))
+    # the layer kinds: sliding and full (GPT-OSS), linear and full (Qwen3-Next)
+    assert set(small.get("layer_types") or ()) == set(big.get("layer_types") or ())
 
 
 def test_bad_model_name_is_one_line(tmp_path, capsys):
