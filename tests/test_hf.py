@@ -83,7 +83,9 @@ FAMILIES = {
                              moe_intermediate_size=16, shared_expert_intermediate_size=16,
                              linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_key_head_dim=8, linear_value_head_dim=8,
-                             full_attention_interval=2,
+                             # both, as the released configs give them: layer_types read
+                             full_attention_interval=4,
+                             layer_types=["linear_attention", "full_attention"],
                              rope_parameters=dict(rope_type="default", rope_theta=1e4,
                                                   partial_rotary_factor=0.25,
                                                   mrope_section=[1, 1, 0],
@@ -891,10 +893,9 @@ def test_a_gpt_oss_without_windows_saves_what_transformers_runs(tmp_path):
     assert _rel_err(_hf_logits(back), np.asarray(_logits(model), np.float64)) < 2e-4
 
 
-def test_qwen3_5_mtp_layers_are_skipped_where_announced(tmp_path):
-    """Qwen3.5's multi-token-prediction layers (``mtp.*``, ``mtp_num_hidden_layers``) are
-    not read: with the field the checkpoint loads as before; without it the tensors are
-    unused, and named."""
+def test_qwen3_5_mtp_layers_are_skipped(tmp_path):
+    """Qwen3.5's and Qwen3-Next's multi-token-prediction layers (``mtp.*``) are not read,
+    as transformers does not read them: the checkpoint loads as without them."""
     from safetensors.numpy import load_file, save_file
 
     torch.manual_seed(0)
@@ -907,9 +908,30 @@ def test_qwen3_5_mtp_layers_are_skipped_where_announced(tmp_path):
     tensors["mtp.fc.weight"] = np.ones((32, 64), np.float32)
     tensors["mtp.layers.0.input_layernorm.weight"] = np.ones(32, np.float32)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"2 tensor\(s\) of the checkpoint are not used .*mtp\."):
-        from_pretrained(str(tmp_path), "fp32", attention="reference")
-    written = json.load(open(tmp_path / "config.json"))
-    (tmp_path / "config.json").write_text(json.dumps({**written, "mtp_num_hidden_layers": 1}))
-    ours = from_pretrained(str(tmp_path), "fp32", attention="reference")
+    assert _rel_err(_logits(from_pretrained(str(tmp_path), "fp32", attention="reference")),
+                    ref) < 2e-4
+    assert _rel_err(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path)).float().eval()), ref) < 2e-4
+
+
+@pytest.mark.parametrize("change", [dict(attention_bias=True),
+                                    dict(full_attention_interval=1)],
+                         ids=["attention_bias", "no_linear_layer"])
+def test_an_odd_qwen3_next_saves_what_transformers_reads(change, tmp_path):
+    """A Qwen3-Next with q/k/v/o biases, or with full attention only, loads and saves as
+    the qwen3_next it is: transformers' reload gives transformers' logits."""
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.for_model(
+        "qwen3_next", **{**BASE, **FAMILIES["qwen3_next"], **change})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path / "src"))
+    ref = _hf_logits(model)
+    ours = from_pretrained(str(tmp_path / "src"), "fp32", attention="reference")
     assert _rel_err(_logits(ours), ref) < 2e-4
+    assert save_pretrained(ours, str(tmp_path / "out")) == "qwen3_next"
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
+    assert _rel_err(_hf_logits(back.eval()), ref) < 2e-4

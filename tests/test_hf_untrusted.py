@@ -1030,3 +1030,21 @@ def test_gemma3_reads_both_rope_layouts_and_its_layer_pattern():
         "sliding_attention",)
     assert (defaults["sliding_window"], defaults["rope_theta"], defaults["rope_local_theta"],
             defaults["query_pre_attn_scalar"]) == (4096, 1e6, 10000.0, 256)
+
+
+def test_a_wrappers_quantization_config_is_its_text_models():
+    """transformers writes a multimodal checkpoint's quantization_config on the wrapper:
+    it is the text model's (and FineGrainedFP8Config's block, 128 x 128, where it is not
+    said)."""
+    wrapper = {"model_type": "gemma3", "text_config": {**GEMMA3},
+               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                       "activation_scheme": "dynamic"}}
+    text, kind = hf.text_config(wrapper)
+    assert kind == "gemma3" and text["quantization_config"] == wrapper["quantization_config"]
+    method, values = hf.quantization("gemma3_text", text)
+    assert method == "fp8" and values["weight_block_size"] == [128, 128]
+    assert hf.config_from_hf(wrapper)["d_model"] == D
+    with pytest.raises(ValueError, match=r"quantization_config=.* is not allowed; allowed: "
+                                         r"text_config\.quantization_config's value"):
+        hf.text_config({**wrapper, "text_config": {**GEMMA3, "quantization_config": {
+            "quant_method": "fp8", "weight_block_size": [64, 64]}}})

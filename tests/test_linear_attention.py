@@ -165,3 +165,36 @@ def test_the_trainers_step_with_linear_layers_compiles_for_a_gpu():
     kinds = [k.kind for k in hlo.hlo_kernels(text)]
     assert kinds.count("cudnn_attention_fwd") == kinds.count("cudnn_attention_bwd") == 1
     assert "__cublas$triangularSolve" in text
+
+
+def test_forward_substitution_is_the_triangular_solve():
+    """The CPU's forward substitution and jax.scipy's triangular solve (the GPU's) give
+    one (I + L)^-1 x, values and gradients; neither reads the diagonal or upper part."""
+    from jaxmp.models.linear_attention import unit_lower_solve
+
+    rng = np.random.default_rng(5)
+    a = jnp.asarray(rng.standard_normal((2, 3, 16, 16)) * 0.3, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 16, 5)), jnp.float32)
+    want = np.linalg.solve(np.tril(np.asarray(a, np.float64), -1) + np.eye(16),
+                           np.asarray(x, np.float64))
+    for substitution in (False, True):
+        got = unit_lower_solve(a, x, substitution)
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    grads = [jax.grad(lambda a, x, s=s: jnp.sum(unit_lower_solve(a, x, s) ** 2),
+                      argnums=(0, 1))(a, x) for s in (False, True)]
+    for g, h in zip(*grads):
+        np.testing.assert_allclose(np.asarray(jnp.tril(g, -1) if g.shape == a.shape else g),
+                                   np.asarray(jnp.tril(h, -1) if h.shape == a.shape else h),
+                                   atol=1e-4)
+
+
+def test_linear_layers_on_a_two_device_mesh_past_one_chunk():
+    """A model with a Gated DeltaNet layer, 70 tokens (two chunks), jitted under a mesh of
+    2 of the 8 CPU devices: the logits of one device (XLA:CPU's LAPACK solve hung here with
+    as many devices as cores: the CPU uses forward substitution)."""
+    from jaxmp import sharding
+
+    model = MoETransformer(ModelConfig(**BASE), "fp32", rngs=nnx.Rngs(0))
+    ref = _logits(model)
+    with jax.set_mesh(sharding.make_mesh(2)):
+        np.testing.assert_allclose(_logits(model), ref, atol=1e-5)

@@ -9,8 +9,8 @@ token: at token ``t``, with decay ``a_t = exp(g_t)`` and write strength ``beta_t
 :func:`gated_delta_rule` computes it chunk by chunk (the WY / UT form of DeltaNet, Yang et
 al. 2024, section 3; transformers' ``torch_chunk_gated_delta_rule``, FLA's
 ``chunk_gated_delta_rule``): within a chunk of ``chunk_size`` tokens the updates are one
-triangular solve and a few matmuls, and a ``jax.lax.scan`` carries the state across
-chunks. Everything runs in float32, as transformers' and FLA's reference forms do. There is
+triangular solve (:func:`unit_lower_solve`) and a few matmuls, and a ``jax.lax.scan``
+carries the state across chunks. Everything runs in float32, as transformers' and FLA's reference forms do. There is
 no Pallas kernel yet: on a GPU this is XLA's chunked form (see the README's feature table).
 
 Documents packed in a row (``segment_ids``) do not see each other: a token reads the state
@@ -25,10 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmp import target as compile_target
 from jaxmp.models.layers import add_fp8_states, make_param, matmul
 from jaxmp.precision.policy import Policy, PolicyRules
 
-__all__ = ["gated_delta_rule", "causal_conv", "GatedDeltaNet", "LINEAR_PROJECTIONS"]
+__all__ = ["gated_delta_rule", "unit_lower_solve", "causal_conv", "GatedDeltaNet",
+           "LINEAR_PROJECTIONS"]
 
 # How a Gated DeltaNet layer's input projections are laid out (GatedDeltaNet's
 # ``projections``): Qwen3-Next's, grouped per key head, or Qwen3.5's, apart.
@@ -90,8 +92,10 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
     system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), system, 0.0) + jnp.eye(c)
+    substitution = compile_target.current().platform == "cpu"
+
     def solve(a, x):  # (I + L)^-1 x: the UT transform of the chunk's delta updates
-        return jax.scipy.linalg.solve_triangular(a, x, lower=True, unit_diagonal=True)
+        return unit_lower_solve(a, x, substitution)
 
     new_values = solve(system, v_beta)
     k_decayed = solve(system, k_beta * (jnp.exp(cum) * reads)[..., None])
@@ -114,6 +118,30 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     _, out = jax.lax.scan(step, state, per_chunk)
     out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * c, dv)[:, :, :t]
     return jnp.moveaxis(out, 1, 2)
+
+
+def unit_lower_solve(a: jax.Array, x: jax.Array, substitution: bool) -> jax.Array:
+    """``A^-1 x`` for unit lower-triangular ``a [..., C, C]`` (its diagonal and upper part
+    not read), ``x [..., C, n]``.
+
+    ``substitution=False``: ``jax.scipy.linalg.solve_triangular`` (cuBLAS's triangular
+    solve on GPUs). ``True``: forward substitution row by row in a ``fori_loop``
+    (transformers' own loop for its export path), for the CPU: XLA:CPU's LAPACK ``trsm``
+    call waits on the host thread pool, which the other devices' programs hold when a
+    mesh has as many devices as cores, and never returns (2 simulated devices on 2 cores).
+    """
+    if not substitution:
+        return jax.scipy.linalg.solve_triangular(a, x, lower=True, unit_diagonal=True)
+    c = a.shape[-1]
+    lower = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0.0)
+
+    def row(i, y):  # y_i = x_i - sum_{j < i} a_ij y_j (rows >= i of ``lower`` are 0 there)
+        ai = jax.lax.dynamic_index_in_dim(lower, i, axis=-2, keepdims=False)
+        xi = jax.lax.dynamic_index_in_dim(x, i, axis=-2, keepdims=False)
+        yi = xi - jnp.einsum("...j,...jn->...n", ai, y)
+        return jax.lax.dynamic_update_index_in_dim(y, yi, i, axis=-2)
+
+    return jax.lax.fori_loop(1, c, row, x)
 
 
 def causal_conv(x: jax.Array, w: jax.Array,

@@ -46,13 +46,16 @@ is lost:
 * files (:mod:`~jaxmp.models.hf.files`): regular files only, an index naming plain file
   names inside the directory, readable safetensors files.
 * tensors (:mod:`~jaxmp.models.hf.load`): every needed tensor and no other, each of the
-  expected shape and a floating dtype, checked from the headers before the model is built;
+  expected shape and a floating dtype (or blockwise FP8 with its scales, or GPT-OSS's
+  MXFP4 experts, where ``quantization_config`` says so: read dequantized), checked from
+  the headers before the model is built;
   a tied head equal to its embedding; every slice finite as read and in the parameter
   dtype.
 * ``tokenizer_config.json``'s ``eos_token`` is null, a non-empty string or
   ``{"content": non-empty string}``, and a ``tokenizer.json`` that does not load is named.
 """
-from jaxmp.models.hf.config import RUNTIME_FIELDS, config_from_hf, config_to_hf, family_of
+from jaxmp.models.hf.config import (RUNTIME_FIELDS, config_from_hf, config_to_hf, family_of,
+                                    quantization, text_config)
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import check_directory, read_config, tokenizer_eos
 from jaxmp.models.hf.load import check_weights, from_pretrained, load_weights
@@ -61,4 +64,5 @@ from jaxmp.models.hf.spec import IGNORED_FIELDS, Family, Field
 
 __all__ = ["from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf", "FAMILIES",
            "IGNORED_FIELDS", "MAX_SHARD_BYTES", "RUNTIME_FIELDS", "load_weights", "read_config",
-           "family_of", "tokenizer_eos", "check_weights", "check_directory", "Family", "Field"]
+           "family_of", "tokenizer_eos", "check_weights", "check_directory", "Family", "Field",
+           "quantization", "text_config"]

@@ -173,7 +173,7 @@ _QUANTIZATIONS = {
     "mxfp4": {"modules_to_not_convert": Field(NAMES, None, null=None)},
     "fp8": {"modules_to_not_convert": Field(NAMES, None, null=None),
             "fmt": fixed("e4m3"), "activation_scheme": fixed("dynamic"),
-            "weight_block_size": Field(_BLOCK)},
+            "weight_block_size": Field(_BLOCK, [128, 128])},  # FineGrainedFP8Config's
 }
 
 
@@ -225,6 +225,11 @@ def text_config(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], Optional[str]]:
                           "the fields jaxmp.models.hf implements (unknown field)")
     vals = field_values(wrapper, hf)
     text = dict(vals["text_config"])
+    if hf.get("quantization_config") is not None:  # transformers writes it on the wrapper
+        if text.get("quantization_config") not in (None, hf["quantization_config"]):
+            raise not_allowed(wrapper, "quantization_config", hf["quantization_config"],
+                              "text_config.quantization_config's value (both are given)")
+        text["quantization_config"] = hf["quantization_config"]
     kind = text.setdefault("model_type", fam.text_of)
     if kind != fam.text_of:
         raise not_allowed(wrapper, "text_config.model_type", kind, repr(fam.text_of))

@@ -242,6 +242,10 @@ class Files:
         ceil(in / b1)]`` (``block = (b0, b1)``, ``weight_block_size``) are ``X.weight``
         float32 ``[out, in]``, each element times its block's scale, in float32 (as
         transformers' ``_dequantize_fp8_weight`` computes it: one rounding of the product).
+        The blocks are ``weight_block_size``'s, the last ones partial where it does not
+        divide a dimension (DeepSeek's ``weight_dequant``); transformers' CPU loader takes
+        the block from the scale grid instead (``rows // grid_rows``), which differs there
+        (48 rows in blocks of 32: jaxmp 32 + 16, transformers 24 + 24).
         Shapes and dtypes are checked by :meth:`info`, the scales as they are read.
         """
         taken = []

@@ -249,7 +249,7 @@ def _checked(path: str, config: ModelConfig, policy: Any, target):
     layers = vals["num_hidden_layers"]
     fam = FAMILIES[family]
     mtp = vals.get("mtp_num_hidden_layers", 0) or vals["num_nextn_predict_layers"]
-    skipped = () if not mtp else (fam.mtp_prefix,) if fam.mtp_prefix else tuple(
+    skipped = (fam.mtp_prefix,) if fam.mtp_prefix else tuple(
         f"model.layers.{j}." for j in range(layers, layers + mtp))
     _check_names(files, config, family, skipped)
     abstract = nnx.eval_shape(lambda: MoETransformer(config, policy, rngs=nnx.Rngs(0),

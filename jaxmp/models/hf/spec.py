@@ -213,9 +213,9 @@ class Family:
       text_prefixes: ``((prefix, head), ...)``: where a wrapper's checkpoint keeps the
         text model's ``model.*`` tensors and its ``lm_head.weight``, one pair per naming
         transformers has used.
-      mtp_prefix: where the family keeps its multi-token-prediction layers when its
-        ``mtp_num_hidden_layers`` is not 0 (Qwen3.5's ``mtp.``): not read; ``""``: they are
-        the ``model.layers.{n}..`` after the model's (DeepSeek-V3's
+      mtp_prefix: where the family keeps its multi-token-prediction layers, which are not
+        read (Qwen3-Next's and Qwen3.5's ``mtp.``, which transformers ignores too); ``""``:
+        they are the ``model.layers.{n}..`` after the model's (DeepSeek-V3's
         ``num_nextn_predict_layers``), or there are none.
       quantization: the ``quantization_config.quant_method`` values whose weights the
         loader dequantizes: blockwise ``"fp8"`` (E4M3 ``weight`` and ``weight_scale_inv``

@@ -16,6 +16,7 @@ FAMILY = Family(
     {}, {},
     specs={"text_config": Field(OBJECT, None, null={}),
            "vision_config": Field(OBJECT, None, null={}),
+           "quantization_config": Field(OBJECT, None, null=None),  # the text model's
            "mm_tokens_per_image": Field(COUNT, 256, null=None),
            "boi_token_index": Field(COUNT, 255_999, null=None),
            "eoi_token_index": Field(COUNT, 256_000, null=None),

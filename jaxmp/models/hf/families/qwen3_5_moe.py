@@ -14,6 +14,7 @@ FAMILY = Family(
     {}, {},
     specs={"text_config": Field(OBJECT, None, null={}),
            "vision_config": Field(OBJECT, None, null={}),
+           "quantization_config": Field(OBJECT, None, null=None),  # the text model's
            "image_token_id": Field(COUNT, 248_056, null=None),
            "video_token_id": Field(COUNT, 248_057, null=None),
            "vision_start_token_id": Field(COUNT, 248_053, null=None),

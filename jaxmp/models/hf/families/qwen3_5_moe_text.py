@@ -3,8 +3,8 @@ and gated attention layers, every layer routed with a gated shared expert, the D
 input projections kept apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``: ``model.linear_projections='split'``) and M-RoPE parameters
 (``mrope_section``, ``mrope_interleaved``), which on text alone (one position stream for
-time, height and width) are plain RoPE. The multi-token-prediction layers (``mtp.*``,
-``mtp_num_hidden_layers``) are not read.
+time, height and width) are plain RoPE. The multi-token-prediction layers (``mtp.*``) are
+not read, as transformers does not read them.
 
 transformers: ``models/qwen3_5_moe/configuration_qwen3_5_moe.py`` (``Qwen3_5MoeTextConfig``)
 and ``modeling_qwen3_5_moe.py``.
@@ -45,7 +45,6 @@ FAMILY = Family(
                  mtp_num_hidden_layers=Field(COUNT0, 0),
                  mtp_use_dedicated_embeddings=Field(BOOL, False)),
     read=_read, write=qwen3_next.write, partial_rotary=True,
-    maps=lambda c: (not c.is_mla and bool(c.num_experts) and "linear_attention" in c.layer_types
-                    and c.linear_projections == "split"),
+    maps=qwen3_next.hybrid("split"),
     features=qwen3_next.HYBRID_FEATURES | {"linear_projections"},
     mtp_prefix="mtp.")

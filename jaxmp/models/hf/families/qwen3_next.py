@@ -14,8 +14,9 @@ from jaxmp.models.hf.spec import (BOOL, COMMON_FIELDS, COUNT, COUNT0, INDICES,
 
 
 def hybrid_layers(model_type, vals, hf, out):
-    """``out``'s ``layer_types``: config.json's, or every ``full_attention_interval``-th
-    layer full attention and the others linear (transformers' default)."""
+    """``out``'s ``layer_types``: config.json's, or without them every
+    ``full_attention_interval``-th layer full attention and the others linear
+    (transformers' default)."""
     n = out["num_layers"]
     types = list(vals["layer_types"])
     if not types:
@@ -24,9 +25,8 @@ def hybrid_layers(model_type, vals, hf, out):
                               f"at most {MAX_LISTED_LAYERS:,} layers (each is listed)")
         every = vals["full_attention_interval"]
         types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(n)]
-    elif "full_attention_interval" in hf:
-        raise inexact(model_type, "full_attention_interval", hf["full_attention_interval"],
-                      "absent where layer_types is given (transformers reads layer_types)")
+    # with layer_types given, transformers reads them and not full_attention_interval (the
+    # released Qwen3.5 configs give both)
     out["layer_types"] = tuple(types)
 
 
@@ -81,7 +81,19 @@ HYBRID_FIELDS = dict(attention_bias="qkv_bias", num_experts="num_experts",
 HYBRID_FIXED = {"qk_norm": True, "norm_plus_one": True, "attention_output_gate": True,
                 "shared_expert_gate": True, "score_fn": "softmax", "first_dense_layers": 0}
 HYBRID_FEATURES = frozenset({"norm_plus_one", "linear_attention", "attention_output_gate",
-                             "shared_expert_gate"})
+                             "shared_expert_gate", "o_bias"})
+
+
+def hybrid(projections):
+    """``maps`` of a hybrid family: its linear layers' projections, or (a stack of full
+    attention alone, which either family can write) Qwen3-Next's gated attention."""
+    def maps(c):
+        if c.is_mla or not c.num_experts:
+            return False
+        if "linear_attention" in c.layer_types:
+            return c.linear_projections == projections
+        return projections == "grouped" and c.attention_output_gate
+    return maps
 
 FAMILY = Family(
     "qwen3_next", "Qwen3NextForCausalLM",
@@ -96,6 +108,4 @@ FAMILY = Family(
                  mlp_only_layers=Field(INDICES, None, null=[]),
                  decoder_sparse_step=Field(COUNT, 1)),
     read=_read, write=_write, partial_rotary=True,
-    maps=lambda c: (not c.is_mla and bool(c.num_experts) and "linear_attention" in c.layer_types
-                    and c.linear_projections == "grouped"),
-    features=HYBRID_FEATURES)
+    maps=hybrid("grouped"), features=HYBRID_FEATURES, mtp_prefix="mtp.")
