@@ -935,3 +935,23 @@ def test_an_odd_qwen3_next_saves_what_transformers_reads(change, tmp_path):
     assert save_pretrained(ours, str(tmp_path / "out")) == "qwen3_next"
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).float()
     assert _rel_err(_hf_logits(back.eval()), ref) < 2e-4
+
+
+def test_a_multimodal_qwen3_5_loads_its_text_model(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration as transformers saves it (``model.language_model.``,
+    a vision tower under ``model.visual.``): jaxmp loads the text model alone, its logits
+    the multimodal model's on text, and writes it back as the text family."""
+    torch.manual_seed(2)
+    text = dict(BASE, **FAMILIES["qwen3_5_moe_text"], model_type="qwen3_5_moe_text")
+    config = transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text,
+                                               **FAMILIES["qwen3_5_moe"])
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).float().eval()
+    model.save_pretrained(str(tmp_path / "src"))
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "src" / "model.safetensors"), "np") as f:
+        assert any(k.startswith("model.visual.") for k in f.keys())
+    ref = _hf_logits(model)
+    with pytest.warns(RuntimeWarning, match="not the text model's"):
+        ours = from_pretrained(str(tmp_path / "src"), "fp32", attention="reference")
+    assert _rel_err(_logits(ours), ref) < 2e-4
+    assert save_pretrained(ours, str(tmp_path / "out")) == "qwen3_5_moe_text"
