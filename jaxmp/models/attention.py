@@ -226,6 +226,19 @@ def trace_cudnn_without_gpu():
         _TRACE_ONLY_CUDNN[0] = False
 
 
+def query_valid(t: int, lengths: Optional[jax.Array],
+                segment_ids: Optional[jax.Array] = None) -> Optional[jax.Array]:
+    """bool ``[B, T]``: the real tokens, those within the first ``lengths[b]`` and not in
+    segment 0 (padding); None when neither is given (every token is real)."""
+    valid = None
+    if lengths is not None:
+        valid = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
+    if segment_ids is not None:
+        real = jnp.asarray(segment_ids, jnp.int32) != 0
+        valid = real if valid is None else valid & real
+    return valid
+
+
 def _padding_masks(t: int, lengths: Optional[jax.Array],
                    segment_ids: Optional[jax.Array] = None, window: int = 0):
     """``(attend [B|1, 1, T, T] bool, query_valid [B, T] bool or None)``: causal, within
@@ -235,19 +248,26 @@ def _padding_masks(t: int, lengths: Optional[jax.Array],
     attend = ops.causal_mask(t)[None, None]
     if window:  # key j is seen by query i when i - window < j (transformers' sliding window)
         attend = attend & (jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window)[None, None]
-    valid = None
-    if lengths is not None:
-        valid = jnp.arange(t)[None, :] < jnp.asarray(lengths, jnp.int32)[:, None]  # [B, T]
     if segment_ids is not None:
         seg = jnp.asarray(segment_ids, jnp.int32)
         attend = attend & (seg[:, None, :, None] == seg[:, None, None, :])
-        valid = seg != 0 if valid is None else valid & (seg != 0)
+    valid = query_valid(t, lengths, segment_ids)
     if valid is None:
         return attend, None
     return attend & valid[:, None, None, :] & valid[:, None, :, None], valid
 
 
-def _fused_with_lse(q, k, v, implementation, scale, padding, attend, query_valid):
+def _scores(q, k, scale):
+    """float32 ``[B, H, T, T]`` scores ``q k^T`` times ``scale`` (None: ``h ** -0.5``),
+    each query head with its key head (grouped-query attention: ``k`` repeated)."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:  # query head n reads key/value head n // groups (GQA, Ainslie et al.)
+        k = jnp.repeat(k, groups, axis=2)
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+    return scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
+
+
+def _fused_with_lse(q, k, v, implementation, scale, padding, attend, valid):
     """``(out [B, T, H, h], lse float32 [B, T, H])`` of the fused path: the output with its
     own gradient, and the log-sum-exp of each query's scaled, masked scores (no gradient,
     0 on padded queries).
@@ -268,8 +288,7 @@ def _fused_with_lse(q, k, v, implementation, scale, padding, attend, query_valid
         lengths = padding.get("query_seq_lengths")
         window = padding.get("local_window_size")
         out, stat = fused.dot_product_attention(
-            q, k, v, None, padding.get("mask"), lengths, lengths,
-            scale=(1.0 / math.sqrt(q.shape[-1])) if scale is None else scale,
+            q, k, v, None, padding.get("mask"), lengths, lengths, scale=scale,
             mask_type=kinds.PADDING_CAUSAL if lengths is not None else kinds.CAUSAL,
             sliding_window_length=None if window is None else window[0] + 1,
             return_residual=True)
@@ -277,37 +296,31 @@ def _fused_with_lse(q, k, v, implementation, scale, padding, attend, query_valid
     else:
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation,
                                            scale=scale, **padding)
-        groups = q.shape[2] // k.shape[2]
-        kr = jnp.repeat(k, groups, axis=2) if groups > 1 else k
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, kr, preferred_element_type=jnp.float32)
-        scores = scores * jnp.float32((1.0 / math.sqrt(q.shape[-1])) if scale is None else scale)
-        lse = jax.nn.logsumexp(jnp.where(attend, scores, -jnp.inf), axis=-1)
+        lse = jax.nn.logsumexp(jnp.where(attend, _scores(q, k, scale), -jnp.inf), axis=-1)
         lse = jnp.transpose(lse, (0, 2, 1))
     lse = jax.lax.stop_gradient(lse)
-    if query_valid is not None:  # a padded query's statistic is the kernel's to fill
-        lse = jnp.where(query_valid[:, :, None], lse, 0.0)
+    if valid is not None:  # a padded query's statistic is the kernel's to fill
+        lse = jnp.where(valid[:, :, None], lse, 0.0)
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lse_gradient(core, q, k, lse, masks):
-    """``lse`` (the log-sum-exp of ``core``'s scaled scores), with its gradient in ``q``
-    and ``k``, which the fused kernels do not give: ``d lse_i / d q_i = scale sum_j P_ij
-    k_j`` (attention with ``k`` as the values) and ``d lse_i / d k_j = scale P_ij q_i``
-    (the values' gradient of attention at cotangent ``scale g q``), both from the fused
-    path itself (one more forward and backward pass of it)."""
-    del core, q, k, masks
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _lse_gradient(core, scale, q, k, lse, masks):
+    """``lse`` (the log-sum-exp of ``core``'s scores scaled by ``scale``), with its
+    gradient in ``q`` and ``k``, which the fused kernels do not give: ``d lse_i / d q_i =
+    scale sum_j P_ij k_j`` (attention with ``k`` as the values) and ``d lse_i / d k_j =
+    scale P_ij q_i`` (the values' gradient of attention at cotangent ``scale g q``), both
+    from the fused path itself (one more forward and backward pass of it)."""
+    del core, scale, q, k, masks
     return lse
 
 
-def _lse_gradient_fwd(core, q, k, lse, masks):
+def _lse_gradient_fwd(core, scale, q, k, lse, masks):
     return lse, (q, k, masks)
 
 
-def _lse_gradient_bwd(core, res, g):
+def _lse_gradient_bwd(core, scale, res, g):
     q, k, masks = res
-    scale = core.keywords["scale"]
-    scale = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
     g = jnp.float32(scale) * g[..., None]  # [B, T, H, 1]
     values_k, pullback = jax.vjp(lambda v: core(q, k, v, lengths=masks[0],
                                                   segment_ids=masks[1]), k)
@@ -375,8 +388,6 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
     if segment_ids is not None and jnp.shape(segment_ids) != q.shape[:2]:
         raise ValueError(f"segment_ids of shape {jnp.shape(segment_ids)}; expected [B, T] = "
                          f"{list(q.shape[:2])}")
-    if sinks is not None:
-        sinks = jnp.asarray(sinks)
     if sinks is not None and jnp.shape(sinks) != (q.shape[2],):
         raise ValueError(f"sinks of shape {jnp.shape(sinks)}; expected [H] = [{q.shape[2]}]")
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -384,15 +395,15 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
     attend, query_valid = _padding_masks(t, lengths, segment_ids, window)
     groups = q.shape[2] // k.shape[2]
     if implementation == "reference":
-        if groups > 1:  # query head n reads key/value head n // groups (GQA, Ainslie et al.)
-            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
+        scores = _scores(q, k, scale)
+        if groups > 1:  # query head n reads key/value head n // groups
+            v = jnp.repeat(v, groups, axis=2)
         if sinks is None:
             probs = ops.masked_softmax(scores, attend, axis=-1, dtype=q.dtype)
             return jnp.einsum("bhqs,bshk->bqhk", probs, v)
         b, h = scores.shape[:2]
-        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, None], (b, h, t, 1))
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[None, :, None, None],
+                                (b, h, t, 1))
         # the sink column counts for every query that attends at all (not for padding)
         seen = jnp.broadcast_to(jnp.any(attend, axis=-1, keepdims=True), (b, h, t, 1))
         probs = ops.masked_softmax(jnp.concatenate([scores, sink], -1),
@@ -417,12 +428,13 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str
                                            implementation=implementation, scale=scale,
                                            **padding)
     else:  # out * Z / (Z + e^sink), Z = e^lse: the sink's share taken from every query
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out, lse = _fused_with_lse(q, k, v, implementation, scale, padding, attend,
                                    query_valid)
         core = functools.partial(attention_core, implementation=implementation, scale=scale,
                                  window=window)
-        lse = _lse_gradient(core, q, k, lse, (lengths, segment_ids))
-        share = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, None, :])
+        lse = _lse_gradient(core, scale, q, k, lse, (lengths, segment_ids))
+        share = jax.nn.sigmoid(lse - jnp.asarray(sinks, jnp.float32)[None, None, :])
         out = (out.astype(jnp.float32) * share[..., None]).astype(q.dtype)
     if hv < q.shape[-1]:
         out = out[..., :hv]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmp import target as compile_target
+from jaxmp.models.attention import query_valid
 from jaxmp.models.layers import add_fp8_states, make_param, matmul
 from jaxmp.precision.policy import Policy, PolicyRules
 
@@ -90,8 +91,8 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     pair = jnp.where(lower & same, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :],
                                                      0.0)), 0.0)
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # I + L, L its strict lower part: the solve reads neither the diagonal nor above it
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
-    system = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), system, 0.0) + jnp.eye(c)
     substitution = compile_target.current().platform == "cpu"
 
     def solve(a, x):  # (I + L)^-1 x: the UT transform of the chunk's delta updates
@@ -289,12 +290,7 @@ class GatedDeltaNet(nnx.Module):
         q = jnp.repeat(l2(q.reshape(b, t, hk, dk)), r, axis=2) * dk ** -0.5
         k = jnp.repeat(l2(k.reshape(b, t, hk, dk)), r, axis=2)
         o = gated_delta_rule(q, k, v.reshape(b, t, hv, dv), g, beta, segment_ids)
-        valid = None
-        if segment_ids is not None:
-            valid = jnp.asarray(segment_ids) != 0
-        if lengths is not None:
-            real = jnp.arange(t)[None, :] < jnp.asarray(lengths)[:, None]
-            valid = real if valid is None else valid & real
+        valid = query_valid(t, lengths, segment_ids)
         if valid is not None:  # padding: an output row of 0, as attention's
             o = jnp.where(valid[:, :, None, None], o, 0.0)
         # gated RMSNorm per value head (transformers' Qwen3NextRMSNormGated), float32

@@ -315,9 +315,7 @@ def _dropless(experts, x, expert_ids, gates, grouped=None, operands=None):
     grouped_matmul = functools.partial(matmul, group_sizes=group_sizes, grouped=grouped,
                                        operands=operands)
     rows = flat[order]  # the expert of each sorted assignment: its biases' row
-    h = experts.activate(experts.add_bias(grouped_matmul(experts, xs, "w_gate"), "b_gate", rows),
-                         experts.add_bias(grouped_matmul(experts, xs, "w_up"), "b_up", rows))
-    ys = experts.add_bias(grouped_matmul(experts, h, "w_down"), "b_down", rows)
+    ys = experts.ffn(xs, lambda y, name: grouped_matmul(experts, y, name), rows)
     ys = ys[jnp.argsort(order)].reshape(n, k, -1)  # back to token-major order
     # Gate-weighted sum in float32; the float32 copy of ys is recomputed, not saved.
     return ops.cast_matmul(gates, ys, "nk,nkd->nd")
@@ -367,10 +365,9 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
     combine = jnp.einsum("btk,btke,btkc->btec", gates, expert, slots)
     xe = jnp.einsum("btec,btd->becd", dispatch.astype(x.dtype), x)  # one-hot: exact in any dtype
     if expert_axis is None:
-        slot_bias = functools.partial(experts.add_bias, rows=(None, slice(None), None))
-        h = experts.activate(slot_bias(mm(experts, xe, "w_gate", "becd,edf->becf"), "b_gate"),
-                             slot_bias(mm(experts, xe, "w_up", "becd,edf->becf"), "b_up"))
-        ye = slot_bias(mm(experts, h, "w_down", "becf,efd->becd"), "b_down")
+        ye = experts.ffn(xe, lambda y, name: mm(experts, y, name, (
+            "becf,efd->becd" if name == "w_down" else "becd,edf->becf")),
+            (None, slice(None), None))
     else:
         groups = jax.lax.axis_size(expert_axis)
         local = num_experts // groups
@@ -380,11 +377,9 @@ def _with_capacity(experts, x, expert_ids, gates, capacity, num_experts, expert_
             xs = fp8.all_to_all(xe, expert_axis, 1, 1)
         else:
             xs = jax.lax.all_to_all(xe, expert_axis, 1, 1)
-        slot_bias = functools.partial(experts.add_bias,
-                                      rows=(None, None, slice(None), None))
-        h = experts.activate(slot_bias(mm(experts, xs, "w_gate", "bsecd,edf->bsecf"), "b_gate"),
-                             slot_bias(mm(experts, xs, "w_up", "bsecd,edf->bsecf"), "b_up"))
-        ys = slot_bias(mm(experts, h, "w_down", "bsecf,efd->bsecd"), "b_down")
+        ys = experts.ffn(xs, lambda y, name: mm(experts, y, name, (
+            "bsecf,efd->bsecd" if name == "w_down" else "bsecd,edf->bsecf")),
+            (None, None, slice(None), None))
         ye = jax.lax.all_to_all(ys, expert_axis, 1, 1).reshape(b, num_experts, capacity, -1)
     y = ops.cast_matmul(combine, ye, "btec,becd->btd")  # float32 sum, as in _dropless
     if valid_length is None:
@@ -476,16 +471,22 @@ class RoutedExperts(nnx.Module):
                                              d_expert, self.policy.fp8, tgt)
         self.num_sms = tgt.core_count or grouped_gemm.DEFAULT_NUM_SMS
 
-    def add_bias(self, y: jax.Array, name: str, rows) -> jax.Array:
-        """``y`` plus bias ``name``'s rows in the compute dtype (``y`` itself without
-        biases): ``rows`` an int array, the expert of each row of ``y`` (dropless), or an
-        index that lays ``[E, n]`` out as ``y``'s slots (``(None, slice(None), None)``
-        for ``[B, E, C, n]``)."""
-        if not hasattr(self, name):
-            return y
-        return y + self.policy.cast_to_compute(getattr(self, name)[...][rows])
+    def ffn(self, x: jax.Array, product, rows) -> jax.Array:
+        """The experts' gated FFN of ``x`` (tokens by expert, in a dispatch's layout):
+        ``product(y, name)`` multiplies ``y`` by weight ``name`` of each row's expert
+        (grouped or by slots); each product gets its bias where the experts have biases:
+        ``rows`` an int array, the expert of each row of ``x`` (dropless), or an index
+        that lays ``[E, n]`` out as the slots (``(None, slice(None), None)`` for
+        ``[B, E, C, n]``)."""
+        def biased(y, name):
+            y = product(y, f"w_{name}")
+            if not hasattr(self, f"b_{name}"):
+                return y
+            return y + self.policy.cast_to_compute(getattr(self, f"b_{name}")[...][rows])
 
-    def activate(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        return biased(self._activate(biased(x, "gate"), biased(x, "up")), "down")
+
+    def _activate(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """The gated activation of :data:`EXPERT_ACTIVATIONS` ``self.activation`` of the
         gate and up products (biases added)."""
         if self.activation == "silu":

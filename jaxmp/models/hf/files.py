@@ -321,6 +321,11 @@ class Files:
             return tuple(prefix) + (groups * 32, rows), "MXFP4"
         if name in self._fp8:
             return self._fp8_info(name)
+        return self._stored_info(name)
+
+    def _stored_info(self, name: str) -> Tuple[Tuple[int, ...], str]:
+        """``(shape, dtype)`` of tensor ``name`` as its file's header says (an FP8 weight's
+        own, E4M3)."""
         file = self.weight_map[name]
         header = self._header(file)
         if self.real_name(name) not in header:
@@ -359,15 +364,12 @@ class Files:
                              f"infinity); allowed: finite weights")
         return x
 
-
     def _read_mxfp4(self, name: str, index) -> np.ndarray:
         """``X[index]`` of MXFP4 tensor ``X`` (:meth:`take_mxfp4`), float32: the rows of
         the index's prefix and last axis, every block, dequantized, transposed, then cut to
         the index's second-to-last axis."""
         blocks, scales, shape = self._mxfp4_parts(name)
-        index = index if isinstance(index, tuple) else (index,)
-        index = index + (slice(None),) * (len(shape) - 1 - len(index))
-        *prefix, cols, rows = index
+        *prefix, cols, rows = _full_index(index, len(shape) - 1)
         stored = tuple(prefix) + (rows,)
         with self._parts_of(name):
             b = self.read(blocks, stored).astype(np.uint8)
@@ -382,17 +384,11 @@ class Files:
                              f"weights")
         return np.swapaxes(x, -1, -2)[..., cols, :]
 
-
     def _fp8_info(self, name: str) -> Tuple[Tuple[int, ...], str]:
         """``(shape, "FP8")`` of FP8 weight ``name`` once its header and its scale's are
         checked: E4M3 ``[out, in]`` and a float scale per block."""
         scale, _, (b0, b1) = self._fp8[name]
-        file = self.weight_map[name]
-        header = self._header(file)
-        if self.real_name(name) not in header:
-            raise ValueError(f"{self.path}: {file} has no tensor {self.real_name(name)!r} "
-                             f"(the index says it has)")
-        shape, dtype = header[self.real_name(name)]
+        shape, dtype = self._stored_info(name)
         with self._fp8_scale(name):
             sshape, sdtype = self.info(scale)
         want = tuple(-(-n // b) for n, b in zip(shape, (b0, b1)))
@@ -413,9 +409,7 @@ class Files:
 
         scale, _, (b0, b1) = self._fp8[name]
         shape, _ = self._fp8_info(name)
-        index = index if isinstance(index, tuple) else (index,)
-        index = index + (slice(None),) * (2 - len(index))
-        rows, cols = (np.arange(n)[i] for n, i in zip(shape, index))
+        rows, cols = (np.arange(n)[i] for n, i in zip(shape, _full_index(index, 2)))
         file = os.path.join(self.path, self.weight_map[name])
         try:
             if file not in self._offsets:  # the header's byte ranges, read once per file
@@ -441,6 +435,13 @@ class Files:
             raise ValueError(f"{file}: FP8 weight {name} holds non-finite values (NaN, or "
                              f"beyond float32's range times its scale); allowed: finite weights")
         return x
+
+
+def _full_index(index, ndim: int) -> tuple:
+    """``index`` (an index or a tuple of them) with a ``slice(None)`` for each axis it
+    leaves out, ``ndim`` in all."""
+    index = index if isinstance(index, tuple) else (index,)
+    return index + (slice(None),) * (ndim - len(index))
 
 
 # The 16 values of an E2M1 nibble (OCP Microscaling v1.0, section 5.3.3), by its bits.

@@ -96,12 +96,12 @@ def layer_table(config: ModelConfig, family: str, i: int) -> Dict[str, Tuple]:
         if config.qk_norm:
             t["attn/q_norm/scale"] = (f"{a}.q_norm.weight", "same")
             t["attn/k_norm/scale"] = (f"{a}.k_norm.weight", "same")
-    if config.layer_type(i) != "linear_attention":
+        if config.attention_sinks:
+            t["attn/sinks"] = (f"{a}.sinks", "same")
+    if "attn/wo" not in t:  # attention's (standard or MLA) output projection
         t["attn/wo"] = (f"{a}.o_proj.weight", "out")
-    if config.o_bias and config.layer_type(i) != "linear_attention":
-        t["attn/bo"] = (f"{a}.o_proj.bias", "same")
-    if config.attention_sinks:
-        t["attn/sinks"] = (f"{a}.sinks", "same")
+        if config.o_bias:
+            t["attn/bo"] = (f"{a}.o_proj.bias", "same")
     if config.is_moe_layer(i):
         moe = fam.moe
         b = f"{p}.{moe['block']}"

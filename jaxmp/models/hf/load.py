@@ -111,9 +111,8 @@ def _check_names(files: Files, config: ModelConfig, family: str,
                                      f"layer {i} is missing or incomplete, and config.json "
                                      f"says {config.num_layers} layers (jaxmp {key})")
                 used.add(n)
-    mtp = tuple(skipped)
     unused = sorted(n for n in have if n not in used and not SKIPPED.fullmatch(n)
-                    and not n.startswith(mtp)
+                    and not n.startswith(skipped)
                     and not (config.tie_embeddings and n == "lm_head.weight"))
     if unused:
         raise ValueError(f"{files.path}: {len(unused)} tensor(s) of the checkpoint are not "

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from jaxmp._checks import BOOL, F32_MAX, Choice, Int, Kind, Real, is_int
 
-__all__ = ["Field", "Family", "WINDOWS", "FEATURES", "MAX_LISTED_LAYERS", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
+__all__ = ["Field", "Family", "WINDOWS", "FEATURES", "MAX_LISTED_LAYERS", "WRAPPER_SPECS", "IGNORED_FIELDS", "NEEDED", "ABSENT", "REFUSED", "fixed",
            "common_specs", "COMMON_FIELDS", "COUNT", "COUNT0", "POSITIVE", "OBJECT", "STRING",
            "NAMES", "INDICES", "short", "field_name", "inexact", "not_allowed", "missing",
            "non_finite", "read_field"]
@@ -105,6 +105,14 @@ def fixed(*values: Any, text: Optional[str] = None) -> Field:
     """A field with the only value(s) jaxmp computes; absent means the first."""
     return Field(Choice(values, text or " or ".join(map(repr, values))), values[0],
                  exact=True)
+
+
+# The fields every multimodal wrapper (Family.text_of) reads: its text model's config,
+# the vision config it skips, and the text model's quantization, which transformers
+# writes on the wrapper.
+WRAPPER_SPECS = {"text_config": Field(OBJECT, None, null={}),
+                 "vision_config": Field(OBJECT, None, null={}),
+                 "quantization_config": Field(OBJECT, None, null=None)}
 
 
 def common_specs(*, max_len: int, kv_heads: Optional[int] = None, head_dim: Optional[int] = None,

@@ -8,15 +8,13 @@ transformers: ``models/gemma3/configuration_gemma3.py`` (``Gemma3Config``); tens
 saves them.
 """
 from jaxmp._checks import Choice
-from jaxmp.models.hf.spec import COUNT, OBJECT, Field, Family
+from jaxmp.models.hf.spec import COUNT, WRAPPER_SPECS, Field, Family
 
 FAMILY = Family(
     "gemma3", "Gemma3ForConditionalGeneration",
     "Gemma 3 multimodal: its text model alone (``text_config``; vision tensors skipped)",
     {}, {},
-    specs={"text_config": Field(OBJECT, None, null={}),
-           "vision_config": Field(OBJECT, None, null={}),
-           "quantization_config": Field(OBJECT, None, null=None),  # the text model's
+    specs={**WRAPPER_SPECS,
            "mm_tokens_per_image": Field(COUNT, 256, null=None),
            "boi_token_index": Field(COUNT, 255_999, null=None),
            "eoi_token_index": Field(COUNT, 256_000, null=None),

@@ -6,15 +6,13 @@ with a warning. The export writes the text model (``qwen3_5_moe_text``).
 transformers: ``models/qwen3_5_moe/configuration_qwen3_5_moe.py`` (``Qwen3_5MoeConfig``).
 """
 from jaxmp._checks import BOOL, Choice
-from jaxmp.models.hf.spec import COUNT, OBJECT, Field, Family
+from jaxmp.models.hf.spec import COUNT, WRAPPER_SPECS, Field, Family
 
 FAMILY = Family(
     "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration",
     "Qwen3.5-MoE multimodal: its text model alone (``text_config``; vision tensors skipped)",
     {}, {},
-    specs={"text_config": Field(OBJECT, None, null={}),
-           "vision_config": Field(OBJECT, None, null={}),
-           "quantization_config": Field(OBJECT, None, null=None),  # the text model's
+    specs={**WRAPPER_SPECS,
            "image_token_id": Field(COUNT, 248_056, null=None),
            "video_token_id": Field(COUNT, 248_057, null=None),
            "vision_start_token_id": Field(COUNT, 248_053, null=None),
