@@ -87,6 +87,70 @@ def test_scanned_and_unscanned_models_give_the_same_loss_and_gradients(rules):
                                    err_msg=name)
 
 
+# GPT-OSS's pattern: MoE on every layer, windows alternating local and global.
+ALTERNATING = dict(num_layers=4, first_dense_layers=0, sliding_window=6,
+                   layer_types=("sliding_attention", "full_attention") * 2)
+
+
+def test_a_repeating_pattern_scans_as_interleaved_stacks_with_the_same_loss_and_gradients():
+    plain, scanned = model(**ALTERNATING), model(scan_layers=True, **ALTERNATING)
+    stacks = layer_stacks(plain.config, plain.rules)
+    assert stacks == ((0, 2), (1, 3))  # one scan of two steps, not four stacks of one
+    assert [b.layers for b in scanned.stacks] == [(0, 2), (1, 3)]
+    want = stacked_like(leaves(nnx.state(plain)), stacks)
+    got = leaves(nnx.state(scanned))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    loss_a, aux_a, grads_a = loss_and_grads(plain)
+    loss_b, aux_b, grads_b = loss_and_grads(scanned)
+    # expert_counts rows follow routers(): stack order, layers 0, 2, then 1, 3
+    assert [n for _, n in scanned.routers()] == [2, 2]
+    np.testing.assert_array_equal(np.asarray(aux_b["expert_counts"]),
+                                  np.asarray(aux_a["expert_counts"])[[0, 2, 1, 3]])
+    np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
+    want = stacked_like(grads_a, stacks)
+    assert sorted(grads_b) == sorted(want)
+    for name, g in want.items():
+        np.testing.assert_allclose(grads_b[name], g, rtol=1e-5, atol=1e-6 * np.abs(g).max(),
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("types, want", [
+    # Gemma 3's five local layers and one global, 26 layers: four periods and a run of two
+    # (7 layer bodies, in one of two equal cuts; runs of one kind would be 9)
+    (("s",) * 5 + ("f",) + ("s",) * 5 + ("f",) + ("s",) * 5 + ("f",) + ("s",) * 5 + ("f",)
+     + ("s",) * 2, 7),
+    # two periods only: the runs, 5 bodies, beat the period's 7
+    (("s",) * 5 + ("f",) + ("s",) * 5 + ("f",) + ("s",) * 2,
+     ((0, 1, 2, 3, 4), (5,), (6, 7, 8, 9, 10), (11,), (12, 13))),
+    # Qwen3-Next's three linear layers and one full
+    (("l", "l", "l", "f") * 3, ((0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11))),
+    # GPT-OSS's alternating windows
+    (("s", "f") * 4, ((0, 2, 4, 6), (1, 3, 5, 7))),
+    # no repetition worth a period: runs of one kind
+    (("s",) * 4 + ("f",) + ("s",) * 4 + ("f",), ((0, 1, 2, 3), (4,), (5, 6, 7, 8), (9,))),
+    (("s", "s", "f", "f", "f"), ((0, 1), (2, 3, 4))),
+])
+def test_layer_stacks_trace_the_fewest_layer_bodies(types, want):
+    names = {"s": "sliding_attention", "f": "full_attention", "l": "linear_attention"}
+    config = ModelConfig(vocab_size=64, num_layers=len(types), d_model=32, num_heads=4, d_ff=64,
+                         max_len=16, sliding_window=4, layer_types=tuple(names[t] for t in types),
+                         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                         linear_value_head_dim=8)
+    stacks = layer_stacks(config, get_policy_rules("fp32"))
+    if isinstance(want, int):  # the number of stacks, each one layer body
+        assert len(stacks) == want
+    else:
+        assert stacks == want
+    assert sorted(i for s in stacks for i in s) == list(range(len(types)))
+    for s in stacks:  # one kind of layer per stack, strided evenly
+        assert len({types[i] for i in s}) == 1 and len(set(np.diff(s))) <= 1
+    if isinstance(want, int):  # two scans: one of the period, one of the run of two locals
+        period = [s for s in stacks if len(s) == 4]
+        assert len(period) == 6 and all(set(np.diff(s)) == {6} for s in period)
+
+
 def test_a_per_layer_rule_keeps_its_meaning_by_splitting_the_stack():
     rules = "mixed_bf16; blocks/2/moe/router: bf16"
     m = nnx.eval_shape(lambda: model(rules, scan_layers=True, num_layers=4))
@@ -135,15 +199,19 @@ def _batch(config):
     return next(data.train_iter)
 
 
-def test_router_biases_of_a_stack_move_per_layer():
+@pytest.mark.parametrize("layers", [dict(num_layers=3, first_dense_layers=1),
+                                    dict(ALTERNATING, sliding_window=8)])
+def test_router_biases_of_a_stack_move_per_layer(layers):
     gamma = 0.5
-    config = small_config(model=dict(num_layers=3, first_dense_layers=1, scan_layers=True,
-                                     bias_update_rate=gamma))
+    config = small_config(model=dict(layers, scan_layers=True, bias_update_rate=gamma))
     exp = Experiment.create(config, num_devices=8)
     state, metrics = exp.train_step(exp.init_state(), exp.batch_to_device(_batch(config)))
     counts = np.asarray(metrics["expert_counts"], np.float64)
-    assert counts.shape == (2, 4)
-    (bias,) = [np.asarray(b) for b in jax.tree.leaves(state.biases)]
+    moe_layers = layers["num_layers"] - layers["first_dense_layers"]
+    assert counts.shape == (moe_layers, 4)
+    # the leaves in stack order take the rows in turn (interleaved stacks: 0, 2 then 1, 3)
+    bias = np.concatenate([np.asarray(state.biases["stacks"][s]["moe"]["router"]["bias"].get_value())
+                           for s in sorted(state.biases["stacks"])])
     want = gamma * np.sign(counts.mean(-1, keepdims=True) - counts)  # biases start at 0
     np.testing.assert_array_equal(bias, want.astype(np.float32))
 

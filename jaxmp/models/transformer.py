@@ -64,12 +64,15 @@ Activations ``[B, T, d_model]`` are annotated ``("batch", None, None)`` through
 :func:`jaxmp.sharding.constrain` (a no-op outside :func:`jaxmp.sharding.use_rules`).
 
 Scanned layers (``ModelConfig.scan_layers=True``): the blocks are grouped into *stacks*
-(:func:`layer_stacks`): runs of consecutive layers of one kind (dense or MoE) whose
-modules all resolve to the same policies. Stack ``s`` is one :class:`Block` at attribute
-``stacks/{s}`` whose every variable has a leading axis of the stack's length, with the
-logical axis name ``layers`` (mapped to None, replicated, in every rule table of
-:mod:`jaxmp.sharding`), and the stack runs under ``jax.lax.scan``, so a deep model is
-traced and compiled as one layer per stack. Policy rules keep matching the per-layer
+(:func:`layer_stacks`) of layers of one kind (dense or MoE, attention or linear
+attention, one window) whose modules all resolve to the same policies: runs of
+consecutive layers, or, where a pattern of layers repeats (Gemma 3's five local layers
+and one global), one stack per position in the period, interleaved. Stack ``s`` is one
+:class:`Block` at attribute ``stacks/{s}`` whose every variable has a leading axis of the
+stack's length, with the logical axis name ``layers`` (mapped to None, replicated, in
+every rule table of :mod:`jaxmp.sharding`), and each scan group of stacks runs under one
+``jax.lax.scan`` (a period's layers in turn per step), so a deep model is traced and
+compiled as one layer per stack. Policy rules keep matching the per-layer
 paths ``blocks/{i}/...``: a rule that names one layer (``blocks/2/moe/router: fp32``)
 ends a stack there and starts another, so every layer runs in exactly the policies it
 would unscanned. Attribute paths become ``stacks/{s}/attn``, ``stacks/{s}/moe/router``,
@@ -161,32 +164,70 @@ def _block_module_suffixes(config: ModelConfig, i: int) -> Tuple[str, ...]:
 
 
 def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ...], ...]:
-    """The layer indices of each stack of the scanned layout, in layer order.
+    """The layer indices of each stack of the scanned layout, in the order they run.
 
-    A stack is a maximal run of consecutive layers of the same kind (dense FFN or MoE)
-    and attention window (:meth:`~jaxmp.models.ModelConfig.attention_window`) whose
-    modules (``blocks/{i}/attn_norm``, ``.../attn``, ``.../ffn_norm``, ``.../mlp``
-    or ``.../moe``, ``.../moe/router``, ``.../moe/experts``, ``.../moe/shared_experts``)
-    resolve to the same policies under ``rules`` (the model's rules, float32 islands
-    included). Without per-layer rules there is one dense and one MoE stack.
+    Two layers may share a stack when they are of the same kind (dense FFN or MoE), layer
+    type (attention or linear attention) and attention window
+    (:meth:`~jaxmp.models.ModelConfig.attention_window`), and their modules
+    (``blocks/{i}/attn_norm``, ``.../attn``, ``.../ffn_norm``, ``.../mlp`` or ``.../moe``,
+    ``.../moe/router``, ``.../moe/experts``, ``.../moe/shared_experts``) resolve to the
+    same policies under ``rules`` (the model's rules, float32 islands included): the
+    layer's *signature*.
+
+    The layers are cut into *scan groups*, each a span of ``P * R`` consecutive layers
+    whose signatures repeat with period ``P`` (``R`` times); the group's ``P`` stacks
+    hold layers ``a + p, a + p + P, ...`` (``p < P``) and run together under one
+    ``jax.lax.scan`` of ``R`` steps, each step the ``P`` layers of one period in order.
+    ``P = 1`` is a run of identical layers. The cut minimizes the number of distinct
+    layer bodies traced and compiled (the sum of the groups' ``P``), preferring runs of
+    one signature and then fewer groups on a tie: a model of one kind of layer is one
+    stack; Gemma 3's five local layers then one global (34 layers) are 7 stacks, not 11;
+    GPT-OSS's alternating windows 2 stacks of 12; Qwen3-Next's three linear-attention
+    layers then one full, 4 stacks of 12 (before, one stack per run of identical layers:
+    24 each, whose compile took minutes per cell). A stack spans every layer of its
+    group only, so a dense-then-MoE model is still ``((0,), (1, 2, 3))``.
 
     Returns:
-      e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers.
+      e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers;
+      ``((0, 2, 4), (1, 3, 5))`` for three periods of a local then a global layer.
     """
-    def signature(i):
-        return (config.is_moe_layer(i), config.layer_type(i), config.attention_window(i),
-                tuple(rules.resolve(f"blocks/{i}/{sub}")
-                      for sub in _block_module_suffixes(config, i)))
-
-    stacks, current = [], [0]
-    for i in range(1, config.num_layers):
-        if signature(i) == signature(current[-1]):
-            current.append(i)
-        else:
-            stacks.append(tuple(current))
-            current = [i]
-    stacks.append(tuple(current))
+    n = config.num_layers
+    sig = [(config.is_moe_layer(i), config.layer_type(i), config.attention_window(i),
+            tuple(rules.resolve(f"blocks/{i}/{sub}") for sub in _block_module_suffixes(config, i)))
+           for i in range(n)]
+    # best[a] = (bodies, groups) of layers a.. ; choice[a] = (P, R) of the group at a
+    best, choice = [(0, 0)] * (n + 1), [None] * (n + 1)
+    for a in range(n - 1, -1, -1):
+        for period in range(1, max(1, (n - a) // 2) + 1):
+            repeats = 1
+            while a + period * (repeats + 1) <= n and all(
+                    sig[a + period * repeats + k] == sig[a + k] for k in range(period)):
+                repeats += 1
+            if period > 1 and repeats == 1:  # no repetition: single layers do as well
+                continue
+            for r in range(repeats, 0, -1):
+                bodies, groups = best[a + period * r]
+                cand = (bodies + period, groups + 1)
+                if choice[a] is None or cand < best[a]:
+                    best[a], choice[a] = cand, (period, r)
+    stacks, a = [], 0
+    while a < n:
+        period, repeats = choice[a]
+        stacks.extend(tuple(range(a + p, a + period * repeats, period)) for p in range(period))
+        a += period * repeats
     return tuple(stacks)
+
+
+def _scan_groups(stacks) -> list:
+    """``[(first stack index, P)]``: the scan groups of :func:`layer_stacks`' stacks, each
+    ``P`` consecutive stacks that interleave with stride ``P`` (``P = 1``: contiguous)."""
+    groups, s = [], 0
+    while s < len(stacks):
+        layers = stacks[s]
+        period = layers[1] - layers[0] if len(layers) > 1 else 1
+        groups.append((s, period))
+        s += period
+    return groups
 
 
 class Block(nnx.Module):
@@ -440,13 +481,15 @@ class MoETransformer(nnx.Module):
         rngs.commit()  # the stream's count, as if each key had been drawn from it
 
     def layer_blocks(self):
-        """The model's :class:`Block` s in layer order: one per layer, or one per stack."""
+        """The model's :class:`Block` s in the order they run: one per layer, or one per
+        stack (:func:`layer_stacks`; a scan group's stacks interleave)."""
         return list(self.stacks if self.config.scan_layers else self.blocks)
 
     def routers(self):
-        """``[(Router, num_layers)]`` of the MoE layers in layer order: one router per MoE
-        layer, or per MoE stack with its ``[num_layers, E]`` bias (the rows of
-        ``aux["expert_counts"]`` follow this order)."""
+        """``[(Router, num_layers)]`` of the MoE layers: one router per MoE layer in layer
+        order, or per MoE stack in stack order with its ``[num_layers, E]`` bias (the rows
+        of ``aux["expert_counts"]`` follow this order: each stack's layers in turn, which
+        is layer order unless a scan group interleaves MoE stacks)."""
         return [(b.moe.router, len(b.layers)) for b in self.layer_blocks() if hasattr(b, "moe")]
 
     def module_paths(self):
@@ -513,7 +556,7 @@ class MoETransformer(nnx.Module):
           which computes in float32, or upcast them); aux a dict of float32
           ``aux_loss`` (scalar, ``aux_loss_weight * sum`` of the MoE layers' balance
           losses), ``expert_counts`` ([num_moe_layers, num_experts], token-expert
-          assignments per expert over the whole batch, rows in layer order; [0, 0]
+          assignments per expert over the whole batch, rows in :meth:`routers` order; [0, 0]
           without MoE layers) and ``dropped_fraction`` (scalar, mean over MoE layers of
           the fraction of assignments dropped by capacity; 0 dropless).
 
@@ -543,25 +586,35 @@ class MoETransformer(nnx.Module):
                           positions=positions, operands=operands)
         # FSDP (param_gather): each module gathers its own weights.
         h = constrain(_call_gathered(self.embed, param_gather, tokens), _ACT_AXES)
-        stats = []  # MoEStats with a leading layer axis, in layer order
-        for block in self.layer_blocks():
-            graphdef, state = nnx.split(block)
-            # scan needs no CSE guard
-            run = _run_block(graphdef, cfg.remat, prevent_cse=not cfg.scan_layers,
-                             gather=param_gather, block_args=block_args,
-                             dtypes=param_compute_dtypes(block) if param_gather else None)
-            if cfg.scan_layers:
-                def body(h, layer_state, run=run):
-                    h, s = run(layer_state, h)
-                    return constrain(h, _ACT_AXES), s
+        stats = []  # MoEStats with a leading layer axis, in routers() order
+        blocks = self.layer_blocks()
+        groups = (_scan_groups([b.layers for b in blocks]) if cfg.scan_layers
+                  else [(i, 1) for i in range(len(blocks))])
+        for first, period in groups:
+            runs, states = [], []
+            for block in blocks[first:first + period]:
+                graphdef, state = nnx.split(block)
+                # scan needs no CSE guard
+                runs.append(_run_block(graphdef, cfg.remat, prevent_cse=not cfg.scan_layers,
+                                       gather=param_gather, block_args=block_args,
+                                       dtypes=param_compute_dtypes(block) if param_gather
+                                       else None))
+                states.append(state)
 
-                h, s = jax.lax.scan(body, h, state)
+            def body(h, group_state, runs=runs):  # one period: each stack's layer in turn
+                out = []
+                for run, layer_state in zip(runs, group_state):
+                    h, s = run(layer_state, h)
+                    h = constrain(h, _ACT_AXES)
+                    out.append(s)
+                return h, out
+
+            if cfg.scan_layers:
+                h, out = jax.lax.scan(body, h, states)
             else:
-                h, s = run(state, h)
-                h = constrain(h, _ACT_AXES)
-                s = None if s is None else jax.tree.map(lambda x: x[None], s)
-            if s is not None:
-                stats.append(s)
+                h, out = body(h, states)
+                out = [None if s is None else jax.tree.map(lambda x: x[None], s) for s in out]
+            stats.extend(s for s in out if s is not None)
         h = _call_gathered(self.final_norm, param_gather, h)
         if cfg.tie_embeddings:
             logits = _call_gathered(self.embed, param_gather, h, method="attend")
