@@ -1,4 +1,5 @@
-"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf] [--force]``.
+"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf]
+[--quantize fp8] [--force]``.
 
 ``--format jaxmp`` (the default) writes a training run's checkpoint as
 ``model.safetensors`` (every array of the model by its dotted path), ``config.json``
@@ -8,7 +9,11 @@ back into a fresh model. ``--format hf`` writes a directory that transformers'
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load (a SentencePiece model as its
 ``tokenizers`` counterpart, :meth:`jaxmp.train.tokenizer.SentencePieceTokenizer.to_hf`),
 with :func:`jaxmp.train.artifacts.export_hf`; an architecture that maps to no family is a
-one-line error naming what does not map. The workdir is only read (a trainer may be
+one-line error naming what does not map. ``--format hf --quantize fp8`` stores the
+projections of attention, MLPs and experts as DeepSeek-V3's and Qwen3's FP8 releases do:
+E4M3 weights with a float32 ``weight_scale_inv`` per 128 x 128 block, quantized by
+:func:`jaxmp.fp8.quantize_blocks`, and config.json's ``quantization_config``
+(:func:`jaxmp.models.save_pretrained`), which transformers and ``from_pretrained`` load. The workdir is only read (a trainer may be
 writing into it); a corrupt newest checkpoint is passed over with a warning.
 
 Either format writes into a new temporary directory beside ``--out`` and moves the files
@@ -47,17 +52,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--format", choices=("jaxmp", "hf"), default="jaxmp",
                    help="jaxmp (default) or hf (a Hugging Face model directory)")
+    p.add_argument("--quantize", choices=("fp8",), default=None,
+                   help="with --format hf: fp8 writes the projections as blockwise FP8 (E4M3, "
+                   "a float32 scale per 128 x 128 block) with a quantization_config")
     p.add_argument("--force", action="store_true", help="replace the export's files in a "
                    "directory that is not empty (its other files are kept)")
     args = p.parse_args(argv)
+    if args.quantize and args.format != "hf":
+        p.error(f"--quantize {args.quantize} needs --format hf (a jaxmp export keeps the "
+                f"master weights)")
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import export, export_hf
     from jaxmp._entry import quiet_orbax_tracebacks
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     notes = []
     try:
-        write = export_hf if args.format == "hf" else export
-        meta = write(args.workdir, args.out, args.step, force=args.force, notes=notes)
+        if args.format == "hf":
+            meta = export_hf(args.workdir, args.out, args.step, force=args.force, notes=notes,
+                             quantize=args.quantize)
+        else:
+            meta = export(args.workdir, args.out, args.step, force=args.force, notes=notes)
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     finally:
@@ -67,6 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.format == "hf":
         print(f"exported step {meta['step']} of {args.workdir} to {args.out} as "
               f"{meta['family']}: config.json, safetensors weights"
+              f"{' (projections in blockwise FP8)' if args.quantize else ''}"
               f"{', ' + meta['tokenizer'] if meta['tokenizer'] else ' (no tokenizer.json)'}")
         return 0
     tok = meta["tokenizer"]

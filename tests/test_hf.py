@@ -518,6 +518,26 @@ def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, fami
     assert json.load(open(out / "config.json"))["model_type"] == family
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
     assert _rel_err(_hf_logits(back, tokens), ref) < 2e-4
+    fp8_out = ["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "fp8"),
+               "--format", "hf", "--quantize", "fp8"]
+    if family == "gpt_oss":  # its released quantization is MXFP4: refused, nothing written
+        for argv in (fp8_out, [a for a in fp8_out if a != "hf"][:-3] + ["--quantize", "fp8"]):
+            with pytest.raises(SystemExit) as info:  # and a jaxmp export keeps the masters
+                export.main(argv)
+            assert info.value.code == 2 and not any((tmp_path / "fp8").glob("*.safetensors"))
+    elif family == "qwen3_next":  # issue 42, point 3: --format hf --quantize fp8
+        pytest.importorskip("accelerate", reason="transformers' FP8 load needs accelerate")
+        assert export.main(fp8_out) == 0
+        q = json.load(open(tmp_path / "fp8" / "config.json"))["quantization_config"]
+        assert (q["quant_method"], q["weight_block_size"]) == ("fp8", [128, 128])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fp8 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"),
+                                                                    dtype=torch.float32)
+        theirs = _hf_logits(fp8.float().eval(), tokens)
+        assert _rel_err(_logits(from_pretrained(str(tmp_path / "fp8"), "fp32",
+                                                attention="reference"), tokens), theirs) < 2e-4
+        assert _rel_err(theirs, ref) < 0.1  # E4M3's rounding of every projection
 
 
 RELEASED = {  # parameters (total, active per token) from the model cards, in billions
@@ -839,6 +859,94 @@ def test_bad_fp8_checkpoints_are_one_line_errors(tmp_path):
         with pytest.raises(ValueError, match=message) as info:
             from_pretrained(str(tmp_path), "fp32", attention="reference")
         assert "\n" not in str(info.value), message
+
+
+def _e4m3_reference(w, block):
+    """Torch's own E4M3 rounding of ``w [out, in]`` (float32) per ``block``: the scale is
+    the block's amax times float32(1 / 448) (DeepSeek-V3's, section 3.3.2; the product
+    rounded once, as jaxmp documents), the values ``w * float32(1 / scale)`` cast by
+    torch's round-to-nearest-even. Returns ``(E4M3 tensor, float32 scales)``."""
+    w = w.float()
+    rows, cols = (-(-n // b) for n, b in zip(w.shape, block))
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[:w.shape[0], :w.shape[1]] = w
+    amax = padded.abs().reshape(rows, block[0], cols, block[1]).amax(dim=(1, 3))
+    scale = (amax.numpy().astype(np.float32) * np.float32(1 / 448)).astype(np.float32)
+    inv = (np.float32(1) / scale).astype(np.float32)
+    full = np.repeat(np.repeat(inv, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+    q = torch.tensor((w.numpy() * full).astype(np.float32)).to(torch.float8_e4m3fn)
+    return q, torch.tensor(scale)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "qwen3_next"])
+def test_an_fp8_export_is_the_blockwise_checkpoint_transformers_loads(family, tmp_path):
+    """Issue 42, point 3: ``save_pretrained(quantize="fp8")`` writes every projection of
+    attention (MLA's and Gated DeltaNet's included), MLPs and experts as an E4M3 weight
+    and a float32 ``weight_scale_inv`` per block, equal to torch's own rounding of the
+    same weights; the router, shared-expert gate, embeddings, norms and head as they were
+    (those that are ``nn.Linear`` named in ``modules_to_not_convert``). transformers'
+    FP8 load of it and jaxmp's give the same logits."""
+    from safetensors.torch import load_file
+
+    pytest.importorskip("accelerate", reason="transformers' FP8 load needs accelerate")
+    torch.manual_seed(12)
+    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(str(tmp_path / "src"))
+    original = load_file(str(tmp_path / "src" / "model.safetensors"))
+    ours = from_pretrained(str(tmp_path / "src"), "fp32", attention="reference")
+    block = (8, 8)  # divides every dimension: transformers' CPU loader reads it right
+    save_pretrained(ours, str(tmp_path / "fp8"), quantize="fp8", fp8_block=block)
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    quantized = sorted(n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn)
+    # every projection, and nothing else (DeepSeek-V3's release: nn.Linear but the gate)
+    router = {"llama": None, "qwen3_moe": "mlp.gate", "deepseek_v3": "mlp.gate",
+              "qwen3_next": "mlp.gate"}[family]
+    projections = sorted(n for n, t in original.items() if t.dim() == 2 and (
+        n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")
+        or ".linear_attn.in_proj" in n) and "shared_expert_gate" not in n)
+    assert quantized == projections and quantized
+    for name in quantized:
+        q, scale = _e4m3_reference(original[name], block)
+        assert torch.equal(stored[name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(stored[f"{name}_scale_inv"], scale), name
+    for name, t in original.items():
+        if name not in quantized:
+            assert torch.equal(stored[name], t), name
+    q = json.load(open(tmp_path / "fp8" / "config.json"))["quantization_config"]
+    kept = sorted(n.removesuffix(".weight") for n in original if n == "lm_head.weight" or (
+        router and (n.endswith(f"{router}.weight") or "shared_expert_gate" in n)))
+    assert q == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": list(block), "modules_to_not_convert": q["modules_to_not_convert"]}
+    assert sorted(q["modules_to_not_convert"]) == kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"),
+                                                                   dtype=torch.float32)
+    ref = _hf_logits(theirs.float().eval())
+    back = from_pretrained(str(tmp_path / "fp8"), "fp32", attention="reference")
+    assert _rel_err(_logits(back), ref) < 2e-4
+    assert _rel_err(ref, _hf_logits(model)) < 0.1  # E4M3's rounding of the projections
+
+
+def test_an_fp8_export_refuses_what_it_cannot_write(tmp_path):
+    torch.manual_seed(13)
+    config = transformers.AutoConfig.for_model("llama", **BASE)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "src"))
+    model = from_pretrained(str(tmp_path / "src"), "fp32", attention="reference")
+    for kwargs, message in (
+            (dict(quantize="int8"), r"quantize='int8' is not allowed; allowed: None or 'fp8'"),
+            (dict(quantize="fp8", fp8_block=(128,)), r"fp8_block=\(128,\) is not allowed")):
+        with pytest.raises(ValueError, match=message) as info:
+            save_pretrained(model, str(tmp_path / "out"), **kwargs)
+        assert "\n" not in str(info.value)
+        assert not (tmp_path / "out").exists()  # refused before anything is written
+    wq = model.blocks[0].attn.wq
+    wq[...] = wq[...].at[0, 0, 0].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"blocks/0/attn/wq holds non-finite values, which "
+                                         r"FP8 cannot quantize"):
+        save_pretrained(model, str(tmp_path / "nan"), quantize="fp8")
+    assert not (tmp_path / "nan").exists()
 
 
 GPT_OSS_FILE = dict(model_type="gpt_oss", vocab_size=VOCAB, hidden_size=32, intermediate_size=24,

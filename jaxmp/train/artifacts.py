@@ -453,7 +453,7 @@ def _hf_weights_written(directory: pathlib.Path) -> str:
 
 def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
               step: Optional[int] = None, force: bool = False,
-              notes: Optional[list] = None) -> dict:
+              notes: Optional[list] = None, quantize: Optional[str] = None) -> dict:
     """Writes a checkpoint as a Hugging Face model directory (``--format hf``).
 
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
@@ -482,6 +482,9 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
       step: the checkpoint step; the newest good one when None.
       force: replace the export's files in a directory that is not empty.
       notes: as :func:`export`.
+      quantize: None, or ``"fp8"``: the projections in blockwise FP8 (E4M3, one float32
+        scale per 128 x 128 block) with config.json's ``quantization_config``, as
+        :func:`jaxmp.models.save_pretrained` writes them (``--quantize fp8``).
 
     Returns:
       ``{"family", "step", "tokenizer"}`` (``tokenizer``: the file written or None).
@@ -491,8 +494,9 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
         ``out`` the run's ``workdir``, inside it, or the run's ``model.init_from``
         directory, inside it or containing it, even with ``force``; not writable; a
         failed write, named, with ``out`` left as it was); an architecture that maps to
-        no family (the field named), or a SentencePiece model with no exact
-        ``tokenizers`` counterpart, before anything is written; and as :func:`load`.
+        no family (the field named), a SentencePiece model with no exact
+        ``tokenizers`` counterpart, or a ``quantize`` the family has no checkpoint format
+        for, before anything is written; and as :func:`load`.
       CheckpointError: as :func:`load`.
     """
     import re
@@ -527,7 +531,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
         token_ids["pad_token_id"] = None
 
     def write(directory: pathlib.Path) -> dict:
-        family = save_pretrained(model, str(directory), token_ids=token_ids)
+        family = save_pretrained(model, str(directory), token_ids=token_ids, quantize=quantize)
         file = None
         if spm_model is not None:
             spm_model.save(directory)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxmp.precision import fp8
 
 from jaxmp.models.hf.config import config_to_hf, family_of
 from jaxmp.models.hf.families import FAMILIES
@@ -20,19 +23,38 @@ from jaxmp.models.layers import FP8State
 from jaxmp.models.moe import RouterBias
 from jaxmp.models.transformer import MoETransformer
 
-__all__ = ["save_pretrained", "check_router_biases", "MAX_SHARD_BYTES"]
+__all__ = ["save_pretrained", "check_router_biases", "MAX_SHARD_BYTES", "QUANTIZE_FORMATS"]
 
 MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default max_shard_size="5GB"
+# save_pretrained's quantize: None (weights in their stored dtype) or "fp8", the blockwise
+# E4M3 format of DeepSeek-V3's and Qwen3's FP8 releases (quant_method fp8).
+QUANTIZE_FORMATS = ("fp8",)
+# The FP8 export's block, DeepSeek-V3's 128 x 128 (section 3.3.2) and transformers'
+# FineGrainedFP8Config's default weight_block_size.
+FP8_BLOCK = (128, 128)
+
+
+def _fp8_projection(key: str, kind: str) -> bool:
+    """Whether a block's variable ``key`` (of layout ``kind``) is a projection an FP8
+    export stores in E4M3: the ``nn.Linear`` weights of attention (linear attention's
+    included), dense MLPs, routed and shared experts, as DeepSeek-V3's release; not the
+    router or the shared expert's gate (a ``[1, d]`` projection), which the releases keep
+    in bfloat16 and name in ``modules_to_not_convert``, nor norms, biases, convolutions,
+    embeddings and the head."""
+    return kind in ("in", "out") and not key.startswith("moe/router") and \
+        key != "moe/shared_gate"
 
 
 def _hf_tensors(model: MoETransformer, family: str):
-    """Yields ``(hf name, numpy array)`` for every tensor of ``family``'s checkpoint; the
-    two halves of an interleaved tensor (:data:`~jaxmp.models.hf.layout.INTERLEAVED`)
-    once both are read."""
+    """Yields ``(hf name, numpy array, linear)`` for every tensor of ``family``'s
+    checkpoint (``linear``: True for a projection an FP8 export quantizes,
+    :func:`_fp8_projection`, False for another ``nn.Linear`` weight, None for the rest);
+    the two halves of an interleaved
+    tensor (:data:`~jaxmp.models.hf.layout.INTERLEAVED`) once both are read."""
     halves: Dict[str, Dict[str, np.ndarray]] = {}
-    for name, kind, w in _hf_parts(model, family):
+    for name, kind, w, linear in _hf_parts(model, family):
         if kind not in INTERLEAVED:
-            yield name, w
+            yield name, w, linear
             continue
         halves.setdefault(name, {})[kind] = w
         if len(halves[name]) == len(INTERLEAVED):
@@ -40,12 +62,12 @@ def _hf_tensors(model: MoETransformer, family: str):
             even, odd = (part[k] for k in INTERLEAVED)
             both = np.empty(even.shape[:-1] + (2 * even.shape[-1],), even.dtype)
             both[..., 0::2], both[..., 1::2] = even, odd
-            yield name, both
+            yield name, both, None
 
 
 def _hf_parts(model: MoETransformer, family: str):
-    """Yields ``(hf name, layout kind, numpy array)`` for every jaxmp variable's part of
-    ``family``'s checkpoint."""
+    """Yields ``(hf name, layout kind, numpy array, linear)`` for every jaxmp variable's
+    part of ``family``'s checkpoint (``linear`` as :func:`_hf_tensors`')."""
     config = model.config
     sources = param_sources(model, family)
     for path, var in nnx.to_flat_state(nnx.state(model)):
@@ -71,12 +93,30 @@ def _hf_parts(model: MoETransformer, family: str):
                     w = w.reshape(-1, w.shape[-1]).T
                 elif kind == "vec":
                     w = w.reshape(-1)
-                yield n, kind, np.ascontiguousarray(w)
+                linear = (layer is not None and _fp8_projection(key, kind)) \
+                    if kind in ("in", "out") else None
+                yield n, kind, np.ascontiguousarray(w), linear
+
+
+def _fp8_tensors(name: str, w: np.ndarray, block) -> Dict[str, np.ndarray]:
+    """``{name: E4M3 weight, name + "_scale_inv": float32 scales}``: ``w [out, in]``
+    quantized with one scale per ``block`` (:func:`jaxmp.fp8.quantize_blocks`, the FP8
+    recipes' own code: scale = the block's amax / 448; the last block row and column
+    partial), DeepSeek-V3's ``weight`` / ``weight_scale_inv`` pair (``weight_scale_inv``
+    is what the E4M3 values are multiplied by). ``w`` is finite (:func:`save_pretrained`
+    checks)."""
+    import ml_dtypes
+
+    q, s = fp8.quantize_blocks(jnp.asarray(w, jnp.float32), block, fp8.E4M3)
+    return {name: np.asarray(q).view(ml_dtypes.float8_e4m3fn),
+            f"{name}_scale_inv": np.asarray(s, np.float32)}
 
 
 def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] = None,
                     max_shard_bytes: int = MAX_SHARD_BYTES,
-                    token_ids: Optional[Dict[str, Optional[int]]] = None) -> str:
+                    token_ids: Optional[Dict[str, Optional[int]]] = None,
+                    quantize: Optional[str] = None,
+                    fp8_block: Tuple[int, int] = FP8_BLOCK) -> str:
     """Writes ``model`` as a Hugging Face checkpoint that transformers loads.
 
     ``config.json`` (with ``model_type`` and ``architectures``) and the weights in their
@@ -93,14 +133,33 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
       token_ids: config.json fields of the tokenizer's special token ids
         (``bos_token_id``, ``eos_token_id``, ``pad_token_id``: an int or None), written as
         given; transformers' config classes default to their own ids where absent.
+      quantize: None (every tensor in its stored dtype) or ``"fp8"``
+        (:data:`QUANTIZE_FORMATS`): the blockwise FP8 format of DeepSeek-V3's and Qwen3's
+        FP8 releases, which transformers' ``FineGrainedFP8Config`` and jaxmp's
+        :func:`from_pretrained` read. The projections of attention, MLPs and experts
+        (``nn.Linear`` weights ``[out, in]``) are stored as E4M3 ``weight`` with a float32
+        ``weight_scale_inv`` per ``fp8_block`` (:func:`jaxmp.fp8.quantize_blocks`, the
+        recipes' own code: a block's scale is its amax / 448 and the weight is
+        ``E4M3 * weight_scale_inv``); embeddings, norms, biases, the router, the shared
+        expert's gate and the head keep the stored dtype, the ``nn.Linear`` ones among
+        them named in ``quantization_config.modules_to_not_convert``. config.json gets
+        ``quantization_config: {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+        weight_block_size: fp8_block, modules_to_not_convert}``. (transformers' CPU
+        loader takes the block from the scale grid, which differs from DeepSeek's
+        ``weight_dequant`` where a dimension has more than one block and does not divide
+        by it: :meth:`~jaxmp.models.hf.files.Files.take_fp8`.)
+      fp8_block: ``(rows, cols)`` of a weight block, default DeepSeek-V3's (128, 128).
 
     Returns:
       The family written.
 
     Raises:
       ValueError: an architecture that maps to no family, a field or nonzero router bias
-        the family cannot hold, or a ``token_ids`` key that is no token id field (one
-        line, named), before anything is written.
+        the family cannot hold, a ``token_ids`` key that is no token id field, a
+        ``quantize`` not in :data:`QUANTIZE_FORMATS` or not a format of the family
+        (:attr:`~jaxmp.models.hf.spec.Family.quantization`: GPT-OSS's is MXFP4), or a bad
+        ``fp8_block``, or with ``quantize`` a parameter that is not finite (one line,
+        named), before anything is written.
       ImportError: safetensors is not installed (the ``train`` extra).
     """
     save_file = safetensors_module().numpy.save_file
@@ -113,6 +172,22 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
         raise ValueError(f"token_ids: {bad} are not token id fields; allowed: bos_token_id, "
                          f"eos_token_id, pad_token_id")
     hf.update(token_ids or {})
+    if quantize is not None:
+        if quantize not in QUANTIZE_FORMATS:
+            raise ValueError(f"quantize={quantize!r} is not allowed; allowed: None or "
+                             f"{', '.join(map(repr, QUANTIZE_FORMATS))}")
+        if quantize not in FAMILIES[family].quantization:
+            raise ValueError(f"quantize={quantize!r}: transformers' {family} reads no {quantize} "
+                             f"checkpoint; {family}'s quantization: "
+                             f"{', '.join(FAMILIES[family].quantization) or 'none'}")
+        if not (isinstance(fp8_block, (tuple, list)) and len(fp8_block) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in fp8_block)):
+            raise ValueError(f"fp8_block={fp8_block!r} is not allowed; allowed: two integers "
+                             f">= 1, e.g. (128, 128)")
+        for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            if not bool(jax.device_get(jnp.all(jnp.isfinite(var.get_value())))):
+                raise ValueError(f"{'/'.join(map(str, p))} holds non-finite values, which FP8 "
+                                 f"cannot quantize")
     check_router_biases(model, family)  # before anything is written
     os.makedirs(path, exist_ok=True)
     for name in [n for n in os.listdir(path) if re.fullmatch(
@@ -127,14 +202,26 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
         save_file(current, file, metadata={"format": "pt"})
         parts.append(list(current))
 
-    for name, w in _hf_tensors(model, family):
-        if current and size + w.nbytes > max_shard_bytes:
+    kept = []  # the nn.Linear modules an FP8 export keeps in the stored dtype
+    for name, w, linear in _hf_tensors(model, family):
+        tensors = {name: w}
+        if quantize == "fp8" and linear:
+            tensors = _fp8_tensors(name, w, tuple(fp8_block))
+        elif quantize == "fp8" and linear is False:
+            kept.append(name.removesuffix(".weight"))
+        nbytes = sum(t.nbytes for t in tensors.values())
+        if current and size + nbytes > max_shard_bytes:
             flush()
             current, size = {}, 0
-        current[name] = w
-        size += w.nbytes
-        total += w.nbytes
+        current.update(tensors)
+        size += nbytes
+        total += nbytes
     flush()
+    if quantize == "fp8":
+        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(fp8_block),
+                                     "modules_to_not_convert": kept}
     n = len(parts)
     if n == 1:
         os.replace(os.path.join(path, "model-part-00000.safetensors"),
