@@ -117,15 +117,20 @@ def test_a_repeating_pattern_scans_as_interleaved_stacks_with_the_same_loss_and_
 
 
 @pytest.mark.parametrize("types, want", [
-    # Gemma 3's five local layers and one global, 26 layers: four periods and a run of two
-    # (7 layer bodies, in one of two equal cuts; runs of one kind would be 9)
-    (("s",) * 5 + ("f",) + ("s",) * 5 + ("f",) + ("s",) * 5 + ("f",) + ("s",) * 5 + ("f",)
-     + ("s",) * 2, 7),
+    # Gemma 3's five local layers and one global, 62 layers (Gemma-3-27B): ten periods and
+    # a run of two, 7 layer bodies in one of two equal cuts, where runs would be 21
+    ((("s",) * 5 + ("f",)) * 10 + ("s",) * 2, 7),
+    # 34 layers (Gemma-3-4B): a cut of 7 bodies saves less than half of the 11 runs
+    ((("s",) * 5 + ("f",)) * 5 + ("s",) * 4,
+     tuple(x for k in range(5) for x in (tuple(range(6 * k, 6 * k + 5)), (6 * k + 5,)))
+     + ((30, 31, 32, 33),)),
     # two periods only: the runs, 5 bodies, beat the period's 7
     (("s",) * 5 + ("f",) + ("s",) * 5 + ("f",) + ("s",) * 2,
      ((0, 1, 2, 3, 4), (5,), (6, 7, 8, 9, 10), (11,), (12, 13))),
-    # Qwen3-Next's three linear layers and one full
-    (("l", "l", "l", "f") * 3, ((0, 4, 8), (1, 5, 9), (2, 6, 10), (3, 7, 11))),
+    # Qwen3-Next's three linear layers and one full: 4 bodies for 12 runs
+    (("l", "l", "l", "f") * 6, tuple(tuple(range(p, 24, 4)) for p in range(4))),
+    # three periods: 4 bodies do not halve 6 runs
+    (("l", "l", "l", "f") * 3, ((0, 1, 2), (3,), (4, 5, 6), (7,), (8, 9, 10), (11,))),
     # GPT-OSS's alternating windows
     (("s", "f") * 4, ((0, 2, 4, 6), (1, 3, 5, 7))),
     # no repetition worth a period: runs of one kind
@@ -147,7 +152,7 @@ def test_layer_stacks_trace_the_fewest_layer_bodies(types, want):
     for s in stacks:  # one kind of layer per stack, strided evenly
         assert len({types[i] for i in s}) == 1 and len(set(np.diff(s))) <= 1
     if isinstance(want, int):  # two scans: one of the period, one of the run of two locals
-        period = [s for s in stacks if len(s) == 4]
+        period = [s for s in stacks if len(s) == 10]
         assert len(period) == 6 and all(set(np.diff(s)) == {6} for s in period)
 
 

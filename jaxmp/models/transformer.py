@@ -66,8 +66,8 @@ Activations ``[B, T, d_model]`` are annotated ``("batch", None, None)`` through
 Scanned layers (``ModelConfig.scan_layers=True``): the blocks are grouped into *stacks*
 (:func:`layer_stacks`) of layers of one kind (dense or MoE, attention or linear
 attention, one window) whose modules all resolve to the same policies: runs of
-consecutive layers, or, where a pattern of layers repeats (Gemma 3's five local layers
-and one global), one stack per position in the period, interleaved. Stack ``s`` is one
+consecutive layers, or, where a pattern of layers repeats (GPT-OSS's alternating
+windows), one stack per position in the period, interleaved. Stack ``s`` is one
 :class:`Block` at attribute ``stacks/{s}`` whose every variable has a leading axis of the
 stack's length, with the logical axis name ``layers`` (mapped to None, replicated, in
 every rule table of :mod:`jaxmp.sharding`), and each scan group of stacks runs under one
@@ -180,12 +180,17 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
     ``jax.lax.scan`` of ``R`` steps, each step the ``P`` layers of one period in order.
     ``P = 1`` is a run of identical layers. The cut minimizes the number of distinct
     layer bodies traced and compiled (the sum of the groups' ``P``), preferring runs of
-    one signature and then fewer groups on a tie: a model of one kind of layer is one
-    stack; Gemma 3's five local layers then one global (34 layers) are 7 stacks, not 11;
-    GPT-OSS's alternating windows 2 stacks of 12; Qwen3-Next's three linear-attention
-    layers then one full, 4 stacks of 12 (before, one stack per run of identical layers:
-    24 each, whose compile took minutes per cell). A stack spans every layer of its
-    group only, so a dense-then-MoE model is still ``((0,), (1, 2, 3))``.
+    one signature and then fewer groups on a tie, and is taken only where it at least
+    halves the bodies of runs alone; otherwise the stacks are the runs. (A period's
+    layers in one scan step cost memory: compiled deviceless for 8 x H100, Gemma-3-4B's
+    7 interleaved stacks took 1.5 GB more per device under fsdp and 2.8 GB more under
+    zero1 than its 11 runs, ``benchmarks/README.md``.) So a model of one kind of layer is
+    one stack; Gemma 3's five local layers then one global (34 layers) keep their 11
+    runs; GPT-OSS's alternating windows are 2 stacks of 12 and Qwen3-Next's three
+    linear-attention layers then one full 4 stacks of 12 (24 runs each, whose compile
+    took up to 14 minutes per cell on 2 cores, and now takes a uniform model's time). A
+    stack spans the layers of its group only, so a dense-then-MoE model is still
+    ``((0,), (1, 2, 3))``.
 
     Returns:
       e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers;
@@ -210,6 +215,11 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
                 cand = (bodies + period, groups + 1)
                 if choice[a] is None or cand < best[a]:
                     best[a], choice[a] = cand, (period, r)
+    runs = 1 + sum(sig[i] != sig[i - 1] for i in range(1, n))  # bodies without periods
+    if 2 * best[0][0] > runs:  # interleaving saves less than half: runs of one signature
+        choice = [None] * n
+        for a in range(n - 1, -1, -1):
+            choice[a] = (1, 1 + (choice[a + 1][1] if a + 1 < n and sig[a + 1] == sig[a] else 0))
     stacks, a = [], 0
     while a < n:
         period, repeats = choice[a]
