@@ -59,8 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "directory that is not empty (its other files are kept)")
     args = p.parse_args(argv)
     if args.quantize and args.format != "hf":
-        p.error(f"--quantize {args.quantize} needs --format hf (a jaxmp export keeps the "
-                f"master weights)")
+        p.exit(2, f"{p.prog}: error: --quantize {args.quantize} needs --format hf (a jaxmp "
+                  f"export keeps the master weights)\n")
     from jaxmp.train import CheckpointError
     from jaxmp.train.artifacts import export, export_hf
     from jaxmp._entry import quiet_orbax_tracebacks

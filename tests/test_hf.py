@@ -941,6 +941,15 @@ def test_an_fp8_export_refuses_what_it_cannot_write(tmp_path):
             save_pretrained(model, str(tmp_path / "out"), **kwargs)
         assert "\n" not in str(info.value)
         assert not (tmp_path / "out").exists()  # refused before anything is written
+    # a block that a dimension spans more than once without dividing it: a note naming them
+    notes = []
+    save_pretrained(model, str(tmp_path / "partial"), quantize="fp8", fp8_block=(24, 24),
+                    notes=notes)
+    assert len(notes) == 1 and "model.layers.0.self_attn.q_proj.weight [32, 32]" in notes[0]
+    assert "transformers' CPU loader" in notes[0] and "\n" not in notes[0]
+    save_pretrained(model, str(tmp_path / "whole"), quantize="fp8", fp8_block=(16, 16),
+                    notes=notes)
+    assert len(notes) == 1  # every dimension a multiple of its block, or within one
     wq = model.blocks[0].attn.wq
     wq[...] = wq[...].at[0, 0, 0].set(jnp.nan)
     with pytest.raises(ValueError, match=r"blocks/0/attn/wq holds non-finite values, which "

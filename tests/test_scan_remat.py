@@ -221,6 +221,69 @@ def test_router_biases_of_a_stack_move_per_layer(layers):
     np.testing.assert_array_equal(bias, want.astype(np.float32))
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_checkpoint_in_the_runs_layout_resumes_and_exports_in_the_interleaved_one(
+        tmp_path, monkeypatch, recorded):
+    """A scanned run saved with one stack per run of identical layers (the layout before
+    460f087; ``recorded=False``: without the stacks in its meta, as those checkpoints
+    are) resumes and exports under interleaved stacks: the export's weights are bitwise
+    the ones the old layout exports, and the resumed step is the old layout's step."""
+    from safetensors.numpy import load_file
+
+    from jaxmp import export
+    from jaxmp.models import transformer
+    from jaxmp.train import experiment, loop
+
+    config = small_config(model=dict(ALTERNATING, scan_layers=True, bias_update_rate=0.5),
+                          steps=2, checkpoint_every=2, sample_tokens=0)
+    config.precision.policy = "fp32"
+    def runs(config, rules, interleave=True):
+        return layer_stacks(config, rules, interleave=False)
+
+    with monkeypatch.context() as m:  # the old layout, everywhere
+        m.setattr(transformer, "layer_stacks", runs)
+        m.setattr(experiment, "layer_stacks", runs)
+        if not recorded:
+            m.setattr(loop, "SAVED_STACKS", "not_recorded")
+        train_and_evaluate(config, str(tmp_path / "run"))
+        assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "old")]) == 0
+        config.train.steps = 3  # the step the old layout takes next, in a copy of the run
+        import shutil
+        shutil.copytree(tmp_path / "run", tmp_path / "run_old")
+        old = train_and_evaluate(config, str(tmp_path / "run_old"))
+        assert export.main(["--workdir", str(tmp_path / "run_old"),
+                            "--out", str(tmp_path / "old3")]) == 0
+    exp = Experiment.create(config, num_devices=1)
+    assert exp.stacks() == ((0, 2), (1, 3)) != exp.stacks(interleave=False)
+    assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "new")]) == 0
+
+    def per_layer(directory, stacks):  # stacks.{s}.rest [layers of s, ...] -> layer {i}.rest
+        out = {}
+        for name, x in load_file(str(tmp_path / directory / "model.safetensors")).items():
+            m = re.fullmatch(r"stacks\.(\d+)\.(.*)", name)
+            if m is None:
+                out[name] = x
+                continue
+            for j, layer in enumerate(stacks[int(m.group(1))]):
+                out[f"layer {layer}.{m.group(2)}"] = x[j]
+        return out
+
+    before = per_layer("old", ((0,), (1,), (2,), (3,)))
+    after = per_layer("new", ((0, 2), (1, 3)))
+    assert sorted(before) == sorted(after)
+    for name in before:  # master weights, router biases: per layer, bitwise
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    new = train_and_evaluate(config, str(tmp_path / "run"))  # moments and biases moved too
+    assert new["step"] == old["step"] == 3
+    np.testing.assert_allclose(new["train_losses"][-1], old["train_losses"][-1], rtol=1e-6)
+    assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "new3")]) == 0
+    before, after = per_layer("old3", ((0,), (1,), (2,), (3,))), per_layer("new3", ((0, 2), (1, 3)))
+    second = per_layer("old", ((0,), (1,), (2,), (3,)))
+    for name in before:  # the third step's update read the moved Adam moments
+        np.testing.assert_allclose(after[name], before[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert sum(not np.array_equal(before[n], second[n]) for n in before) > len(before) // 2
+
+
 def test_a_scanned_run_resumes_and_the_other_layout_is_a_clear_error(tmp_path):
     scanned = small_config(model=dict(scan_layers=True), steps=2, checkpoint_every=2)
     train_and_evaluate(scanned, str(tmp_path))

@@ -132,8 +132,8 @@ from jaxmp.sharding import DISPATCH_DTYPES, constrain, fsdp_checkpoint_policy
 # ModelConfig and REMAT_POLICIES are jaxmp.models.config's, named here for the readers of
 # this module's docstring.
 __all__ = ["ModelConfig", "Block", "MoETransformer", "count_params", "FLOAT32_ISLANDS",
-           "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "param_compute_dtypes",
-           "segment_positions"]
+           "FP8_EXCLUDED", "REMAT_POLICIES", "layer_stacks", "model_policy_rules",
+           "param_compute_dtypes", "segment_positions"]
 
 _BLOCK_CHECKPOINT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -163,7 +163,18 @@ def _block_module_suffixes(config: ModelConfig, i: int) -> Tuple[str, ...]:
     return common + ("moe", "moe/router", "moe/experts") + shared
 
 
-def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ...], ...]:
+def model_policy_rules(rules) -> PolicyRules:
+    """The rules a :class:`MoETransformer` runs by: ``rules`` (anything
+    :func:`~jaxmp.precision.policy.get_policy_rules` parses) with routers and norms as
+    float32 islands (:data:`FLOAT32_ISLANDS`) and, under an FP8 default, the embedding and
+    head out of FP8 (:data:`FP8_EXCLUDED`), unless one of the user's rules says
+    otherwise."""
+    return without_fp8(with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS),
+                       FP8_EXCLUDED)
+
+
+def layer_stacks(config: ModelConfig, rules: PolicyRules,
+                 interleave: bool = True) -> Tuple[Tuple[int, ...], ...]:
     """The layer indices of each stack of the scanned layout, in the order they run.
 
     Two layers may share a stack when they are of the same kind (dense FFN or MoE), layer
@@ -192,6 +203,13 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
     stack spans the layers of its group only, so a dense-then-MoE model is still
     ``((0,), (1, 2, 3))``.
 
+    Args:
+      config: the model config.
+      rules: the model's rules (:func:`model_policy_rules`).
+      interleave: False gives the runs alone, the layout of every scanned model before
+        jaxmp 460f087 (2026-12-06), which :func:`jaxmp.train.resume.relayout_stacks`
+        converts checkpoints from.
+
     Returns:
       e.g. ``((0,), (1, 2, 3))`` for one dense layer then three MoE layers;
       ``((0, 2, 4), (1, 3, 5))`` for three periods of a local then a global layer.
@@ -216,7 +234,7 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules) -> Tuple[Tuple[int, ..
                 if choice[a] is None or cand < best[a]:
                     best[a], choice[a] = cand, (period, r)
     runs = 1 + sum(sig[i] != sig[i - 1] for i in range(1, n))  # bodies without periods
-    if 2 * best[0][0] > runs:  # interleaving saves less than half: runs of one signature
+    if not interleave or 2 * best[0][0] > runs:  # saves less than half: runs alone
         choice = [None] * n
         for a in range(n - 1, -1, -1):
             choice[a] = (1, 1 + (choice[a + 1][1] if a + 1 < n and sig[a + 1] == sig[a] else 0))
@@ -467,8 +485,7 @@ class MoETransformer(nnx.Module):
                  target: Optional[compile_target.Target] = None):
         # Routers and norms are float32 islands, and an FP8 default leaves the embedding and
         # head alone, unless one of the user's rules says otherwise.
-        rules = without_fp8(with_float32_islands(get_policy_rules(rules), FLOAT32_ISLANDS),
-                            FP8_EXCLUDED)
+        rules = model_policy_rules(rules)
         self.rules = rules
         self.config = config
         rngs = ParamKeys(rngs)  # the same keys as rngs.params(), drawn in time linear in layers

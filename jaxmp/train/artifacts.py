@@ -27,6 +27,7 @@ from flax import nnx
 from jaxmp import sharding
 from jaxmp.models import MoETransformer, ModelConfig
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer, residual_adapter
+from jaxmp.train.resume import SAVED_STACKS, stacks_adapter
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
 from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
@@ -130,9 +131,12 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
             saved[key] = saved_config[key]
-        read, state, data_state = ckpt.restore(exp.checkpoint_template, saved,
-                                      step=None if step is None else int(step),
-                                      adapt=residual_adapter(exp.num_devices, exp.mesh))
+        read, state, data_state = ckpt.restore(
+            exp.checkpoint_template, saved, step=None if step is None else int(step),
+            adapt=stacks_adapter(exp.stacks(), exp.stacks(interleave=False),
+                                 residual_adapter(exp.num_devices, exp.mesh)))
+        state = exp.restored_state(state, ckpt.saved_meta.get(SAVED_STACKS,
+                                                              exp.stacks(interleave=False)))
         notes = list(ckpt.warnings)
     if num_devices is None:
         model = exp.host_model(state)
@@ -531,7 +535,8 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
         token_ids["pad_token_id"] = None
 
     def write(directory: pathlib.Path) -> dict:
-        family = save_pretrained(model, str(directory), token_ids=token_ids, quantize=quantize)
+        family = save_pretrained(model, str(directory), token_ids=token_ids, quantize=quantize,
+                                 notes=notes)
         file = None
         if spm_model is not None:
             spm_model.save(directory)

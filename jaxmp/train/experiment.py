@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmp import sharding, target
 from jaxmp.models import ModelConfig, MoETransformer, count_params
-from jaxmp.models.transformer import param_compute_dtypes
+from jaxmp.models.transformer import layer_stacks, model_policy_rules, param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
 from jaxmp.train.config import Settings, validate_config
@@ -37,6 +37,7 @@ from jaxmp.train import packing
 from jaxmp.train.data import DataPipeline, create_pipeline
 from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
+from jaxmp.train.resume import relayout_stacks
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
 from jaxmp.train.step import DivergenceCheck, GradExchange, make_eval_step, make_train_step
 
@@ -289,10 +290,29 @@ class Experiment:
         """``state`` as it is saved (see :attr:`checkpoint_template`)."""
         return state.replace(compute_params=None)
 
-    def restored_state(self, state: TrainState) -> TrainState:
+    def stacks(self, interleave: bool = True) -> Optional[Tuple[Tuple[int, ...], ...]]:
+        """The scanned layout's stacks (:func:`jaxmp.models.layer_stacks` of the model's
+        rules; ``interleave=False``: the runs alone, the layout before 460f087), None for
+        an unscanned model."""
+        if not self.model_config.scan_layers:
+            return None
+        return layer_stacks(self.model_config, model_policy_rules(self.settings.rules),
+                            interleave)
+
+    def restored_state(self, state: TrainState, saved_stacks=None) -> TrainState:
         """A state restored onto :attr:`checkpoint_template`, completed for this layout:
-        under ZeRO-1, the compute-dtype copy cast from the restored master weights (what
-        the step that saved them had all-gathered)."""
+        with ``saved_stacks`` (a checkpoint's scanned stacks, restored in that layout by
+        :func:`jaxmp.train.resume.stacks_adapter`) re-stacked as :meth:`stacks` and put on
+        this run's shardings; under ZeRO-1, the compute-dtype copy cast from the restored
+        master weights (what the step that saved them had all-gathered)."""
+        stacks = self.stacks()
+        if saved_stacks is not None and stacks is not None:
+            moved = relayout_stacks(state, saved_stacks, stacks)
+            if moved is not state:
+                template = self.checkpoint_template
+                state = moved.replace(**{k: jax.tree.map(
+                    lambda x, t: jax.device_put(x, t.sharding), getattr(moved, k),
+                    getattr(template, k)) for k in ("params", "biases", "rest", "opt_state")})
         if self._copy is None:
             return state
         return state.replace(compute_params=self._copy(state.params))

@@ -1,6 +1,7 @@
 """What a resumed run must share with its checkpoint (:func:`check_same_settings`), and
 what is adapted when it may differ: a top-k residual saved for another number of devices
-(:func:`residual_adapter`, :func:`reshard_residual`).
+(:func:`residual_adapter`, :func:`reshard_residual`), and scanned stacks saved in another
+layout (:func:`stacks_adapter`, :func:`relayout_stacks`).
 """
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import json
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from flax.traverse_util import flatten_dict
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -17,7 +20,13 @@ from jaxmp.train.integrity import CheckpointError
 from jaxmp.train.keys import DEFAULTS
 
 __all__ = ["INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS", "config_differences", "check_same_settings",
-           "residual_adapter", "reshard_residual"]
+           "residual_adapter", "reshard_residual", "stacks_adapter", "relayout_stacks",
+           "SAVED_STACKS"]
+
+# The checkpoint meta key holding a scanned model's stacks (lists of layer indices); a
+# checkpoint without it was written before jaxmp recorded them, in the layout of runs alone
+# (jaxmp.models.layer_stacks(interleave=False)).
+SAVED_STACKS = "stacks"
 
 # Config sections that must match between a checkpoint and the run resuming it; the
 # rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
@@ -132,3 +141,83 @@ def reshard_residual(state, saved_n: Optional[int], num_devices: int, shardings)
             f"device now holds the mean of the saved rows, which keeps the gradient not yet "
             f"delivered")
     return state.replace(comm_state=comm), note
+
+
+def _relayout(tree, src, dst, axis: int):
+    """``tree`` with every ``nnx.State`` that holds ``stacks`` (parameters, their optimizer
+    moments, router biases, FP8 histories) re-stacked from the stacks ``src`` to ``dst``
+    (each a tuple of layer-index tuples): stack ``t`` of the result holds, along ``axis``,
+    the rows of its layers taken from wherever ``src`` keeps them. ``jax.ShapeDtypeStruct``
+    leaves get the new length and keep their sharding (the ``layers`` axis is never split)."""
+    where = {layer: (s, j) for s, layers in enumerate(src) for j, layer in enumerate(layers)}
+
+    def combine(xs, picks, involved, n):
+        if isinstance(xs[0], jax.ShapeDtypeStruct):
+            shape = list(xs[0].shape)
+            shape[axis] = n
+            return jax.ShapeDtypeStruct(tuple(shape), xs[0].dtype, sharding=xs[0].sharding)
+        return jnp.stack([jnp.take(xs[involved.index(s)], j, axis=axis) for s, j in picks],
+                         axis=axis)
+
+    def restack(node):
+        if not (isinstance(node, nnx.State) and "stacks" in node):
+            return node
+        flat = list(nnx.to_flat_state(node))
+        out = [(p, v) for p, v in flat if p[0] != "stacks"]
+        old = {}  # stack -> {path inside it: leaf}
+        for p, v in flat:
+            if p[0] == "stacks":
+                old.setdefault(int(p[1]), {})[tuple(p[2:])] = v
+        for t, layers in enumerate(dst):
+            picks = [where[layer] for layer in layers]
+            involved = sorted({s for s, _ in picks})
+            for rest, first in old[involved[0]].items():
+                leaves = [old[s][rest] for s in involved]
+                if isinstance(first, nnx.Variable):
+                    value = combine([v.get_value() for v in leaves], picks, involved, len(layers))
+                    out.append((("stacks", t) + rest, first.replace(value)))
+                else:
+                    out.append((("stacks", t) + rest, combine(leaves, picks, involved,
+                                                              len(layers))))
+        return nnx.from_flat_state(out)
+
+    return jax.tree.map(restack, tree,
+                        is_leaf=lambda x: isinstance(x, nnx.State) and "stacks" in x)
+
+
+def relayout_stacks(state, src, dst):
+    """A :class:`~jaxmp.train.TrainState` (of arrays or ``jax.ShapeDtypeStruct``) with its
+    scanned stacks moved from layout ``src`` to ``dst`` (tuples of layer-index tuples,
+    :func:`jaxmp.models.layer_stacks`): the master weights, router biases, FP8 histories
+    and optimizer state one layer row at a time (the stacks hold the same per-layer
+    arrays, only grouped otherwise), and the top-k residual ``[devices, layers, ...]``
+    along its second axis. ``state`` itself where the layouts agree. Arrays come back
+    wherever ``jnp.stack`` leaves them: put them on the run's shardings afterwards."""
+    src, dst = (tuple(tuple(int(i) for i in s) for s in x) for x in (src, dst))
+    if src == dst:
+        return state
+    if sorted(i for s in src for i in s) != sorted(i for s in dst for i in s):
+        raise CheckpointError(f"the saved scanned stacks {src} do not hold this model's layers "
+                              f"{dst}")
+    rows = {k: _relayout(getattr(state, k), src, dst, 0)
+            for k in ("params", "biases", "rest", "opt_state")}
+    comm = None if state.comm_state is None else _relayout(state.comm_state, src, dst, 1)
+    return state.replace(**rows, comm_state=comm)
+
+
+def stacks_adapter(stacks, legacy, adapt: Optional[Callable[[dict, Any], Any]] = None):
+    """An ``adapt`` for :meth:`jaxmp.train.checkpoint.Checkpointer.restore` (after
+    ``adapt``, e.g. :func:`residual_adapter`): a checkpoint whose scanned stacks (its meta's
+    :data:`SAVED_STACKS`; ``legacy``, the runs-alone layout, where it has none) are not
+    ``stacks`` (this run's, None unscanned) is restored in its saved layout; convert it
+    with :func:`relayout_stacks` (saved, ``stacks``) afterwards. A scanned run's
+    checkpoints from before 460f087 (2026-12-06), where a repeating pattern of layers
+    (GPT-OSS, Qwen3-Next, Gemma 3 past 34 layers) was one stack per run, resume this
+    way."""
+    def adapted(meta: dict, template):
+        if adapt is not None:
+            template = adapt(meta, template)
+        if stacks is None:
+            return template
+        return relayout_stacks(template, stacks, meta.get(SAVED_STACKS, legacy))
+    return adapted

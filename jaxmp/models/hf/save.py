@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import jax
@@ -116,7 +117,8 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
                     max_shard_bytes: int = MAX_SHARD_BYTES,
                     token_ids: Optional[Dict[str, Optional[int]]] = None,
                     quantize: Optional[str] = None,
-                    fp8_block: Tuple[int, int] = FP8_BLOCK) -> str:
+                    fp8_block: Tuple[int, int] = FP8_BLOCK,
+                    notes: Optional[List[str]] = None) -> str:
     """Writes ``model`` as a Hugging Face checkpoint that transformers loads.
 
     ``config.json`` (with ``model_type`` and ``architectures``) and the weights in their
@@ -144,11 +146,14 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
         expert's gate and the head keep the stored dtype, the ``nn.Linear`` ones among
         them named in ``quantization_config.modules_to_not_convert``. config.json gets
         ``quantization_config: {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
-        weight_block_size: fp8_block, modules_to_not_convert}``. (transformers' CPU
-        loader takes the block from the scale grid, which differs from DeepSeek's
-        ``weight_dequant`` where a dimension has more than one block and does not divide
-        by it: :meth:`~jaxmp.models.hf.files.Files.take_fp8`.)
+        weight_block_size: fp8_block, modules_to_not_convert}``. A dimension that spans
+        more than one block and is not a multiple of it ends in a partial block, as
+        DeepSeek-V3's release does (``kv_a_proj_with_mqa``: 576 rows): DeepSeek's
+        ``weight_dequant`` and jaxmp read it, transformers' CPU loader (which takes the
+        block from the scale grid, :meth:`~jaxmp.models.hf.files.Files.take_fp8`) reads
+        other blocks or fails; each such projection is named in a note.
       fp8_block: ``(rows, cols)`` of a weight block, default DeepSeek-V3's (128, 128).
+      notes: a list the note above is appended to; None: it is a ``UserWarning``.
 
     Returns:
       The family written.
@@ -203,10 +208,13 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
         parts.append(list(current))
 
     kept = []  # the nn.Linear modules an FP8 export keeps in the stored dtype
+    partial = []  # the FP8 projections with a partial block past a whole one
     for name, w, linear in _hf_tensors(model, family):
         tensors = {name: w}
         if quantize == "fp8" and linear:
             tensors = _fp8_tensors(name, w, tuple(fp8_block))
+            if any(n > b and n % b for n, b in zip(w.shape, fp8_block)):
+                partial.append(f"{name} {list(w.shape)}")
         elif quantize == "fp8" and linear is False:
             kept.append(name.removesuffix(".weight"))
         nbytes = sum(t.nbytes for t in tensors.values())
@@ -221,7 +229,18 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
         hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
                                      "weight_block_size": list(fp8_block),
-                                     "modules_to_not_convert": kept}
+                                     "modules_to_not_convert": sorted(kept)}
+        if partial:
+            note = (f"{len(partial)} FP8 projections have a dimension of more than one "
+                    f"{list(fp8_block)} block that is not a multiple of it "
+                    f"({', '.join(partial[:3])}{', ...' if len(partial) > 3 else ''}): their "
+                    f"last block is partial, as in DeepSeek-V3's release, which DeepSeek's "
+                    f"weight_dequant and jaxmp read; transformers' CPU loader takes the block "
+                    f"from the scale grid and reads them wrong or not at all")
+            if notes is None:
+                warnings.warn(note, UserWarning, stacklevel=2)
+            else:
+                notes.append(note)
     n = len(parts)
     if n == 1:
         os.replace(os.path.join(path, "model-part-00000.safetensors"),
