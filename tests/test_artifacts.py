@@ -89,6 +89,8 @@ def test_export_loads_back_to_the_same_logits(run, tmp_path):
     assert meta["tokenizer"] == {"kind": "huggingface", "file": "tokenizer.json",
                                  "vocab_size": 384, "eos_id": 0}
     assert (out / "model.safetensors").is_file() and meta["step"] == 4
+    # as readable as config.json: safetensors alone writes its file 0600
+    assert os.stat(out / "model.safetensors").st_mode == os.stat(out / "config.json").st_mode
     # A fresh model built here from the exported tensors alone (not via load_export).
     import safetensors.numpy
     tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))

@@ -516,6 +516,8 @@ def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, fami
     assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
                         "--format", "hf"]) == 0
     assert json.load(open(out / "config.json"))["model_type"] == family
+    # the weights as readable as config.json (safetensors alone writes them 0600)
+    assert os.stat(out / "model.safetensors").st_mode == os.stat(out / "config.json").st_mode
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
     assert _rel_err(_hf_logits(back, tokens), ref) < 2e-4
     fp8_out = ["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "fp8"),

@@ -223,7 +223,7 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
         as it was). Paths are compared resolved (symbolic links, ``..``).
       CheckpointError: as :func:`load`.
     """
-    import safetensors.numpy
+    from jaxmp.models.hf.files import save_safetensors
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
                                                                   notes)
     tensors = _flat_arrays(model)
@@ -231,8 +231,7 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
             "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
 
     def write(directory: pathlib.Path) -> dict:
-        safetensors.numpy.save_file(tensors, str(directory / EXPORT_WEIGHTS),
-                                    metadata={"format": "jaxmp"})
+        save_safetensors(tensors, str(directory / EXPORT_WEIGHTS), {"format": "jaxmp"})
         file = tokenizer.save(directory)
         meta = {"format": "jaxmp-export-1", "step": int(saved_step),
                 "model": config.model.to_dict(), "policy": config.precision.policy,

@@ -5,7 +5,8 @@ Every file must be a regular file (checked with ``os.stat`` before it is opened:
 device or a directory is refused unread); the index's ``weight_map`` must name plain file
 names inside the directory; a damaged safetensors file (truncated, bad header, offsets past
 the end) is named; every slice read is checked finite. Each fault is a one-line
-``ValueError`` naming the file (and the tensor or field).
+``ValueError`` naming the file (and the tensor or field). Weight files are written by
+:func:`save_safetensors`, with the permissions of any other new file.
 """
 from __future__ import annotations
 
@@ -22,8 +23,30 @@ import numpy as np
 from jaxmp.models.hf.spec import non_finite, short
 
 __all__ = ["Files", "read_config", "check_directory", "tokenizer_eos", "safetensors_module",
+           "save_safetensors",
            "regular_file", "read_json", "all_finite", "is_config_file", "one_line",
            "first_names", "INDEX", "SINGLE", "FLOAT_DTYPES", "SKIPPED"]
+
+
+def save_safetensors(tensors, file: str, metadata: Dict[str, str]) -> None:
+    """``safetensors.numpy.save_file``, the file then given the permissions ``open()``
+    gives a new file here (the umask's): safetensors' writer creates it readable by its
+    owner alone (0600, measured with safetensors 0.8), which a serving process of another
+    user cannot read, beside a config.json it can.
+
+    Raises:
+      ImportError: as :func:`safetensors_module`.
+      OSError: the write or the chmod failed.
+    """
+    safetensors_module().numpy.save_file(tensors, file, metadata=metadata)
+    probe = f"{file}.mode-{os.getpid()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        os.remove(probe)
+    os.chmod(file, mode)
 
 
 def safetensors_module():

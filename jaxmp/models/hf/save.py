@@ -18,7 +18,7 @@ from jaxmp.precision import fp8
 
 from jaxmp.models.hf.config import config_to_hf, family_of
 from jaxmp.models.hf.families import FAMILIES
-from jaxmp.models.hf.files import safetensors_module
+from jaxmp.models.hf.files import safetensors_module, save_safetensors
 from jaxmp.models.hf.layout import INTERLEAVED, global_table, layer_table, param_sources
 from jaxmp.models.layers import FP8State
 from jaxmp.models.moe import RouterBias
@@ -167,7 +167,7 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
         named), before anything is written.
       ImportError: safetensors is not installed (the ``train`` extra).
     """
-    save_file = safetensors_module().numpy.save_file
+    safetensors_module()  # before anything is written
     family = family or family_of(model.config)
     dtypes = {str(v.dtype) for v in jax.tree.leaves(nnx.state(model, nnx.Param))}
     dtype = "bfloat16" if dtypes == {"bfloat16"} else "float32"
@@ -204,7 +204,7 @@ def save_pretrained(model: MoETransformer, path: str, *, family: Optional[str] =
 
     def flush():
         file = os.path.join(path, f"model-part-{len(parts):05d}.safetensors")
-        save_file(current, file, metadata={"format": "pt"})
+        save_safetensors(current, file, {"format": "pt"})
         parts.append(list(current))
 
     kept = []  # the nn.Linear modules an FP8 export keeps in the stored dtype
