@@ -72,6 +72,37 @@ def test_every_strategy_gives_one_devices_losses(strategy, expert, batches, one_
         assert copy.shape == wq.shape and copy.sharding.shard_shape(copy.shape) == copy.shape
 
 
+# The newer families' layers, scanned as interleaved stacks (issue 43): GPT-OSS's sinks,
+# biases, clamped SwiGLU and alternating windows; Qwen3-Next's Gated DeltaNet, gated
+# attention and gated shared expert.
+NEW_FAMILY_LAYERS = {
+    "gpt_oss": dict(num_layers=4, first_dense_layers=0, num_shared_experts=0, qkv_bias=True,
+                    o_bias=True, attention_sinks=True, sliding_window=8, moe_bias=True,
+                    expert_activation="clamped_swiglu", swiglu_limit=0.5,
+                    layer_types=("sliding_attention", "full_attention") * 2),
+    "qwen3_next": dict(num_layers=4, first_dense_layers=0, qk_norm=True, norm_plus_one=True,
+                       attention_output_gate=True, rope_dim=8, shared_expert_gate=True,
+                       layer_types=("linear_attention", "full_attention") * 2,
+                       linear_num_key_heads=1, linear_num_value_heads=2,
+                       linear_key_head_dim=16, linear_value_head_dim=16),
+}
+
+
+@pytest.mark.parametrize("family, strategy, expert", [("gpt_oss", "fsdp", 2),
+                                                      ("qwen3_next", "zero1", 2)])
+def test_the_newer_families_layers_give_one_devices_losses_sharded(family, strategy, expert,
+                                                                    batches):
+    def config(strategy="dp", expert=1):
+        c = config_for(strategy, expert)
+        c.model.update(dict(NEW_FAMILY_LAYERS[family], scan_layers=True))
+        return c
+
+    ref = run(config(), batches[:3], num_devices=1)[0]
+    losses, exp, _ = run(config(strategy, expert), batches[:3])
+    assert exp.stacks() == ((0, 2), (1, 3))  # interleaved: one scan over the period
+    np.testing.assert_allclose(losses, ref, rtol=RTOL)
+
+
 def test_bf16_reduce_scatter_is_within_bf16_rounding(batches, one_device):
     """zero1 reducing in bfloat16: each device's share of a gradient is rounded to bf16
     (relative error <= 2**-9) and summed over 8 devices in bf16 (<= 3 more roundings in
