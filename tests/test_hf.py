@@ -476,21 +476,28 @@ def test_init_from_trains_and_exports(tmp_path, monkeypatch):
         load_config("configs/finetune.py", overrides + ["model.num_heads=8"])
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "mistral", "gpt_oss", "qwen3_next",
-                                    "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["gemma3_text", "gemma3", "mistral", "qwen2", "gpt_oss",
+                                    "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"])
 def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, family):
     """train.py's path (configs/finetune.py, model.init_from=DIR) for the families whose
-    windows, norms, sinks, linear attention and experts are new: two steps on a 2-device
-    mesh with scanned layers (a stack per window and layer kind) at a learning rate too
-    small to move float32 weights, then
-    ``export --format hf``: transformers' logits of the export are the original's."""
+    windows, norms, sinks, linear attention and experts are new, and the multimodal
+    wrappers' text models: two steps on a 2-device mesh with scanned layers (a stack per
+    window and layer kind, interleaved where a pattern repeats) at a learning rate too
+    small to move float32 weights, then ``export --format hf`` (a wrapper's text family):
+    transformers' logits of the export are the original's."""
     from jaxmp import export
     from jaxmp.train.config import load_config
     from jaxmp.train.loop import train_and_evaluate
 
     torch.manual_seed(4)
-    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family],
-                                                          "vocab_size": 128})
+    text_of = hf.FAMILIES[family].text_of
+    if text_of:  # a wrapper: the text model's fields are its text_config
+        config = transformers.AutoConfig.for_model(
+            family, text_config=dict(BASE, **FAMILIES[text_of], model_type=text_of,
+                                     vocab_size=128), **FAMILIES[family])
+    else:
+        config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family],
+                                                              "vocab_size": 128})
     original = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in original.named_parameters():
@@ -509,13 +516,13 @@ def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, fami
         f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
         "model.remat=none", "model.scan_layers=True", "train.steps=2",
         "train.sample_tokens=0", "train.eval_every=0"])
-    assert cfg.model.sliding_window == FAMILIES[family].get("sliding_window", 0)
+    assert cfg.model.sliding_window == FAMILIES[text_of or family].get("sliding_window", 0)
     summary = train_and_evaluate(cfg, str(tmp_path / "run"), num_devices=2)
     assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
     out = tmp_path / "out"
     assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
                         "--format", "hf"]) == 0
-    assert json.load(open(out / "config.json"))["model_type"] == family
+    assert json.load(open(out / "config.json"))["model_type"] == (text_of or family)
     # the weights as readable as config.json (safetensors alone writes them 0600)
     assert os.stat(out / "model.safetensors").st_mode == os.stat(out / "config.json").st_mode
     back = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
