@@ -115,18 +115,31 @@ def _rel_err(a, ref):
     return float(np.abs(np.asarray(a, np.float64) - ref).max() / np.abs(ref).max())
 
 
+def _hf_config(family, **fields):
+    """transformers' config of a tiny ``family``: BASE and FAMILIES' fields with ``fields``
+    over them, for a multimodal wrapper in its ``text_config``."""
+    text_of = hf.FAMILIES[family].text_of
+    if text_of:  # a wrapper: the text model's fields are its text_config
+        text = dict(BASE, **FAMILIES[text_of], model_type=text_of, **fields)
+        return transformers.AutoConfig.for_model(family, text_config=text, **FAMILIES[family])
+    return transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family], **fields})
+
+
+def _hf_fp8_model(path):
+    """transformers' own load of a blockwise-FP8 directory: on a machine without a GPU it
+    dequantizes the weights (its warnings that FP8 wants a GPU silenced), float32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.float().eval()
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def checkpoint(request, tmp_path_factory):
     """(family, directory, transformers' logits on TOKENS, jaxmp's model from the directory)."""
     family = request.param
     torch.manual_seed(0)
-    text_of = hf.FAMILIES[family].text_of
-    if text_of:  # a wrapper: the text model's fields are its text_config
-        text = dict(BASE, **FAMILIES[text_of], model_type=text_of)
-        config = transformers.AutoConfig.for_model(family, text_config=text, **FAMILIES[family])
-    else:
-        config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(family)).float().eval()
     with torch.no_grad():  # norms at 1 and a zero bias would hide a mapping error
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(("bias", "sinks", "A_log")):
@@ -491,13 +504,7 @@ def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, fami
 
     torch.manual_seed(4)
     text_of = hf.FAMILIES[family].text_of
-    if text_of:  # a wrapper: the text model's fields are its text_config
-        config = transformers.AutoConfig.for_model(
-            family, text_config=dict(BASE, **FAMILIES[text_of], model_type=text_of,
-                                     vocab_size=128), **FAMILIES[family])
-    else:
-        config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family],
-                                                              "vocab_size": 128})
+    config = _hf_config(family, vocab_size=128)
     original = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in original.named_parameters():
@@ -539,11 +546,7 @@ def test_a_new_family_trains_two_steps_from_init_from_and_exports(tmp_path, fami
         assert export.main(fp8_out) == 0
         q = json.load(open(tmp_path / "fp8" / "config.json"))["quantization_config"]
         assert (q["quant_method"], q["weight_block_size"]) == ("fp8", [128, 128])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fp8 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"),
-                                                                    dtype=torch.float32)
-        theirs = _hf_logits(fp8.float().eval(), tokens)
+        theirs = _hf_logits(_hf_fp8_model(tmp_path / "fp8"), tokens)
         assert _rel_err(_logits(from_pretrained(str(tmp_path / "fp8"), "fp32",
                                                 attention="reference"), tokens), theirs) < 2e-4
         assert _rel_err(theirs, ref) < 0.1  # E4M3's rounding of every projection
@@ -801,7 +804,7 @@ def test_blockwise_fp8_checkpoints_load_as_transformers_loads_them(family, block
 
     pytest.importorskip("accelerate", reason="transformers' FP8 load needs accelerate")
     torch.manual_seed(8)
-    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
+    config = _hf_config(family)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -818,10 +821,7 @@ def test_blockwise_fp8_checkpoints_load_as_transformers_loads_them(family, block
         save_file(plain, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir))
     else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            theirs = transformers.AutoModelForCausalLM.from_pretrained(
-                str(tmp_path), dtype=torch.float32)
+        theirs = _hf_fp8_model(tmp_path)
     ref = _hf_logits(theirs.float().eval())
     ours = from_pretrained(str(tmp_path), "fp32", attention="reference")
     assert _rel_err(_logits(ours), ref) < 2e-4
@@ -899,7 +899,7 @@ def test_an_fp8_export_is_the_blockwise_checkpoint_transformers_loads(family, tm
 
     pytest.importorskip("accelerate", reason="transformers' FP8 load needs accelerate")
     torch.manual_seed(12)
-    config = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})
+    config = _hf_config(family)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     model.save_pretrained(str(tmp_path / "src"))
     original = load_file(str(tmp_path / "src" / "model.safetensors"))
@@ -926,13 +926,8 @@ def test_an_fp8_export_is_the_blockwise_checkpoint_transformers_loads(family, tm
     kept = sorted(n.removesuffix(".weight") for n in original if n == "lm_head.weight" or (
         router and (n.endswith(f"{router}.weight") or "shared_expert_gate" in n)))
     assert q == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                 "weight_block_size": list(block), "modules_to_not_convert": q["modules_to_not_convert"]}
-    assert sorted(q["modules_to_not_convert"]) == kept
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"),
-                                                                   dtype=torch.float32)
-    ref = _hf_logits(theirs.float().eval())
+                 "weight_block_size": list(block), "modules_to_not_convert": kept}
+    ref = _hf_logits(_hf_fp8_model(tmp_path / "fp8"))
     back = from_pretrained(str(tmp_path / "fp8"), "fp32", attention="reference")
     assert _rel_err(_logits(back), ref) < 2e-4
     assert _rel_err(ref, _hf_logits(model)) < 0.1  # E4M3's rounding of the projections

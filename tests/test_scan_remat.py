@@ -3,6 +3,7 @@ the unscanned model's weights gives the same loss and gradients; per-layer rules
 stacks; logical axes, router biases (one per layer) and checkpoints keep working; every
 remat setting gives the same loss and gradients as "none" and saves no more bytes."""
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +233,6 @@ def test_a_checkpoint_in_the_runs_layout_resumes_and_exports_in_the_interleaved_
         train_and_evaluate(config, str(tmp_path / "run"))
         assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "old")]) == 0
         config.train.steps = 3  # the step the old layout takes next, in a copy of the run
-        import shutil
         shutil.copytree(tmp_path / "run", tmp_path / "run_old")
         old = train_and_evaluate(config, str(tmp_path / "run_old"))
         assert export.main(["--workdir", str(tmp_path / "run_old"),

@@ -218,26 +218,32 @@ def layer_stacks(config: ModelConfig, rules: PolicyRules,
     sig = [(config.is_moe_layer(i), config.layer_type(i), config.attention_window(i),
             tuple(rules.resolve(f"blocks/{i}/{sub}") for sub in _block_module_suffixes(config, i)))
            for i in range(n)]
-    # best[a] = (bodies, groups) of layers a.. ; choice[a] = (P, R) of the group at a
-    best, choice = [(0, 0)] * (n + 1), [None] * (n + 1)
-    for a in range(n - 1, -1, -1):
-        for period in range(1, max(1, (n - a) // 2) + 1):
-            repeats = 1
-            while a + period * (repeats + 1) <= n and all(
-                    sig[a + period * repeats + k] == sig[a + k] for k in range(period)):
-                repeats += 1
-            if period > 1 and repeats == 1:  # no repetition: single layers do as well
-                continue
-            for r in range(repeats, 0, -1):
-                bodies, groups = best[a + period * r]
-                cand = (bodies + period, groups + 1)
-                if choice[a] is None or cand < best[a]:
-                    best[a], choice[a] = cand, (period, r)
-    runs = 1 + sum(sig[i] != sig[i - 1] for i in range(1, n))  # bodies without periods
-    if not interleave or 2 * best[0][0] > runs:  # saves less than half: runs alone
-        choice = [None] * n
+
+    def cut(max_period):
+        """``(bodies, choice)``: the fewest layer bodies (then groups) of a cut whose
+        periods are at most ``max_period``, and ``choice[a] = (P, R)`` of the group that
+        starts at layer ``a`` (``max_period=1``: the runs of one signature)."""
+        best, choice = [(0, 0)] * (n + 1), [None] * (n + 1)  # best[a]: of layers a..
         for a in range(n - 1, -1, -1):
-            choice[a] = (1, 1 + (choice[a + 1][1] if a + 1 < n and sig[a + 1] == sig[a] else 0))
+            for period in range(1, max(1, min(max_period, (n - a) // 2)) + 1):
+                repeats = 1
+                while a + period * (repeats + 1) <= n and all(
+                        sig[a + period * repeats + k] == sig[a + k] for k in range(period)):
+                    repeats += 1
+                if period > 1 and repeats == 1:  # no repetition: single layers do as well
+                    continue
+                for r in range(repeats, 0, -1):
+                    bodies, groups = best[a + period * r]
+                    cand = (bodies + period, groups + 1)
+                    if choice[a] is None or cand < best[a]:
+                        best[a], choice[a] = cand, (period, r)
+        return best[0][0], choice
+
+    runs, choice = cut(1)
+    if interleave:
+        bodies, periodic = cut(n)
+        if 2 * bodies <= runs:  # interleaving at least halves the bodies compiled
+            choice = periodic
     stacks, a = [], 0
     while a < n:
         period, repeats = choice[a]

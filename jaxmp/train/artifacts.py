@@ -26,8 +26,7 @@ from flax import nnx
 
 from jaxmp import sharding
 from jaxmp.models import MoETransformer, ModelConfig
-from jaxmp.train.checkpoint import CheckpointError, Checkpointer, residual_adapter
-from jaxmp.train.resume import SAVED_STACKS, stacks_adapter
+from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
 from jaxmp.train.tokenizer import (ByteTokenizer, HFTokenizer, SentencePieceTokenizer,
@@ -131,12 +130,10 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
             saved[key] = saved_config[key]
-        read, state, data_state = ckpt.restore(
-            exp.checkpoint_template, saved, step=None if step is None else int(step),
-            adapt=stacks_adapter(exp.stacks(), exp.stacks(interleave=False),
-                                 residual_adapter(exp.num_devices, exp.mesh)))
-        state = exp.restored_state(state, ckpt.saved_meta.get(SAVED_STACKS,
-                                                              exp.stacks(interleave=False)))
+        read, state, data_state = ckpt.restore(exp.checkpoint_template, saved,
+                                               step=None if step is None else int(step),
+                                               adapt=exp.checkpoint_adapter())
+        state = exp.restored_state(state, ckpt.saved_meta)
         notes = list(ckpt.warnings)
     if num_devices is None:
         model = exp.host_model(state)

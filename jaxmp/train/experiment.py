@@ -37,7 +37,8 @@ from jaxmp.train import packing
 from jaxmp.train.data import DataPipeline, create_pipeline
 from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
-from jaxmp.train.resume import relayout_stacks
+from jaxmp.train.resume import (relayout_stacks, residual_adapter, saved_stacks,
+                                stacks_adapter)
 from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
 from jaxmp.train.step import DivergenceCheck, GradExchange, make_eval_step, make_train_step
 
@@ -299,15 +300,26 @@ class Experiment:
         return layer_stacks(self.model_config, model_policy_rules(self.settings.rules),
                             interleave)
 
-    def restored_state(self, state: TrainState, saved_stacks=None) -> TrainState:
+    def checkpoint_adapter(self) -> Callable[[dict, Any], Any]:
+        """The ``adapt`` of :meth:`jaxmp.train.checkpoint.Checkpointer.restore` for this
+        run: a top-k residual saved for another device count
+        (:func:`~jaxmp.train.resume.residual_adapter`) and scanned stacks saved in another
+        layout (:func:`~jaxmp.train.resume.stacks_adapter`) are restored as saved;
+        :meth:`restored_state` converts them."""
+        return stacks_adapter(self.stacks(), self.stacks(interleave=False),
+                              residual_adapter(self.num_devices, self.mesh))
+
+    def restored_state(self, state: TrainState, meta: Optional[dict] = None) -> TrainState:
         """A state restored onto :attr:`checkpoint_template`, completed for this layout:
-        with ``saved_stacks`` (a checkpoint's scanned stacks, restored in that layout by
-        :func:`jaxmp.train.resume.stacks_adapter`) re-stacked as :meth:`stacks` and put on
-        this run's shardings; under ZeRO-1, the compute-dtype copy cast from the restored
-        master weights (what the step that saved them had all-gathered)."""
+        with the checkpoint's ``meta`` (``Checkpointer.saved_meta``), its scanned stacks
+        (:func:`jaxmp.train.resume.saved_stacks`, restored in that layout by
+        :meth:`checkpoint_adapter`) re-stacked as :meth:`stacks` and put on this run's
+        shardings; under ZeRO-1, the compute-dtype copy cast from the restored master
+        weights (what the step that saved them had all-gathered)."""
         stacks = self.stacks()
-        if saved_stacks is not None and stacks is not None:
-            moved = relayout_stacks(state, saved_stacks, stacks)
+        if meta is not None and stacks is not None:
+            moved = relayout_stacks(state, saved_stacks(meta, self.stacks(interleave=False)),
+                                    stacks)
             if moved is not state:
                 template = self.checkpoint_template
                 state = moved.replace(**{k: jax.tree.map(

@@ -38,9 +38,9 @@ from tqdm import tqdm
 
 from jaxmp.models import generate
 from jaxmp.train.checkpoint import (CheckpointError, Checkpointer, check_same_settings,
-                                    reshard_residual, residual_adapter)
+                                    reshard_residual)
 from jaxmp.train.config import config_to_dict, validate_config
-from jaxmp.train.resume import SAVED_STACKS, stacks_adapter
+from jaxmp.train.resume import SAVED_STACKS
 from jaxmp.train.data import check_data_path
 from jaxmp.train.distributed import preemption_sync
 from jaxmp.train.experiment import Experiment
@@ -87,12 +87,10 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data, config_dict: dic
     moved to it, or step 0 and a freshly initialised state."""
     if ckpt.latest_step() is None:
         return 0, exp.init_state(), []
-    start, state, data_state = ckpt.restore(
-        exp.checkpoint_template, config_dict, check_data=data.check_state,
-        adapt=stacks_adapter(exp.stacks(), exp.stacks(interleave=False),
-                             residual_adapter(exp.num_devices, exp.mesh)))
-    state = exp.restored_state(state, ckpt.saved_meta.get(SAVED_STACKS,
-                                                          exp.stacks(interleave=False)))
+    start, state, data_state = ckpt.restore(exp.checkpoint_template, config_dict,
+                                            adapt=exp.checkpoint_adapter(),
+                                            check_data=data.check_state)
+    state = exp.restored_state(state, ckpt.saved_meta)
     state, note = reshard_residual(state, ckpt.saved_meta.get("num_devices"), exp.num_devices,
                                    exp.state_shardings.comm_state)
     notes = [note] if note else []
@@ -386,8 +384,9 @@ def _saver(exp: Experiment, ckpt: Checkpointer, data, config_dict: dict):
     and its eval loss (when evaluated at ``step``)."""
     meta = {"num_devices": exp.num_devices, "strategy": exp.layout.strategy,
             "expert": exp.layout.expert}
-    if exp.stacks() is not None:  # the scanned layout, for a jaxmp that lays it out otherwise
-        meta[SAVED_STACKS] = [list(s) for s in exp.stacks()]
+    stacks = exp.stacks()
+    if stacks is not None:  # the scanned layout, for a jaxmp that lays it out otherwise
+        meta[SAVED_STACKS] = [list(s) for s in stacks]
     return lambda step, s, eval_loss=None: ckpt.save(
         step, exp.checkpoint_state(s), data.get_state(), config_dict, meta, healthy=_healthy(s),
         eval_loss=eval_loss)

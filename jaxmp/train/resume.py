@@ -21,7 +21,7 @@ from jaxmp.train.keys import DEFAULTS
 
 __all__ = ["INCOMPATIBLE_KEYS", "MAY_CHANGE_KEYS", "config_differences", "check_same_settings",
            "residual_adapter", "reshard_residual", "stacks_adapter", "relayout_stacks",
-           "SAVED_STACKS"]
+           "saved_stacks", "SAVED_STACKS"]
 
 # The checkpoint meta key holding a scanned model's stacks (lists of layer indices); a
 # checkpoint without it was written before jaxmp recorded them, in the layout of runs alone
@@ -205,6 +205,13 @@ def relayout_stacks(state, src, dst):
     return state.replace(**rows, comm_state=comm)
 
 
+def saved_stacks(meta: dict, legacy):
+    """The scanned stacks a checkpoint was saved with: its meta's :data:`SAVED_STACKS`, or
+    ``legacy`` (the runs-alone layout, :func:`jaxmp.models.layer_stacks` with
+    ``interleave=False``) for one saved before they were recorded."""
+    return meta.get(SAVED_STACKS, legacy)
+
+
 def stacks_adapter(stacks, legacy, adapt: Optional[Callable[[dict, Any], Any]] = None):
     """An ``adapt`` for :meth:`jaxmp.train.checkpoint.Checkpointer.restore` (after
     ``adapt``, e.g. :func:`residual_adapter`): a checkpoint whose scanned stacks (its meta's
@@ -219,5 +226,5 @@ def stacks_adapter(stacks, legacy, adapt: Optional[Callable[[dict, Any], Any]] =
             template = adapt(meta, template)
         if stacks is None:
             return template
-        return relayout_stacks(template, stacks, meta.get(SAVED_STACKS, legacy))
+        return relayout_stacks(template, stacks, saved_stacks(meta, legacy))
     return adapted

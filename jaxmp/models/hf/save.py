@@ -14,8 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmp.precision import fp8
-
 from jaxmp.models.hf.config import config_to_hf, family_of
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import safetensors_module, save_safetensors
@@ -23,6 +21,7 @@ from jaxmp.models.hf.layout import INTERLEAVED, global_table, layer_table, param
 from jaxmp.models.layers import FP8State
 from jaxmp.models.moe import RouterBias
 from jaxmp.models.transformer import MoETransformer
+from jaxmp.precision import fp8
 
 __all__ = ["save_pretrained", "check_router_biases", "MAX_SHARD_BYTES", "QUANTIZE_FORMATS"]
 
