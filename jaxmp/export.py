@@ -1,4 +1,4 @@
-"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf]
+"""``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf|peft]
 [--quantize fp8] [--force]``.
 
 ``--format jaxmp`` (the default) writes a training run's checkpoint as
@@ -16,13 +16,22 @@ E4M3 weights with a float32 ``weight_scale_inv`` per 128 x 128 block, quantized 
 (:func:`jaxmp.models.save_pretrained`), which transformers and ``from_pretrained`` load. The workdir is only read (a trainer may be
 writing into it); a corrupt newest checkpoint is passed over with a warning.
 
-Either format writes into a new temporary directory beside ``--out`` and moves the files
+A LoRA run (``lora.rank > 0``): its checkpoints hold the adapters, and its base is read
+again from ``model.init_from`` (or rebuilt from the seed) and checked against the digest
+the checkpoint records. ``--format jaxmp`` and ``--format hf`` (``--quantize fp8``
+included) write the merged model, ``W + (alpha / r) A B`` per adapted weight
+(:func:`jaxmp.models.lora.merge_lora`); ``--format peft`` writes the adapters alone as
+``adapter_config.json`` and ``adapter_model.safetensors``
+(:func:`jaxmp.train.artifacts.export_peft`), which ``peft.PeftModel.from_pretrained(base,
+DIR)`` loads; a run without adapters is refused.
+
+Every format writes into a new temporary directory beside ``--out`` and moves the files
 into place only once all are written: a failed export (a full disk, a file-size limit, a
 read-only folder) is a one-line error naming the file and the OS error, and leaves an
 existing ``--out`` as it was; with ``--force``, the old export's weight files the new one
 does not have (old shards) are removed after the new ones are in place.
 
-Refused with a one-line error (exit status 2), for both formats: an ``--out`` that is not
+Refused with a one-line error (exit status 2), for every format: an ``--out`` that is not
 empty, unless ``--force``; and, even with ``--force``, an ``--out`` that is the run's
 ``--workdir`` or inside it (checked before the checkpoint is read), or that is the run's
 base checkpoint (its ``model.init_from`` directory), inside it or contains it (checked
@@ -50,8 +59,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", required=True, help="the export directory (created; must be empty "
                    "unless --force; never the run's workdir or its model.init_from directory)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    p.add_argument("--format", choices=("jaxmp", "hf"), default="jaxmp",
-                   help="jaxmp (default) or hf (a Hugging Face model directory)")
+    p.add_argument("--format", choices=("jaxmp", "hf", "peft"), default="jaxmp",
+                   help="jaxmp (default), hf (a Hugging Face model directory; a LoRA run's "
+                   "adapters merged) or peft (a LoRA run's adapters as a PEFT adapter)")
     p.add_argument("--quantize", choices=("fp8",), default=None,
                    help="with --format hf: fp8 writes the projections as blockwise FP8 (E4M3, "
                    "a float32 scale per 128 x 128 block) with a quantization_config")
@@ -62,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.exit(2, f"{p.prog}: error: --quantize {args.quantize} needs --format hf (a jaxmp "
                   f"export keeps the master weights)\n")
     from jaxmp.train import CheckpointError
-    from jaxmp.train.artifacts import export, export_hf
+    from jaxmp.train.artifacts import export, export_hf, export_peft
     from jaxmp._entry import quiet_orbax_tracebacks
     restore = quiet_orbax_tracebacks()  # an orbax failure is the one line below
     notes = []
@@ -70,6 +80,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.format == "hf":
             meta = export_hf(args.workdir, args.out, args.step, force=args.force, notes=notes,
                              quantize=args.quantize)
+        elif args.format == "peft":
+            meta = export_peft(args.workdir, args.out, args.step, force=args.force, notes=notes)
         else:
             meta = export(args.workdir, args.out, args.step, force=args.force, notes=notes)
     except (ValueError, CheckpointError, OSError) as e:
@@ -78,6 +90,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         restore()
     for note in notes:
         print(f"warning: {note}", file=sys.stderr)
+    if args.format == "peft":
+        print(f"exported the adapters of step {meta['step']} of {args.workdir} to {args.out}: "
+              f"adapter_config.json, adapter_model.safetensors ({meta['targets']} modules; "
+              f"base {meta['base'] or 'a random initialisation'})")
+        return 0
     if args.format == "hf":
         print(f"exported step {meta['step']} of {args.workdir} to {args.out} as "
               f"{meta['family']}: config.json, safetensors weights"

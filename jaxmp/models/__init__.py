@@ -36,6 +36,7 @@ from jaxmp.models.moe import (
     expert_capacity,
     update_router_bias,
 )
+from jaxmp.models.lora import FrozenParam, Lora, apply_lora
 from jaxmp.models.hf import from_pretrained, save_pretrained
 from jaxmp.models.sampling import generate
 from jaxmp.models.config import REMAT_POLICIES, ModelConfig
@@ -54,5 +55,5 @@ __all__ = [
     "RoutedExperts", "SwiGLU", "expert_capacity", "RMSNorm", "Embed", "Attention", "Head",
     "Block", "FLOAT32_ISLANDS", "ATTENTION_IMPLEMENTATIONS", "attention_core", "REMAT_POLICIES",
     "layer_stacks", "FP8_EXCLUDED", "FP8State", "add_fp8_states", "matmul",
-    "from_pretrained", "save_pretrained",
+    "from_pretrained", "save_pretrained", "Lora", "FrozenParam", "apply_lora",
 ]

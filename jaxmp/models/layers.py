@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmp.models import lora
 from jaxmp.precision import fp8, ops
 from jaxmp.precision.policy import Policy, PolicyRules
 
@@ -51,8 +52,11 @@ class FP8State(nnx.Variable):
 
 
 def add_fp8_states(module: nnx.Module, names) -> None:
-    """Gives ``module`` an :class:`FP8State` ``<name>_amax`` per weight in ``names`` when its
-    policy's FP8 recipe keeps a state (delayed scaling); does nothing otherwise."""
+    """Records ``names`` as the weights ``module`` multiplies by :func:`matmul`
+    (``module.matmul_weights``: what :func:`jaxmp.models.lora.apply_lora` may adapt) and
+    gives it an :class:`FP8State` ``<name>_amax`` per weight when its policy's FP8 recipe
+    keeps a state (delayed scaling)."""
+    module.matmul_weights = tuple(names)
     recipe = module.policy.fp8
     if recipe is not None and recipe.has_state:
         for name in names:
@@ -66,7 +70,9 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
 
     :func:`jaxmp.fp8.matmul` with ``module.policy.fp8`` (and the weight's
     :class:`FP8State` under delayed scaling) when the policy has an FP8 recipe, else
-    :func:`jaxmp.ops.cast_matmul`. Both take the master weight as it is stored.
+    :func:`jaxmp.ops.cast_matmul`. Both take the master weight as it is stored. A weight
+    with a low-rank adapter (:func:`jaxmp.models.lora.apply_lora`) adds
+    :func:`jaxmp.models.lora.lora_product`, in the compute dtype.
 
     Args:
       module: a module with a ``policy`` and the weight as attribute ``name``.
@@ -91,10 +97,15 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
     if operands is not None:
         operands[f"{module.path}/{name}"] = {"x": x, "w": w, "spec": spec, "fp8": recipe}
     if recipe is None:
-        return ops.cast_matmul(x, w, spec, group_sizes=group_sizes, grouped=grouped)
-    state = getattr(module, f"{name}_amax", None)
-    return fp8.matmul(x, w, recipe, None if state is None else state[...], spec,
-                      group_sizes=group_sizes)
+        y = ops.cast_matmul(x, w, spec, group_sizes=group_sizes, grouped=grouped)
+    else:
+        state = getattr(module, f"{name}_amax", None)
+        y = fp8.matmul(x, w, recipe, None if state is None else state[...], spec,
+                       group_sizes=group_sizes)
+    adapter = lora.adapted(module, name)
+    if adapter is None:
+        return y
+    return y + lora.lora_product(x, *adapter, spec, ops.cast_matmul).astype(y.dtype)
 
 
 def make_param(rngs: "nnx.Rngs | ParamKeys", init, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]

@@ -47,6 +47,8 @@ class StepPlan:
       master_params: the master weights.
       reduce_dtype: the dtype gradients cross the wire in (``grad_reduce_dtype``), also
         that of FSDP's reduce-scatter.
+      frozen: a LoRA model's frozen base (:class:`~jaxmp.models.FrozenParam` s), or None
+        (none): laid out by the compute rules, as the forward pass reads parameters.
 
     Attributes:
       mesh, layout, reduce_dtype: as given (``layout`` fitted to ``mesh``).
@@ -55,6 +57,8 @@ class StepPlan:
       total: the devices (product of ``axes``): each holds a share of the batch.
       expert_axis: the mesh axis of expert parallelism, or None.
       compute_specs: ``PartitionSpec`` per parameter leaf as the forward pass reads it.
+      frozen_specs: ``PartitionSpec`` per frozen-base leaf (the compute rules), or one
+        replicated ``PartitionSpec`` without a frozen base.
       state_specs: ``PartitionSpec`` per parameter leaf at rest (master, moments).
       reduces: :class:`jaxmp.comm.LeafReduce` per gradient leaf: summed over the batch
         axes it is not split over, and reduce-scattered over ``data`` where the master
@@ -67,7 +71,7 @@ class StepPlan:
     """
 
     def __init__(self, mesh: Mesh, layout: Layout, compute_params: Any, master_params: Any,
-                 reduce_dtype: Any = np.float32):
+                 reduce_dtype: Any = np.float32, frozen: Any = None):
         layout = layout.on(mesh)
         self.mesh, self.layout, self.reduce_dtype = mesh, layout, reduce_dtype
         self.axes = tuple(a for a in layout.batch_axes if a in mesh.axis_names)
@@ -80,6 +84,8 @@ class StepPlan:
 
         self.compute_specs = specs(compute_params, layout.compute_rules)
         self.state_specs = specs(master_params, layout.state_rules)
+        self.frozen_specs = (PartitionSpec() if frozen is None
+                             else specs(frozen, layout.compute_rules))
         fsdp = layout.declared.splits_compute
 
         def leaf_reduce(compute_spec, state_spec):

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxmp import sharding
 from jaxmp.models import MoETransformer, ModelConfig
+from jaxmp.models.lora import merge_lora
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
@@ -123,7 +124,9 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
              config.train.grad_accum_steps) = 1, 1, 1
         # The architecture is the saved config's and every weight the checkpoint's: the
         # base checkpoint of a fine-tuned run (model.init_from) is not read, so the run
-        # loads from any directory and after its base has moved.
+        # loads from any directory and after its base has moved. A LoRA run's checkpoint
+        # holds its adapters alone: its base is read again from model.init_from and checked
+        # against the digest the checkpoint records (Experiment.restored_state).
         base, config.model.init_from = config.model.init_from, ""
         exp = Experiment.create(config, num_devices=num_devices or 1)
         exp.config.model.init_from = base
@@ -223,7 +226,7 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
     from jaxmp.models.hf.files import save_safetensors
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
                                                                   notes)
-    tensors = _flat_arrays(model)
+    tensors = _flat_arrays(merge_lora(model))  # a LoRA run's adapters merged into its base
     kind = ("bytes" if isinstance(tokenizer, ByteTokenizer) else
             "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
 
@@ -505,6 +508,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
 
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
                                                                   notes)
+    model = merge_lora(model)  # a LoRA run's adapters merged into its base
     from jaxmp.train.chat import end_of_turn_ids, kept_chat_template, kept_chat_tokens
 
     template = kept_chat_template(workdir)  # the one a chat run trained with
@@ -551,6 +555,48 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
                          stale=lambda name: re.fullmatch(_HF_WEIGHT_FILE, name) is not None
                          or name == "generation_config.json",
                          weights=_hf_weights_written)
+
+
+def export_peft(workdir: str | os.PathLike, out: str | os.PathLike,
+                step: Optional[int] = None, force: bool = False,
+                notes: Optional[list] = None) -> dict:
+    """Writes a LoRA run's adapters as a PEFT adapter directory (``--format peft``):
+    ``adapter_config.json`` and ``adapter_model.safetensors``
+    (:func:`jaxmp.models.hf.peft.save_adapters`), which
+    ``peft.PeftModel.from_pretrained(base, out)`` loads onto the run's ``model.init_from``
+    with the logits of the run's model. Written as :func:`export` writes (a temporary
+    directory moved into place).
+
+    Args:
+      workdir, out, step, force, notes: as :func:`export`.
+
+    Returns:
+      ``{"step", "targets", "base"}``: the step read, the number of modules adapted and the
+      base model's path.
+
+    Raises:
+      ValueError: a run without adapters (``lora.rank=0``), before anything is written;
+        the refusals of :func:`export`; as :func:`load` (a base whose digest is not the
+        checkpoint's).
+      CheckpointError: as :func:`load`.
+    """
+    from jaxmp.models.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapters
+
+    model, _, config, saved_step, real = _load_for_export(workdir, out, step, force, notes)
+    if not config.lora.rank:  # before anything is written
+        raise ValueError(f"{workdir} was trained without adapters (lora.rank=0): a PEFT export "
+                         f"needs a run with lora.rank > 0; use --format hf or jaxmp")
+
+    def write(directory: pathlib.Path) -> dict:
+        written = save_adapters(model, str(directory), rank=config.lora.rank,
+                                alpha=config.lora.alpha,
+                                base_model=config.model.init_from or None)
+        return {"step": int(saved_step), "targets": len(written["target_modules"]),
+                "base": config.model.init_from}
+
+    return _write_export(out, real, write,
+                         stale=lambda name: name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS),
+                         weights=lambda directory: ADAPTER_WEIGHTS)
 
 
 def load_export(directory: str | os.PathLike) -> Tuple[MoETransformer, Any, dict]:

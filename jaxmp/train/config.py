@@ -38,7 +38,7 @@ from flax.traverse_util import flatten_dict
 
 from jaxmp import sharding
 from jaxmp._checks import is_int, is_real
-from jaxmp.models import ModelConfig
+from jaxmp.models import Lora, ModelConfig
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import LossScale, get_loss_scale
 from jaxmp.precision.policy import PRESETS, PolicyRules, get_policy_rules
@@ -319,6 +319,8 @@ class Settings:
       layout: the :class:`jaxmp.sharding.Layout` of ``parallel.strategy``,
         ``parallel.expert`` and ``parallel.dispatch_dtype``.
       reduce_dtype: ``precision.grad_reduce_dtype`` as a ``jnp.dtype``.
+      lora: the ``lora.*`` section as a :class:`jaxmp.models.Lora`, or None
+        (``lora.rank=0``: the whole model trains).
     """
 
     config: ml_collections.ConfigDict
@@ -329,6 +331,7 @@ class Settings:
     num_devices: int
     layout: Any = None
     reduce_dtype: Any = None
+    lora: Optional[Lora] = None
 
 
 # Every checked key and what it allows (each key's declaration in jaxmp.train.keys, the
@@ -352,6 +355,23 @@ def _check_table(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None
         value, spec = _get(config, key), ALLOWED[key]
         if not spec.ok(value):
             raise ValueError(f"{key}={value!r} is not allowed; it must be {spec.allowed}")
+
+
+def _check_lora(config: ml_collections.ConfigDict, model: ModelConfig) -> Optional[Lora]:
+    """The ``lora.*`` section as a :class:`~jaxmp.models.Lora` (None at rank 0), refusing
+    what adapters cannot take: router biases that move (``model.bias_update_rate``; a
+    PEFT adapter cannot carry them) and an FP8 base without ``model.init_from``'s FP8
+    checkpoint."""
+    c = config.lora
+    if not c.rank:
+        return None
+    lora = Lora(rank=int(c.rank), alpha=float(c.alpha), targets=Lora.parse_targets(c.targets),
+                base=c.base)
+    if model.bias_update_rate:
+        raise ValueError(f"lora.rank={c.rank} with model.bias_update_rate="
+                         f"{model.bias_update_rate!r}: the router biases are part of the frozen "
+                         f"base (a PEFT adapter cannot carry them); set model.bias_update_rate=0")
+    return lora
 
 
 def validate_config(config: ml_collections.ConfigDict,
@@ -445,7 +465,8 @@ def validate_config(config: ml_collections.ConfigDict,
     except ValueError as e:
         raise ValueError(f"precision: {e}") from None
     layout = _check_parallel(config, model, int(num_devices))
-    return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale,
+    lora = _check_lora(config, model)
+    return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale, lora=lora,
                     comm=comm_kwargs, num_devices=int(num_devices), layout=layout,
                     reduce_dtype=reduce_dtype)
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmp import sharding, target
 from jaxmp.models import ModelConfig, MoETransformer, count_params
+from jaxmp.models.lora import TRAINABLE, apply_lora, base_digest
 from jaxmp.models.transformer import layer_stacks, model_policy_rules, param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
@@ -39,10 +40,14 @@ from jaxmp.train.tokenizer import load_tokenizer, round_vocab
 from jaxmp.train.optimizer import make_lr_schedule, make_optimizer
 from jaxmp.train.resume import (relayout_stacks, residual_adapter, saved_stacks,
                                 stacks_adapter)
-from jaxmp.train.state import TrainState, create_train_state, split_model, train_state_shardings
+from jaxmp.train.state import (TrainState, create_train_state, split_frozen, split_model,
+                               train_state_shardings)
 from jaxmp.train.step import DivergenceCheck, GradExchange, make_eval_step, make_train_step
 
-__all__ = ["Experiment", "module_paths", "parameter_bytes", "unmatched_rules"]
+__all__ = ["Experiment", "module_paths", "parameter_bytes", "unmatched_rules", "BASE_DIGEST"]
+
+# The checkpoint meta key holding a LoRA run's base digest (jaxmp.models.lora.base_digest).
+BASE_DIGEST = "lora_base_digest"
 
 
 def module_paths(model: nnx.Module) -> List[str]:
@@ -108,8 +113,10 @@ def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) ->
 
     model = hf.load_weights(path, settings.model, settings.rules, mesh=mesh,
                             rules=layout.state_rules, target=_target_of(mesh))
+    if settings.lora is not None:
+        apply_lora(model, settings.lora, settings.config.seed)
     n = int(mesh.devices.size)
-    comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
+    comm_state = comm.init_comm_state(nnx.state(model, TRAINABLE), n,
                                       settings.comm["grad_compression"])
     state = create_train_state(model, optimizer, settings.loss_scale, settings.config.seed,
                                comm_state=comm_state)[1]
@@ -198,6 +205,7 @@ class Experiment:
     _copy: Optional[Callable] = dataclasses.field(repr=False, default=None)
     workdir: Optional[Any] = None
     progress: bool = False
+    _digest: Optional[str] = dataclasses.field(repr=False, default=None)
 
     @classmethod
     def create(cls, config: ml_collections.ConfigDict, *, num_devices: Optional[int] = None,
@@ -230,17 +238,22 @@ class Experiment:
         # compiled for, which for a deviceless compile are topology devices (jaxmp.target).
         compile_for = _target_of(mesh)
 
-        def init() -> TrainState:
+        def build() -> MoETransformer:
             model = MoETransformer(settings.model, settings.rules, rngs=nnx.Rngs(cfg.seed),
                                    target=compile_for)
-            comm_state = comm.init_comm_state(nnx.state(model, nnx.Param), n,
+            if settings.lora is not None:  # adapters, and the base frozen
+                apply_lora(model, settings.lora, cfg.seed)
+            return model
+
+        def init() -> TrainState:
+            model = build()
+            comm_state = comm.init_comm_state(nnx.state(model, TRAINABLE), n,
                                               settings.comm["grad_compression"])
             # ZeRO-1's compute copy is cast afterwards, from the stored params (restored_state).
             return create_train_state(model, optimizer, settings.loss_scale, cfg.seed,
                                       comm_state=comm_state)[1]
 
-        model = nnx.eval_shape(lambda: MoETransformer(settings.model, settings.rules,
-                                                      rngs=nnx.Rngs(cfg.seed), target=compile_for))
+        model = nnx.eval_shape(build)
         graphdef = split_model(model)[0]
         abstract = jax.eval_shape(init)
         copy_fn = functools.partial(_cast_copy, dtypes=param_compute_dtypes(model))
@@ -250,7 +263,7 @@ class Experiment:
         # The steps' per-device layout, worked out once from the abstract state.
         plan = sharding.StepPlan(
             mesh, layout, abstract.compute_params if layout.compute_copy else abstract.params,
-            abstract.params, settings.reduce_dtype)
+            abstract.params, settings.reduce_dtype, frozen=split_frozen(abstract.rest)[0])
         batch_sh = sharding.batch_sharding(mesh, layout.state_rules)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 abstract, state_sh)
@@ -284,12 +297,23 @@ class Experiment:
         copy of the parameters (ZeRO-1's ``compute_params``), which is rebuilt from the
         master weights on restore. The saved tree is therefore the same under every
         ``parallel.strategy`` and ``parallel.expert``: a checkpoint restores onto any of
-        them and any device count, resharded by orbax onto this layout."""
-        return self.abstract_state.replace(compute_params=None)
+        them and any device count, resharded by orbax onto this layout. A LoRA run's frozen
+        base is not saved either: the checkpoint's meta holds its :meth:`base_digest`, and
+        :meth:`restored_state` reads the base again (``model.init_from``, or the seed)."""
+        return self.checkpoint_state(self.abstract_state)
 
     def checkpoint_state(self, state: TrainState) -> TrainState:
         """``state`` as it is saved (see :attr:`checkpoint_template`)."""
-        return state.replace(compute_params=None)
+        return state.replace(compute_params=None, rest=split_frozen(state.rest)[1])
+
+    def base_digest(self, state: TrainState) -> Optional[str]:
+        """The :func:`jaxmp.models.lora.base_digest` of ``state``'s frozen base (computed
+        once per run: the base never changes), None without adapters."""
+        if self.settings.lora is None:
+            return None
+        if self._digest is None:
+            self._digest = base_digest(split_frozen(state.rest)[0])
+        return self._digest
 
     def stacks(self, interleave: bool = True) -> Optional[Tuple[Tuple[int, ...], ...]]:
         """The scanned layout's stacks (:func:`jaxmp.models.layer_stacks` of the model's
@@ -315,7 +339,15 @@ class Experiment:
         (:func:`jaxmp.train.resume.saved_stacks`, restored in that layout by
         :meth:`checkpoint_adapter`) re-stacked as :meth:`stacks` and put on this run's
         shardings; under ZeRO-1, the compute-dtype copy cast from the restored master
-        weights (what the step that saved them had all-gathered)."""
+        weights (what the step that saved them had all-gathered). A LoRA run's frozen base,
+        which checkpoints do not hold, is read again and checked against the digest
+        ``meta`` records.
+
+        Raises:
+          ValueError: the base read now is not the one the checkpoint's adapters were
+            trained on (another digest), or the checkpoint records none.
+        """
+        state = self._with_base(state, meta)
         stacks = self.stacks()
         if meta is not None and stacks is not None:
             moved = relayout_stacks(state, saved_stacks(meta, self.stacks(interleave=False)),
@@ -328,6 +360,28 @@ class Experiment:
         if self._copy is None:
             return state
         return state.replace(compute_params=self._copy(state.params))
+
+    def _with_base(self, state: TrainState, meta: Optional[dict]) -> TrainState:
+        """``state`` with the frozen base, when it has none (restored from a checkpoint)."""
+        if self.settings.lora is None or len(split_frozen(state.rest)[0]):
+            return state
+        path = self.config.model.init_from  # read now: an export sets it after create
+        base = (_init_from(path, self.settings, self.mesh, self.layout, self.optimizer,
+                           self.state_shardings.replace(compute_params=None))
+                if path else self._init())
+        frozen = split_frozen(base.rest)[0]
+        saved = (meta or {}).get(BASE_DIGEST)
+        where = self.config.model.init_from or f"the random base of seed={self.config.seed}"
+        if not isinstance(saved, str):
+            raise ValueError(f"the checkpoint holds adapters but records no digest of their base "
+                             f"({BASE_DIGEST!r} in its meta): it cannot be checked against {where}")
+        self._digest = None
+        if self.base_digest(state.replace(rest=frozen)) != saved:
+            raise ValueError(f"the checkpoint's adapters were trained on another base than "
+                             f"{where} (base digest {saved[:16]}..., this one "
+                             f"{self._digest[:16]}...); give the model.init_from they were "
+                             f"trained on")
+        return state.replace(rest=nnx.merge_state(state.rest, frozen))
 
     @property
     def config(self) -> ml_collections.ConfigDict:

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxmp._checks import F32_MAX, Choice, Int, Kind, Real, is_real
 from jaxmp import sharding
-from jaxmp.models import ModelConfig
+from jaxmp.models import ModelConfig, lora
 from jaxmp.precision import comm
 from jaxmp.precision.loss_scale import DynamicLossScale
 from jaxmp.precision.optim import UPDATE_ROUNDINGS
@@ -190,6 +190,18 @@ KEYS: Tuple[Key, ...] = (
     Key("train.sample_tokens", 80, "tokens of the final sample (0 = none)", Int(0)),
     Key("train.sample_temperature", 0.8, "sampling temperature (0 = greedy)",
         Real(0, text="a finite number >= 0 (0 = greedy)")),
+    # lora: low-rank adapters over a frozen base (jaxmp.models.lora)
+    Key("lora.rank", 0, "rank r of the low-rank adapters (0 = off: every parameter trains)",
+        Int(0, text="an integer >= 0 (0 = off)")),
+    Key("lora.alpha", 16.0, "the adapter product is scaled by alpha / rank (PEFT's lora_alpha)",
+        Real(0, F32_MAX, lo_open=True, text="a finite number > 0")),
+    Key("lora.targets", lora.DEFAULT_TARGETS,
+        "';'-separated regular expressions over blocks/{i}/<module>/<weight>: the projections "
+        "that get adapters (routed experts take none)",
+        Kind(lambda v: isinstance(v, str) and v.strip(";").strip() != "",
+             "';'-separated regular expressions")),
+    Key("lora.base", "master", "what the frozen base weights are stored as",
+        Choice(lora.LORA_BASES, " | ".join(lora.LORA_BASES))),
     # parallel
     Key("parallel.strategy", sharding.DP.name, "how the state is split over 'data'",
         Choice(sharding.STRATEGIES, " | ".join(sharding.STRATEGIES))),

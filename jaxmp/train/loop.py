@@ -43,7 +43,7 @@ from jaxmp.train.config import config_to_dict, validate_config
 from jaxmp.train.resume import SAVED_STACKS
 from jaxmp.train.data import check_data_path
 from jaxmp.train.distributed import preemption_sync
-from jaxmp.train.experiment import Experiment
+from jaxmp.train.experiment import BASE_DIGEST, Experiment
 from jaxmp.train.hooks import (DivergenceGuard, Evaluate, ReportMetrics, SaveCheckpoint,
                                StallGuard, Stopwatch, TrainingDiverged, TrainingStalled, eval_text,
                                steps_text)
@@ -387,9 +387,14 @@ def _saver(exp: Experiment, ckpt: Checkpointer, data, config_dict: dict):
     stacks = exp.stacks()
     if stacks is not None:  # the scanned layout, for a jaxmp that lays it out otherwise
         meta[SAVED_STACKS] = [list(s) for s in stacks]
-    return lambda step, s, eval_loss=None: ckpt.save(
-        step, exp.checkpoint_state(s), data.get_state(), config_dict, meta, healthy=_healthy(s),
-        eval_loss=eval_loss)
+
+    def save(step, s, eval_loss=None):
+        digest = exp.base_digest(s)  # a LoRA run's frozen base, which is not saved
+        return ckpt.save(step, exp.checkpoint_state(s), data.get_state(), config_dict,
+                         {**meta, BASE_DIGEST: digest} if digest else meta,
+                         healthy=_healthy(s), eval_loss=eval_loss)
+
+    return save
 
 
 def _hooks(exp: Experiment, ckpt: Checkpointer, writer, bar, start: int, state, save):

@@ -20,9 +20,11 @@ from jax.sharding import Mesh
 
 from jaxmp import sharding
 from jaxmp.models import RouterBias
+from jaxmp.models.lora import TRAINABLE, FrozenParam
 from jaxmp.precision.loss_scale import LossScale, as_loss_scale
 
-__all__ = ["TrainState", "split_model", "create_train_state", "train_state_shardings"]
+__all__ = ["TrainState", "split_model", "split_frozen", "create_train_state",
+           "train_state_shardings"]
 
 
 @flax.struct.dataclass
@@ -31,11 +33,14 @@ class TrainState:
 
     Attributes:
       step: int32 scalar, train steps taken (skipped ones included: the data moves on).
-      params: ``nnx.State`` of ``nnx.Param``, the master weights (float32 in mixed modes).
+      params: ``nnx.State`` of ``nnx.Param``, the master weights (float32 in mixed modes);
+        with low-rank adapters (``lora.rank > 0``) the adapters alone.
       biases: ``nnx.State`` of ``RouterBias``, float32 [num_experts] per MoE layer.
       rest: any other NNX state of the model: the :class:`~jaxmp.models.FP8State` amax
         histories of delayed FP8 scaling (float32 ``[3, history_length]`` per FP8 matmul,
-        replaced by the train step, :mod:`jaxmp.train.step`); empty otherwise.
+        replaced by the train step, :mod:`jaxmp.train.step`), and with adapters the
+        frozen base (:class:`~jaxmp.models.FrozenParam`, laid out as the forward pass
+        reads parameters, never written, not checkpointed: :func:`split_frozen`).
       opt_state: the optax optimizer state (moments in their configured dtypes; with
         ``optim.update_rounding`` stochastic or kahan, a
         :class:`jaxmp.optim.UpdateRoundingState` around it: the counter of the random
@@ -82,8 +87,16 @@ class TrainState:
 
 
 def split_model(model: nnx.Module):
-    """Splits an NNX model into ``(graphdef, params, biases, rest)``."""
-    return nnx.split(model, nnx.Param, RouterBias, ...)
+    """Splits an NNX model into ``(graphdef, params, biases, rest)``: the trained
+    parameters (:data:`jaxmp.models.lora.TRAINABLE`, every ``nnx.Param`` but a frozen
+    base), the router biases, everything else."""
+    return nnx.split(model, TRAINABLE, RouterBias, ...)
+
+
+def split_frozen(rest: Any):
+    """``(frozen base, the rest without it)`` of ``TrainState.rest`` (two ``nnx.State`` s;
+    the first empty without adapters)."""
+    return nnx.split_state(rest, FrozenParam, ...)
 
 
 def create_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
@@ -123,7 +136,8 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules) -> TrainState:
 
     Every ``nnx.Variable`` leaf with logical axes (the parameters, and the optimizer
     moments, which keep the parameters' wrappers) follows them
-    (:func:`jaxmp.sharding.state_shardings`); the per-device top-k residual
+    (:func:`jaxmp.sharding.state_shardings`), a frozen base by the compute rules (as the
+    forward pass reads parameters: whole under ZeRO-1, split under FSDP); the per-device top-k residual
     (``comm_state``) has its leading device axis split like the batch, so each device
     holds its own row; everything else is replicated.
 
@@ -146,4 +160,9 @@ def train_state_shardings(state: TrainState, mesh: Mesh, rules) -> TrainState:
     compute = None
     if state.compute_params is not None:
         compute = sharding.state_shardings(state.compute_params, mesh, compute_rules)
-    return shardings.replace(comm_state=comm, compute_params=compute)
+    frozen, _ = split_frozen(state.rest)
+    rest = shardings.rest
+    if len(frozen):
+        rest = nnx.merge_state(split_frozen(rest)[1],
+                               sharding.state_shardings(frozen, mesh, compute_rules))
+    return shardings.replace(comm_state=comm, compute_params=compute, rest=rest)

@@ -47,7 +47,7 @@ from jaxmp.precision._paths import path_name
 from jaxmp.precision.loss_scale import all_finite, select_tree
 from jaxmp.sharding import StepPlan
 from jaxmp.train.packing import LOSS_MASK, SEGMENT_KEYS
-from jaxmp.train.state import TrainState
+from jaxmp.train.state import TrainState, split_frozen
 
 __all__ = ["loss_fn", "forward_args", "GradExchange", "DivergenceCheck", "make_train_step",
            "make_eval_step"]
@@ -184,6 +184,7 @@ class _DeviceInputs(NamedTuple):
     params: Any       # as the forward pass reads them (ZeRO-1's compute copy, else masters)
     biases: Any       # router biases, replicated
     amax: Any         # FP8 delayed-scaling histories, replicated
+    frozen: Any       # a LoRA model's frozen base, laid out as the forward reads params
     other: Any        # the rest of the model's state, replicated
     loss_scale: Any   # replicated
     residual: Any     # top-k error feedback [devices, ...] or None, split over the devices
@@ -193,8 +194,8 @@ class _DeviceInputs(NamedTuple):
     def specs(cls, plan: StepPlan) -> "_DeviceInputs":
         """The ``shard_map`` in_spec of each field on ``plan``'s mesh."""
         rep, split = PartitionSpec(), plan.batch_spec
-        return cls(params=plan.compute_specs, biases=rep, amax=rep, other=rep, loss_scale=rep,
-                   residual=split, batch=split)
+        return cls(params=plan.compute_specs, biases=rep, amax=rep, frozen=plan.frozen_specs,
+                   other=rep, loss_scale=rep, residual=split, batch=split)
 
 
 class _DeviceGrads(NamedTuple):
@@ -229,8 +230,8 @@ class _DeviceGrads(NamedTuple):
                    residual=plan.batch_spec, amax=rep)
 
 
-def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: StepPlan,
-                   exchange: GradExchange) -> _DeviceGrads:
+def _sharded_grads(graphdef, state, amax, frozen, other, batch, grad_accum_steps,
+                   plan: StepPlan, exchange: GradExchange) -> _DeviceGrads:
     """Per-device gradients inside ``shard_map``, reduced as ``plan.reduces`` says (or
     exchanged as top-k), as a :class:`_DeviceGrads`."""
     n, axes, reduce_dtype = plan.total, plan.axes, plan.reduce_dtype
@@ -251,9 +252,12 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
                        has_aux=True)
 
     def per_device(inputs: _DeviceInputs) -> _DeviceGrads:
-        params, biases, amax, other, loss_scale, residual, batch = inputs
+        params, biases, amax, frozen, other, loss_scale, residual, batch = inputs
         # Device-varying copies (plan.varying): shard_map adds no reduction of its own.
         params, amax = plan.varying(params), plan.varying(amax)
+        # The frozen base is read, never differentiated; device-varying too, as the custom
+        # VJPs (the norms') give cotangents for every input, the base's included.
+        other = nnx.merge_state(other, plan.varying(frozen))
         trained = None
         if LOSS_MASK in batch:  # the mean over the global batch's trained tokens: each
             # micro-batch's masked sum over a share of them, so that the means over
@@ -314,8 +318,9 @@ def _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan: 
         return _DeviceGrads(grads=grads, finite=finite, loss=mean(ce), aux=aux,
                            residual=new_residual, amax=new_amax)
 
-    inputs = _DeviceInputs(params=params, biases=state.biases, amax=amax, other=other,
-                           loss_scale=state.loss_scale, residual=residual, batch=batch)
+    inputs = _DeviceInputs(params=params, biases=state.biases, amax=amax, frozen=frozen,
+                           other=other, loss_scale=state.loss_scale, residual=residual,
+                           batch=batch)
     return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(_DeviceInputs.specs(plan),),
                          out_specs=_DeviceGrads.specs(plan))(inputs)
 
@@ -423,9 +428,10 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
     topk = exchange.compression == "topk"
 
     def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-        amax, other = nnx.split_state(state.rest, FP8State, ...)
-        out = _sharded_grads(graphdef, state, amax, other, batch, grad_accum_steps, plan,
-                             exchange)
+        frozen, rest = split_frozen(state.rest)
+        amax, other = nnx.split_state(rest, FP8State, ...)
+        out = _sharded_grads(graphdef, state, amax, frozen, other, batch, grad_accum_steps,
+                             plan, exchange)
         aux = out.aux
         new_biases = _update_biases(state.biases, aux["expert_counts"], bias_update_rate) \
             if bias_update_rate else state.biases
@@ -453,7 +459,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, *, plan: 
                                       state.compute_params)
         new_state = state.replace(
             step=state.step + 1, params=update.params, biases=biases,
-            rest=nnx.merge_state(amax, other),
+            rest=nnx.merge_state(nnx.merge_state(amax, other), frozen),
             opt_state=update.opt_state, loss_scale=update.loss_scale, skipped_steps=skipped,
             consecutive_skips=consecutive, loss_ema=health.loss_ema,
             grad_norm_ema=health.grad_norm_ema, divergent_steps=health.divergent_steps,
@@ -487,6 +493,7 @@ class _EvalInputs(NamedTuple):
 
     params: Any  # as the forward pass reads them
     biases: Any  # replicated
+    frozen: Any  # a LoRA model's frozen base, as the forward pass reads parameters
     rest: Any    # replicated
     batch: Any   # split over the batch axes
 
@@ -494,7 +501,8 @@ class _EvalInputs(NamedTuple):
     def specs(cls, plan: StepPlan) -> "_EvalInputs":
         """The ``shard_map`` in_spec of each field on ``plan``'s mesh."""
         rep = PartitionSpec()
-        return cls(params=plan.compute_specs, biases=rep, rest=rep, batch=plan.batch_spec)
+        return cls(params=plan.compute_specs, biases=rep, frozen=plan.frozen_specs, rest=rep,
+                   batch=plan.batch_spec)
 
 
 def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
@@ -518,7 +526,8 @@ def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
         params = state.compute_params if layout.compute_copy else state.params
 
         def per_device(inputs: _EvalInputs):
-            model = nnx.merge(graphdef, inputs.params, inputs.biases, inputs.rest)
+            model = nnx.merge(graphdef, inputs.params, inputs.biases, inputs.frozen,
+                              inputs.rest)
             batch = inputs.batch
             logits, _ = model(batch["inputs"], **{k: batch[k] for k in SEGMENT_KEYS
                                                    if k in batch}, **forward)
@@ -533,7 +542,9 @@ def make_eval_step(graphdef, *, plan: StepPlan) -> Callable:
             return {"loss": jax.lax.psum(loss, plan.axes),
                     "tokens": jax.lax.psum(tokens, plan.axes)}
 
-        inputs = _EvalInputs(params=params, biases=state.biases, rest=state.rest, batch=batch)
+        frozen, rest = split_frozen(state.rest)
+        inputs = _EvalInputs(params=params, biases=state.biases, frozen=frozen, rest=rest,
+                             batch=batch)
         return jax.shard_map(per_device, mesh=plan.mesh, in_specs=(_EvalInputs.specs(plan),),
                              out_specs=PartitionSpec())(inputs)
 
