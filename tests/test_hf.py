@@ -746,17 +746,19 @@ def test_gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path):
         from_pretrained(str(tmp_path), "fp32", attention="reference")
 
 
-def _fp8_checkpoint(model, path, block, rng):
+def _fp8_checkpoint(model, path, block, rng, quantize=None):
     """``model`` written as DeepSeek's FP8 releases are: every projection's weight E4M3
     with a float32 ``weight_scale_inv`` per ``block`` (random scales near the weights'
     own), the rest as it is; ``config.json`` with its ``quantization_config``. Returns
-    the names quantized."""
+    the names quantized. ``quantize(name)``: which 2-D weights are projections (default
+    the names ending ``proj.weight``)."""
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(path)  # the checkpoint's own names (per-expert tensors)
     tensors, quantized = {}, []
     for name, p in load_file(os.path.join(path, "model.safetensors")).items():
-        if name.endswith("proj.weight") and p.dim() == 2 and "norm" not in name:
+        if (quantize(name) if quantize else name.endswith("proj.weight")) and p.dim() == 2 \
+                and "norm" not in name:
             rows, cols = (-(-n // b) for n, b in zip(p.shape, block))
             scale = torch.tensor(rng.uniform(0.5, 2.0, (rows, cols)), dtype=torch.float32) \
                 * p.abs().max() / 448

@@ -204,3 +204,188 @@ def test_a_peft_export_of_a_run_without_adapters_is_refused(tmp_path):
         export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "p"),
                      "--format", "peft"])
     assert info.value.code == 2 and not (tmp_path / "p").exists()
+
+
+def _e4m3_tiles(x):
+    """NumPy: ``x [M, K]`` quantized in 1x128 tiles (scale = tile amax / 448, E4M3 by
+    ml_dtypes' rounding), dequantized in float64."""
+    import ml_dtypes
+    out = np.empty(x.shape, np.float64)
+    for c in range(0, x.shape[1], 128):
+        t = x[:, c:c + 128].astype(np.float32)
+        s = (np.abs(t).max(1, keepdims=True) * np.float32(1 / 448)).astype(np.float32)
+        s = np.where(s == 0, np.float32(1), s)
+        q = (t * (np.float32(1) / s)).astype(ml_dtypes.float8_e4m3fn)
+        out[:, c:c + 128] = q.astype(np.float64) * s
+    return out
+
+
+@pytest.mark.parametrize("k,n,grouped", [(200, 136, False), (64, 300, False), (160, 96, True)])
+def test_a_frozen_fp8_weight_is_read_as_stored_forward_and_backward(k, n, grouped):
+    """``jaxmp.fp8.matmul(..., scales=)`` (a ``lora.base=fp8`` projection) against NumPy
+    float64: the activation in 1x128 E4M3 tiles times the stored E4M3 weight times its
+    128 x 128 block scales; ``dx`` the gradient's 1x128 tiles times the same blocks
+    transposed; no weight gradient."""
+    import ml_dtypes
+    from jaxmp.precision import fp8
+
+    rng = np.random.RandomState(1)
+    g_count = 3 if grouped else 1
+    w = rng.randn(g_count, k, n).astype(np.float32) * rng.uniform(0.1, 3, (g_count, 1, n))
+    qs, ss = zip(*(fp8.quantize_blocks(jnp.asarray(m), (128, 128)) for m in w))
+    q, s = jnp.stack(qs), jnp.stack(ss)
+    wd = np.stack([np.asarray(qi).astype(np.float64) * np.repeat(np.repeat(np.asarray(si), 128, 0),
+                                                                 128, 1)[:k, :n]
+                   for qi, si in zip(qs, ss)])
+    sizes = np.array([5, 0, 11]) if grouped else np.array([16])
+    x = rng.randn(int(sizes.sum()), k).astype(np.float32)
+    g = rng.randn(int(sizes.sum()), n).astype(np.float32)
+    recipe = fp8.Recipe.blockwise(kernel="xla")
+    if grouped:
+        f = lambda x: fp8.matmul(x, q, recipe, group_sizes=jnp.asarray(sizes, jnp.int32), scales=s)
+    else:
+        f = lambda x: fp8.matmul(x, q[0], recipe, scales=s[0])
+    y, vjp = jax.vjp(f, jnp.asarray(x))
+    (dx,) = vjp(jnp.asarray(g))
+    group = np.repeat(np.arange(g_count), sizes)
+    xq, gq = _e4m3_tiles(x), _e4m3_tiles(g)
+    want_y = np.einsum("mk,mkn->mn", xq, wd[group])
+    want_dx = np.einsum("mn,mkn->mk", gq, wd[group])
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=2e-5, atol=2e-5 * np.abs(want_y).max())
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=2e-5,
+                               atol=2e-5 * np.abs(want_dx).max())
+    assert q.dtype == ml_dtypes.float8_e4m3fn
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
+def fp8_lora_run(request, tmp_path_factory):
+    """A tiny blockwise-FP8 checkpoint of ``family`` (128 x 128 blocks, one partial block
+    per projection), and two LoRA steps over it with ``lora.base=fp8`` (train.py's path,
+    2 devices, fsdp with expert parallelism off)."""
+    from test_hf import _fp8_checkpoint
+    from jaxmp.train.loop import train_and_evaluate
+
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"fp8lora_{family}")
+    torch.manual_seed(2)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _hf_config(family, vocab_size=128)).float().eval()
+    with torch.no_grad():  # as released: what is not FP8 is bfloat16 (the frozen base's dtype)
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    src = tmp / "src"
+    quantized = _fp8_checkpoint(  # as the releases: every nn.Linear but the router and head
+        model, str(src), (128, 128), np.random.RandomState(3),
+        quantize=lambda n: n.endswith(("proj.weight", "proj_with_mqa.weight")))
+    _char_tokenizer(src)
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 300)
+    overrides = [
+        f"model.init_from={src}", "precision.policy=mixed_bf16", "data.seq_len=32",
+        "train.batch_size=4", "optim.learning_rate=3e-2", "optim.warmup_steps=0",
+        f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
+        "model.scan_layers=True", "train.steps=2", "train.sample_tokens=0",
+        "train.eval_every=0", "lora.rank=4", "lora.alpha=8", "lora.base=fp8",
+        "parallel.strategy=fsdp", "optim.weight_decay=0.0",
+        "lora.targets=attn/w"]  # what peft loads onto these families (PEFT_MOE_REMAPPED)
+    summary = train_and_evaluate(load_config("configs/finetune.py", overrides),
+                                 str(tmp / "run"), num_devices=2)
+    assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    return family, tmp, src, quantized
+
+
+def test_an_fp8_base_is_the_checkpoints_own_bytes_and_scales(fp8_lora_run):
+    """The frozen E4M3 weights of a resumed (loaded) LoRA run are bitwise the checkpoint's
+    ``weight`` (transposed to jaxmp's ``[in, out]``) and their scales its
+    ``weight_scale_inv`` transposed: nothing dequantized or quantized again."""
+    from safetensors.torch import load_file
+    from jaxmp.train.artifacts import load
+
+    family, tmp, src, quantized = fp8_lora_run
+    stored = load_file(str(src / "model.safetensors"))
+    model, _, _ = load(str(tmp / "run"))
+    stack = model.stacks[0]
+    layer = stack.layers.index(0)
+    wo, so = stack.attn.wo[...][layer], stack.attn.wo_scale_inv[...][layer]
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert name in quantized and wo.dtype == jnp.float8_e4m3fn
+    want = stored[name].view(torch.uint8).numpy()
+    np.testing.assert_array_equal(np.asarray(wo).reshape(-1, wo.shape[-1]).T.view(np.uint8), want)
+    np.testing.assert_array_equal(np.asarray(so), stored[f"{name}_scale_inv"].numpy().T)
+
+
+def _dequantized_copy(src, dst, quantized):
+    """transformers' float32 model of ``src`` with each FP8 weight dequantized by NumPy
+    (DeepSeek's ``weight_dequant``), saved in ``dst`` without a quantization_config."""
+    from safetensors.torch import load_file, save_file
+    from test_hf import _dequantized
+
+    dst.mkdir(exist_ok=True)
+    stored = load_file(str(src / "model.safetensors"))
+    plain = {n: t for n, t in stored.items() if not n.endswith("_scale_inv")}
+    plain.update({n: torch.tensor(_dequantized(stored, n, (128, 128))) for n in quantized})
+    save_file(plain, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(src / "config.json"))
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return transformers.AutoModelForCausalLM.from_pretrained(str(dst)).float().eval()
+
+
+def test_an_fp8_base_run_exports_peft_merged_and_fp8(fp8_lora_run):
+    """The run's adapters through peft on transformers' load of the FP8 base equal its
+    merged export through transformers (both float32: ``W`` dequantized plus
+    ``(alpha / r) A B``); the merged ``--quantize fp8`` export is that within E4M3's
+    rounding of the weights; and the run's own logits (activations in E4M3 tiles, bfloat16
+    compute) are that within the error its FP8 base alone has against transformers."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("accelerate", reason="transformers' FP8 load needs accelerate")
+    from jaxmp import export
+    from jaxmp.train.artifacts import load
+    from test_hf import _hf_fp8_model
+
+    family, tmp, src, quantized = fp8_lora_run
+    run = ["--workdir", str(tmp / "run")]
+    for fmt in (["--format", "peft"], ["--format", "hf"], ["--format", "hf", "--quantize", "fp8"]):
+        out = tmp / "_".join(fmt).replace("-", "")
+        assert export.main(run + ["--out", str(out)] + fmt) == 0
+    merged = _hf_logits(transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp / "format_hf")).float().eval(), TOKENS)
+    # peft on the base dequantized in float32 (NumPy), exactly the merged export's math
+    plain = _dequantized_copy(src, tmp / "plain", quantized)
+    exact = peft.PeftModel.from_pretrained(plain, str(tmp / "format_peft")).eval()
+    assert _rel_err(_hf_logits(exact, TOKENS), merged) < 1e-4
+    # and on transformers' own load of the FP8 base (dequantized to bfloat16 on a CPU)
+    adapted = peft.PeftModel.from_pretrained(_hf_fp8_model(src), str(tmp / "format_peft")).eval()
+    theirs = _hf_logits(adapted, TOKENS)
+    assert _rel_err(theirs, merged) < 1e-2
+    assert _rel_err(_hf_logits(_hf_fp8_model(tmp / "format_hf_quantize_fp8"), TOKENS),
+                    merged) < 0.1
+    base = _hf_logits(_hf_fp8_model(src), TOKENS)
+    assert _rel_err(theirs, base) > 1e-2  # the adapters moved it
+
+    def logits(model):
+        return np.asarray(jax.jit(lambda t: model(t)[0])(jnp.asarray(TOKENS)), np.float64)
+
+    model, _, _ = load(str(tmp / "run"))
+    ours = logits(model)
+    for path, var in nnx.to_flat_state(nnx.state(model, TRAINABLE)):  # B = 0: the base
+        if str(path[-1]).endswith("_lora_b"):
+            var.set_value(jnp.zeros_like(var.get_value()))
+    rounding = _rel_err(logits(model), base)
+    assert _rel_err(ours, merged) < 2 * rounding + 0.01, rounding
+
+
+def test_a_peft_export_refuses_mlp_adapters_peft_would_move_to_the_experts(fp8_lora_run,
+                                                                           tmp_path):
+    """peft moves a qwen2_moe-pattern family's gate/up/down_proj targets to the routed
+    experts when it loads onto transformers 5; such adapters are refused in one line, the
+    attention's written (the run above)."""
+    from jaxmp.models import from_pretrained
+    from jaxmp.models.hf.peft import save_adapters
+
+    family, _, src, _ = fp8_lora_run
+    model = from_pretrained(str(src), "fp32")
+    apply_lora(model, Lora(rank=2), seed=0)  # the default targets: attention and MLPs
+    with pytest.raises(ValueError, match="re-targets") as info:
+        save_adapters(model, str(tmp_path / "p"), rank=2, alpha=16.0)
+    assert "\n" not in str(info.value) and not (tmp_path / "p").exists()

@@ -72,7 +72,10 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
     :class:`FP8State` under delayed scaling) when the policy has an FP8 recipe, else
     :func:`jaxmp.ops.cast_matmul`. Both take the master weight as it is stored. A weight
     with a low-rank adapter (:func:`jaxmp.models.lora.apply_lora`) adds
-    :func:`jaxmp.models.lora.lora_product`, in the compute dtype.
+    :func:`jaxmp.models.lora.lora_product`, in the compute dtype. A frozen E4M3 weight
+    (``lora.base=fp8``: ``<name>_scale_inv`` beside it) is read as stored by the blockwise
+    recipe (the policy's, or ``Recipe.blockwise()``), its scales passed to
+    :func:`jaxmp.fp8.matmul`.
 
     Args:
       module: a module with a ``policy`` and the weight as attribute ``name``.
@@ -96,7 +99,12 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
     recipe = module.policy.fp8
     if operands is not None:
         operands[f"{module.path}/{name}"] = {"x": x, "w": w, "spec": spec, "fp8": recipe}
-    if recipe is None:
+    scales = lora.frozen_fp8(module, name)
+    if scales is not None:  # a frozen E4M3 base weight (lora.base=fp8), read as stored
+        blockwise = recipe if recipe is not None and recipe.name == "blockwise" \
+            else fp8.Recipe.blockwise()
+        y = fp8.matmul(x, w, blockwise, None, spec, group_sizes=group_sizes, scales=scales)
+    elif recipe is None:
         y = ops.cast_matmul(x, w, spec, group_sizes=group_sizes, grouped=grouped)
     else:
         state = getattr(module, f"{name}_amax", None)

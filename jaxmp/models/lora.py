@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 __all__ = ["Lora", "FrozenParam", "TRAINABLE", "LORA_BASES", "DEFAULT_TARGETS", "apply_lora",
-           "adapted", "lora_product", "merged_weight", "merge_lora", "base_digest", "is_lora"]
+           "adapted", "lora_product", "fp8_base_weights", "fp8_matrix", "frozen_fp8", "dequantized", "merged_weight", "merge_lora", "base_digest", "is_lora"]
 
 # lora.base: what the frozen base weights are stored as. "master": the parameter dtype of
 # each module's policy (float32 under the mixed presets); "bfloat16"; "fp8": the targeted
@@ -210,16 +210,91 @@ def _add_adapter(module, name, var, axes, lora: Lora, key) -> None:
 
 def _freeze(model, base: str) -> None:
     """Every ``nnx.Param`` that is not an adapter becomes a :class:`FrozenParam`, in the
-    dtype ``base`` says (``master``: as stored)."""
+    dtype ``base`` says (``master``: as stored; ``bfloat16``; ``fp8``: the projections
+    :func:`fp8_base_weights` names in E4M3 with their block scales, the rest bfloat16)."""
     for path, module in list(nnx.iter_modules(model)):
+        fp8_names = fp8_base_weights(module) if base == "fp8" else ()
         for name, var in list(vars(module).items()):
             if not isinstance(var, nnx.Param) or isinstance(var, FrozenParam) or \
-                    name.endswith(("_lora_a", "_lora_b")):
+                    name.endswith(("_lora_a", "_lora_b")) or \
+                    (name.endswith("_scale_inv") and name[:-len("_scale_inv")] in fp8_names):
+                continue
+            if name in fp8_names:
+                _freeze_fp8(module, name, var)
                 continue
             value = var.get_value()
             if base != "master" and jnp.issubdtype(value.dtype, jnp.floating):
                 value = value.astype(jnp.bfloat16)
             setattr(module, name, FrozenParam(value, **var.get_metadata()))
+
+
+def fp8_base_weights(module) -> Tuple[str, ...]:
+    """The weights of ``module`` a ``lora.base=fp8`` model holds in E4M3: the projections
+    it multiplies by :func:`jaxmp.models.layers.matmul` (attention, MLPs, routed and shared
+    experts), as DeepSeek-V3's and Qwen3's FP8 releases store them; not the head, nor the
+    shared expert's ``[d, 1]`` gate (which those releases keep in bfloat16)."""
+    if getattr(module, "path", "") == "head":
+        return ()
+    return tuple(n for n in getattr(module, "matmul_weights", ()) if n != "shared_gate")
+
+
+def fp8_matrix(name: str, shape, axes) -> Tuple[int, int, int]:
+    """``(lead, K, N)`` of a weight stored as ``[*lead, *in, *out]``: how many leading axes
+    are a scanned stack's ``layers`` or routed experts' ``expert`` (each its own matrix),
+    and the contracted and kept sizes of its ``[K, N]`` matrix."""
+    lead = 0
+    while lead < len(axes) and axes[lead] in ("layers", "expert"):
+        lead += 1
+    inner = tuple(shape[lead:])
+    n_in = _in_dims(name, len(inner))
+    return lead, int(np.prod(inner[:n_in])), int(np.prod(inner[n_in:]))
+
+
+def _freeze_fp8(module, name: str, var) -> None:
+    """Weight ``name`` frozen in E4M3 with its block scales: as loaded when it already is
+    (:func:`jaxmp.models.hf.load_weights` with ``fp8_base``: the checkpoint's own bytes and
+    ``weight_scale_inv``), else quantized by :func:`jaxmp.fp8.quantize_blocks`."""
+    from jaxmp.precision import fp8
+
+    value = var.get_value()
+    meta = var.get_metadata()
+    stored = getattr(module, f"{name}_scale_inv", None)
+    if stored is not None and jnp.dtype(value.dtype) == jnp.dtype(fp8.E4M3):
+        setattr(module, name, FrozenParam(value, **meta))
+        setattr(module, f"{name}_scale_inv", FrozenParam(stored.get_value(),
+                                                         **stored.get_metadata()))
+        return
+    axes = tuple(meta.get("out_sharding") or (None,) * value.ndim)
+    lead, k, n = fp8_matrix(name, value.shape, axes)
+    quantize = lambda m: fp8.quantize_blocks(m, (fp8.BLOCK, fp8.BLOCK), fp8.E4M3)  # noqa: E731
+    for _ in range(lead):
+        quantize = jax.vmap(quantize)
+    q, s = quantize(value.reshape(value.shape[:lead] + (k, n)))
+    setattr(module, name, FrozenParam(q.reshape(value.shape), **meta))
+    setattr(module, f"{name}_scale_inv", FrozenParam(
+        s, eager_sharding=False, out_sharding=axes[:lead] + (None, None)))
+
+
+def dequantized(name: str, q, scales, axes) -> np.ndarray:
+    """A frozen E4M3 weight ``q`` (jaxmp's layout) times its block ``scales``, float32
+    NumPy: what the blockwise products multiply by (:func:`jaxmp.fp8.dequantize_blocks`
+    per ``[K, N]`` matrix)."""
+    from jaxmp.precision import fp8
+
+    q = np.asarray(jax.device_get(q)).astype(np.float32)
+    s = np.asarray(jax.device_get(scales), np.float32)
+    lead, k, n = fp8_matrix(name, q.shape, axes or (None,) * q.ndim)
+    mats = q.reshape((-1, k, n))
+    out = np.stack([np.asarray(fp8.dequantize_blocks(m, sc, (fp8.BLOCK, fp8.BLOCK)))
+                    for m, sc in zip(mats, s.reshape((-1,) + s.shape[-2:]))])
+    return out.reshape(q.shape)
+
+
+def frozen_fp8(module, name: str):
+    """The float32 block scales of weight ``name`` when a ``lora.base=fp8`` model holds it
+    in E4M3 (:func:`fp8_base_weights`), else None."""
+    scales = getattr(module, f"{name}_scale_inv", None)
+    return None if scales is None else scales[...]
 
 
 def adapted(module, name: str) -> Optional[Tuple[jax.Array, jax.Array, float]]:
@@ -344,7 +419,12 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(plain)):
         value = source[path].get_value()
-        adapter = adapted(_module_at(model, path), str(path[-1]))
+        module = _module_at(model, path)
+        scales = frozen_fp8(module, str(path[-1]))
+        if scales is not None:  # a frozen E4M3 weight: each block times its scale
+            value = dequantized(str(path[-1]), value, scales,
+                                tuple(source[path].get_metadata().get("out_sharding") or ()))
+        adapter = adapted(module, str(path[-1]))
         if adapter is not None:
             value = merged_weight(value, *adapter)
         want = var.get_value().dtype

@@ -418,15 +418,18 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 def param_compute_dtypes(module: nnx.Module) -> dict:
     """``{path: compute dtype}`` of every parameter of ``module``, from the policy of the
     module that holds it: what a compute-dtype copy (ZeRO-1) or gather (FSDP) casts it
-    to. Paths are those of ``nnx.to_flat_state(nnx.state(module, nnx.Param))``."""
+    to (a ``lora.base=fp8`` model's E4M3 weights and their scales keep their own dtypes).
+    Paths are those of ``nnx.to_flat_state(nnx.state(module, nnx.Param))``."""
     out = {}
     for path, m in nnx.iter_modules(module):
         policy = getattr(m, "policy", None)
         if policy is None:
             continue
         for name, value in vars(m).items():
-            if isinstance(value, nnx.Param):
-                out[tuple(path) + (name,)] = policy.compute_dtype
+            if isinstance(value, nnx.Param):  # a frozen E4M3 weight or its scales: as stored
+                stored = value.get_value().dtype
+                keep = jnp.dtype(stored).itemsize == 1 or name.endswith("_scale_inv")
+                out[tuple(path) + (name,)] = stored if keep else policy.compute_dtype
     return out
 
 

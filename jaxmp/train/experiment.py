@@ -111,8 +111,10 @@ def _init_from(path: str, settings, mesh: Mesh, layout, optimizer, shardings) ->
     layout, and a fresh optimizer state."""
     from jaxmp.models import hf
 
+    lora = settings.lora
     model = hf.load_weights(path, settings.model, settings.rules, mesh=mesh,
-                            rules=layout.state_rules, target=_target_of(mesh))
+                            rules=layout.state_rules, target=_target_of(mesh),
+                            fp8_base=lora is not None and lora.base == "fp8")
     if settings.lora is not None:
         apply_lora(model, settings.lora, settings.config.seed)
     n = int(mesh.devices.size)

@@ -423,14 +423,47 @@ class Files:
                              f"(weight_block_size [{b0}, {b1}])")
         return tuple(shape), "FP8"
 
-    def _read_fp8(self, name: str, index) -> np.ndarray:
-        """``X.weight[index]`` of FP8 weight ``X.weight`` (:meth:`take_fp8`), float32:
-        the E4M3 slice read from the file's bytes (NumPy has no E4M3 type for
-        safetensors to read into: ml_dtypes', which jax ships, is used), times the scales
-        of the blocks it covers."""
+    def is_fp8(self, name: str) -> bool:
+        """Whether weight ``name`` is stored in E4M3 with block scales (:meth:`take_fp8`)."""
+        return name in self._fp8
+
+    def fp8_block(self, name: str) -> Tuple[int, int]:
+        """``weight_block_size`` of FP8 weight ``name``."""
+        return self._fp8[name][2]
+
+    def read_e4m3(self, name: str, index) -> np.ndarray:
+        """``X.weight[index]`` of FP8 weight ``X.weight`` as stored: E4M3 values
+        (``ml_dtypes.float8_e4m3fn``), not scaled; what a ``lora.base=fp8`` model keeps.
+
+        Raises:
+          ValueError: the read fails, or the slice holds an E4M3 NaN.
+        """
+        w = self._e4m3(name, index)
+        if np.isnan(w.astype(np.float32)).any():
+            raise ValueError(f"{os.path.join(self.path, self.weight_map[name])}: FP8 weight "
+                             f"{name} holds NaN; allowed: finite weights")
+        return w
+
+    def fp8_scales(self, name: str) -> np.ndarray:
+        """The float32 block scales ``[ceil(out / b0), ceil(in / b1)]`` of FP8 weight
+        ``name`` (its ``weight_scale_inv``), as stored.
+
+        Raises:
+          ValueError: a scale that is not finite or not positive (naming the tensor).
+        """
+        scale = self._fp8[name][0]
+        with self._fp8_scale(name):
+            s = self.read(scale, slice(None)).astype(np.float32)
+        if not np.all(s > 0):
+            raise ValueError(f"{os.path.join(self.path, self._fp8[name][1])}: tensor {scale} "
+                             f"holds a scale <= 0; allowed: positive scales")
+        return s
+
+    def _e4m3(self, name: str, index) -> np.ndarray:
+        """The E4M3 slice of FP8 weight ``name`` read from the file's bytes (NumPy has no
+        E4M3 type for safetensors to read into: ml_dtypes', which jax ships, is used)."""
         import ml_dtypes
 
-        scale, _, (b0, b1) = self._fp8[name]
         shape, _ = self._fp8_info(name)
         rows, cols = (np.arange(n)[i] for n, i in zip(shape, _full_index(index, 2)))
         file = os.path.join(self.path, self.weight_map[name])
@@ -444,17 +477,23 @@ class Files:
             if end - begin != shape[0] * shape[1]:
                 raise ValueError(f"{end - begin} bytes for {shape[0]} x {shape[1]} E4M3 values")
             data = np.memmap(file, np.uint8, "r", offset=start + begin, shape=(end - begin,))
-            w = data.view(ml_dtypes.float8_e4m3fn).reshape(shape)[np.ix_(rows, cols)]
+            w = np.array(data.view(ml_dtypes.float8_e4m3fn).reshape(shape)[np.ix_(rows, cols)])
             del data
         except Exception as e:  # noqa: BLE001  OSError, a damaged header
             raise ValueError(f"{file}: cannot read tensor {name} ({one_line(e)})") from None
-        with self._fp8_scale(name):
-            s = self.read(scale, slice(None)).astype(np.float32)
-        if not np.all(s > 0):
-            raise ValueError(f"{os.path.join(self.path, self._fp8[name][1])}: tensor {scale} "
-                             f"holds a scale <= 0; allowed: positive scales")
+        return w
+
+    def _read_fp8(self, name: str, index) -> np.ndarray:
+        """``X.weight[index]`` of FP8 weight ``X.weight`` (:meth:`take_fp8`), float32:
+        the E4M3 slice (:meth:`_e4m3`) times the scales of the blocks it covers."""
+        _, _, (b0, b1) = self._fp8[name]
+        shape, _ = self._fp8_info(name)
+        rows, cols = (np.arange(n)[i] for n, i in zip(shape, _full_index(index, 2)))
+        w = self._e4m3(name, index)
+        s = self.fp8_scales(name)
         x = w.astype(np.float32) * s[np.ix_(rows // b0, cols // b1)]
         if not all_finite(x):  # an E4M3 NaN, or a product past float32's range
+            file = os.path.join(self.path, self.weight_map[name])
             raise ValueError(f"{file}: FP8 weight {name} holds non-finite values (NaN, or "
                              f"beyond float32's range times its scale); allowed: finite weights")
         return x

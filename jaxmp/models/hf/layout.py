@@ -36,18 +36,23 @@ def norm_index(index, shape):
 INTERLEAVED = ("even", "odd")
 
 
-def read_tensor(files: Files, name: str, kind: str, shape: Tuple[int, ...], index) -> np.ndarray:
+def read_tensor(files: Files, name: str, kind: str, shape: Tuple[int, ...], index,
+                raw: bool = False) -> np.ndarray:
+    """jaxmp's ``shape`` slice ``index`` of HF tensor ``name`` laid out by ``kind``; with
+    ``raw``, an FP8 weight's E4M3 values as stored (:meth:`Files.read_e4m3`, a
+    ``lora.base=fp8`` model's), else every tensor as float (FP8 ones dequantized)."""
+    read = files.read_e4m3 if raw else files.read
     if kind == "same":
-        return files.read(name, index)
+        return read(name, index)
     if kind == "vec":
-        return files.read(name, slice(None)).reshape(shape)[index]
+        return read(name, slice(None)).reshape(shape)[index]
     if kind in INTERLEAVED:  # the device's rows, every column; then its half's columns
-        w = files.read(name, tuple(index[:-1]) + (slice(None),))
+        w = read(name, tuple(index[:-1]) + (slice(None),))
         return w[..., INTERLEAVED.index(kind)::2][..., index[-1]]
     if kind == "in":  # ours [in, *out]
-        w = files.read(name, (slice(None), index[0]))  # [out, in_local]
+        w = read(name, (slice(None), index[0]))  # [out, in_local]
         return w.T.reshape((w.shape[1],) + tuple(shape[1:]))[(slice(None),) + tuple(index[1:])]
-    w = files.read(name, (index[-1], slice(None)))  # "out": ours [*in, out]; w [out_local, in]
+    w = read(name, (index[-1], slice(None)))  # "out": ours [*in, out]; w [out_local, in]
     return w.T.reshape(tuple(shape[:-1]) + (w.shape[0],))[tuple(index[:-1]) + (slice(None),)]
 
 

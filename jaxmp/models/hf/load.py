@@ -32,6 +32,7 @@ from jaxmp.models.hf.files import (FLOAT_DTYPES, SKIPPED, Files, all_finite, che
 from jaxmp.models.hf.layout import (global_table, layer_table, norm_index, param_sources,
                                     read_tensor)
 from jaxmp.models.layers import FP8State
+from jaxmp.models.lora import fp8_matrix
 from jaxmp.models.moe import RouterBias
 from jaxmp.models.config import ModelConfig
 from jaxmp.models.transformer import MoETransformer
@@ -56,7 +57,8 @@ def _cast(files: Files, name: Any, x: np.ndarray, dtype) -> np.ndarray:
 
 
 def _load_array(files: Files, config, family, layers, key, stacked, shape, dtype, index):
-    """The ``index`` slice of one jaxmp variable, as ``dtype``."""
+    """The ``index`` slice of one jaxmp variable, as ``dtype`` (E4M3: an FP8 weight's
+    stored values, a ``lora.base=fp8`` model's)."""
     idx = norm_index(index, shape)
     if stacked:
         rows = [layers[j] for j in idx[0]]
@@ -64,13 +66,52 @@ def _load_array(files: Files, config, family, layers, key, stacked, shape, dtype
         parts = [_load_array(files, config, family, (l,), key, False, shape[1:], dtype, inner)
                  for l in rows]
         return np.stack(parts).astype(dtype)
-    name, kind = layer_table(config, family, layers[0])[key] if layers else \
-        global_table(config)[key]
+    name, kind = _source(config, family, layers, key)
+    raw = np.dtype(dtype) == np.dtype(jnp.float8_e4m3fn)
     if isinstance(name, tuple):  # stacked experts: leading axis = expert index
         experts = [name[e] for e in idx[0]]
         return _cast(files, tuple(experts), np.stack(
-            [read_tensor(files, n, kind, shape[1:], tuple(index[1:])) for n in experts]), dtype)
-    return _cast(files, name, read_tensor(files, name, kind, shape, tuple(index)), dtype)
+            [read_tensor(files, n, kind, shape[1:], tuple(index[1:]), raw) for n in experts]),
+            dtype)
+    return _cast(files, name, read_tensor(files, name, kind, shape, tuple(index), raw), dtype)
+
+
+def _source(config, family, layers, key):
+    """``(hf name(s), kind)`` of jaxmp variable ``key`` of ``layers`` (None: global)."""
+    return layer_table(config, family, layers[0])[key] if layers else global_table(config)[key]
+
+
+def _fp8_scales(files: Files, config, family, layers, key, stacked) -> np.ndarray:
+    """The block scales of an FP8 weight as jaxmp's ``[(L,) (E,) Kb, Nb]``: the transpose
+    of each checkpoint ``weight_scale_inv [ceil(out / 128), ceil(in / 128)]`` (jaxmp's
+    matrix is ``[in, out]``), stacked over a scanned stack's layers and the experts."""
+    if stacked:
+        return np.stack([_fp8_scales(files, config, family, (l,), key, False) for l in layers])
+    name, _ = _source(config, family, layers, key)
+    if isinstance(name, tuple):
+        return np.stack([files.fp8_scales(n).T for n in name])
+    return files.fp8_scales(name).T
+
+
+def _fp8_base_source(files: Files, path: str, name, module, key: str) -> bool:
+    """Whether a ``fp8_base`` load keeps this weight in E4M3; refuses one whose checkpoint
+    tensor is not E4M3 with 128 x 128 blocks (what the blockwise kernels read)."""
+    from jaxmp.models.lora import fp8_base_weights
+    from jaxmp.precision.fp8 import BLOCK
+
+    if key.rpartition("/")[2] not in fp8_base_weights(module):
+        return False
+    for n in (name if isinstance(name, tuple) else (name,)):
+        if not files.is_fp8(n):
+            raise ValueError(f"lora.base=fp8: {path} stores {n} unquantized; allowed: a "
+                             f"blockwise-FP8 checkpoint (quantization_config quant_method fp8; "
+                             f"python -m jaxmp.export --format hf --quantize fp8 writes one), "
+                             f"or lora.base=bfloat16")
+        if tuple(files.fp8_block(n)) != (BLOCK, BLOCK):
+            raise ValueError(f"lora.base=fp8: {path} has weight_block_size "
+                             f"{list(files.fp8_block(n))}; allowed: [{BLOCK}, {BLOCK}] (the "
+                             f"blocks the blockwise FP8 kernels read), or lora.base=bfloat16")
+    return True
 
 
 def _check_names(files: Files, config: ModelConfig, family: str,
@@ -288,7 +329,7 @@ def check_weights(path: str, config: ModelConfig, policy: Any = "fp32", *,
 
 
 def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
-                 rules=None, target=None) -> MoETransformer:
+                 rules=None, target=None, fp8_base: bool = False) -> MoETransformer:
     """:func:`from_pretrained` with the :class:`ModelConfig` given: ``config``'s architecture
     must be the one ``path``'s config.json describes (the trainer's ``model.init_from``
     checks that first); the tensors' shapes are checked before anything is read.
@@ -299,11 +340,19 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
     header is read and each tensor's shape and dtype checked (:func:`check_weights`'
     checks); each slice is checked finite as it is read.
 
+    With ``fp8_base`` (``lora.base=fp8``) the projections
+    (:func:`jaxmp.models.lora.fp8_base_weights`) keep the checkpoint's E4M3 values, each
+    with a ``<name>_scale_inv`` variable of its block scales, as
+    :func:`jaxmp.models.lora.apply_lora` freezes them; nothing is dequantized.
+
     Raises:
-      ValueError: as :func:`from_pretrained` (one line naming the file, field or tensor).
+      ValueError: as :func:`from_pretrained` (one line naming the file, field or tensor);
+        with ``fp8_base``, a projection the checkpoint stores unquantized or in blocks
+        other than 128 x 128.
       ImportError: safetensors is not installed (the ``train`` extra).
     """
     files, family, abstract, sources = _checked(path, config, policy, target)
+    scales = []
     from jaxmp import sharding as shd
 
     flat = []
@@ -318,6 +367,13 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
         layers, key, stacked = sources[tuple(str(x) for x in path_)]
         table = global_table(config) if layers is None else layer_table(config, family,
                                                                          layers[0])
+        if key in table and fp8_base and _fp8_base_source(
+                files, path, table[key][0], owner(abstract, path_), key):
+            dtype = jnp.float8_e4m3fn
+            axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
+            lead = fp8_matrix(str(path_[-1]), shape, axes)[0]
+            value = _fp8_scales(files, config, family, layers, key, stacked)
+            scales.append((path_, value, axes[:lead] + (None, None)))
         if key in table:
             def callback(index, layers=layers, key=key, stacked=stacked, shape=shape,
                          dtype=dtype):
@@ -336,6 +392,11 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
                              f"{'/'.join(map(str, path_))}")
         flat.append((path_, var.replace(array)))
     nnx.update(abstract, nnx.from_flat_state(flat))
+    for path_, value, axes in scales:  # beside each E4M3 weight, its scales
+        sharding = (shd.logical_to_sharding(axes, mesh, rules or shd.DATA_PARALLEL_RULES)
+                    if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        setattr(owner(abstract, path_), f"{path_[-1]}_scale_inv", nnx.Param(
+            jax.device_put(value, sharding), eager_sharding=False, out_sharding=axes))
     return abstract
 
 

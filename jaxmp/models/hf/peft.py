@@ -25,7 +25,15 @@ from jaxmp.models.hf.files import save_safetensors
 from jaxmp.models.hf.layout import global_table, layer_table
 from jaxmp.models.lora import adapted, is_lora
 
-__all__ = ["save_adapters", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = ["save_adapters", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_MOE_REMAPPED"]
+
+# Families whose MLP projections peft (0.19 to 0.21 at least) re-targets when it loads an
+# adapter onto transformers 5: their model types share transformers' "qwen2_moe" checkpoint
+# conversion, and peft's transformers_weight_conversion._convert_peft_config_moe moves every
+# target ending in .gate_proj, .up_proj or .down_proj (dense MLPs and shared experts too) to
+# the routed experts' fused parameters, so such adapters would load onto the wrong modules.
+PEFT_MOE_REMAPPED = {"deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_moe", "qwen3_next"}
+_REMAPPED_NAMES = (".gate_proj", ".up_proj", ".down_proj")
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -78,7 +86,9 @@ def save_adapters(model, path: str, *, rank: int, alpha: float,
 
     Raises:
       ValueError: a model without adapters; an architecture that maps to no family; an
-        adapter on a weight that is no ``nn.Linear`` of the family.
+        adapter on a weight that is no ``nn.Linear`` of the family; for a family of
+        :data:`PEFT_MOE_REMAPPED`, an adapter on an MLP projection (peft would load it
+        onto the routed experts).
     """
     if not is_lora(model):
         raise ValueError("the model has no adapters (lora.rank=0): a PEFT export needs a run "
@@ -86,6 +96,13 @@ def save_adapters(model, path: str, *, rank: int, alpha: float,
     family = family or family_of(model.config)
     tensors = _adapter_tensors(model, family)
     targets = sorted({n[len(_PREFIX):].rsplit(".lora_", 1)[0] for n in tensors})
+    moved = [t for t in targets if t.endswith(_REMAPPED_NAMES)]
+    if family in PEFT_MOE_REMAPPED and moved:
+        raise ValueError(f"peft re-targets {family}'s MLP projections ({moved[0]}, ...) at the "
+                         f"routed experts when it loads an adapter onto transformers 5, so these "
+                         f"adapters would load onto the wrong modules; train with lora.targets "
+                         f"that leave the MLPs out (e.g. 'attn/w') for a PEFT export, or export "
+                         f"the merged model with --format hf")
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank),
         "lora_alpha": float(alpha), "lora_dropout": 0.0, "bias": "none",

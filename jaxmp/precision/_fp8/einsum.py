@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._checks import check_float
-from jaxmp.precision._fp8.gemm import _dense, _grouped, dot, grouped_dot
+from jaxmp.precision._fp8.gemm import (_dense, _frozen_dense, _frozen_grouped, _grouped,
+                                       check_frozen, dot, grouped_dot)
+from jaxmp.precision._fp8.quant import BLOCK
 from jaxmp.precision._fp8.recipe import Recipe, _check_recipe, _check_state
 
 
@@ -34,7 +36,8 @@ def _parse_spec(spec: str, x_ndim: int, w_ndim: int):
 
 
 def matmul(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None,
-           spec: Optional[str] = None, *, group_sizes: Optional[Any] = None) -> jax.Array:
+           spec: Optional[str] = None, *, group_sizes: Optional[Any] = None,
+           scales: Optional[Any] = None) -> jax.Array:
     """:func:`dot` / :func:`grouped_dot` behind :func:`jaxmp.ops.cast_matmul`'s signature.
 
     * ``spec=None, group_sizes=None``: ``x [..., K] @ w [K, N]`` (:func:`dot`);
@@ -52,6 +55,12 @@ def matmul(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None,
       state: the delayed recipe's state (see :func:`dot`).
       spec: an ``einsum`` subscript string, or None.
       group_sizes: int ``[G]`` for a grouped matmul; excludes ``spec``.
+      scales: a frozen FP8 weight (a LoRA base, :mod:`jaxmp.models.lora`): ``w`` is then
+        stored E4M3 and ``scales`` its float32 ``[(G,) ceil(K / 128), ceil(N / 128)]``, one
+        per 128 x 128 block of its ``[K, N]`` matrix (the layout above); the blockwise
+        recipe reads them as they are (the weight is never quantized in the product) and
+        the product gives no weight gradient (``dx`` only: ``g`` in 1x128 tiles times the
+        stored blocks transposed).
 
     Returns:
       The product in ``x.dtype``.
@@ -62,9 +71,19 @@ def matmul(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None,
     """
     if spec is not None and group_sizes is not None:
         raise ValueError(f"give spec ({spec!r}) or group_sizes, not both")
+    if scales is not None:
+        recipe = _check_recipe(recipe)
+        check_frozen(w, scales, recipe)
     if group_sizes is not None:
+        if scales is not None:
+            return _frozen_grouped(recipe, None, jnp.asarray(x), jnp.asarray(w), scales,
+                                   jnp.asarray(group_sizes, jnp.int32))
         return grouped_dot(x, w, group_sizes, recipe, state)
     if spec is None:
+        if scales is not None:
+            x = jnp.asarray(x)
+            y = _frozen_dense(recipe, None, x.reshape(-1, x.shape[-1]), w, scales)
+            return y.reshape(x.shape[:-1] + (w.shape[1],))
         return dot(x, w, recipe, state)
     x, w = jnp.asarray(x), jnp.asarray(w)
     xs, ws, out, contracted, group = _parse_spec(spec, x.ndim, w.ndim)
@@ -83,10 +102,19 @@ def matmul(x: Any, w: Any, recipe: Recipe, state: Optional[jax.Array] = None,
     state = _check_state(_check_recipe(recipe), state)
     x2 = jnp.transpose(x, [xs.index(c) for c in group + x_keep + contracted])
     perm = tuple(ws.index(c) for c in group + contracted + w_keep)
+    if scales is not None and tuple(scales.shape[-2:]) != (-(-k // BLOCK), -(-n // BLOCK)):
+        raise ValueError(f"frozen FP8 scales of shape {tuple(scales.shape)} for a [{k}, {n}] "
+                         f"weight matrix; allowed: one per {BLOCK} x {BLOCK} block")
     if group:
         e = size[group[0]]
-        y = _grouped(recipe, (perm, (e, k, n)), x2.reshape(e * m, k), w,
-                     jnp.full((e,), m, jnp.int32), state)
+        if scales is not None:
+            y = _frozen_grouped(recipe, (perm, (e, k, n)), x2.reshape(e * m, k), w, scales,
+                                jnp.full((e,), m, jnp.int32))
+        else:
+            y = _grouped(recipe, (perm, (e, k, n)), x2.reshape(e * m, k), w,
+                         jnp.full((e,), m, jnp.int32), state)
+    elif scales is not None:
+        y = _frozen_dense(recipe, (perm, (k, n)), x2.reshape(m, k), w, scales)
     else:
         y = _dense(recipe, (perm, (k, n)), x2.reshape(m, k), w, state)
     order = group + x_keep + w_keep

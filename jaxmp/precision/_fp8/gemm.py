@@ -471,6 +471,77 @@ def _grouped_bwd(recipe, layout, res, g):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+# ------------------------------------------------------------- frozen FP8 weights (LoRA bases)
+# A frozen weight stored in E4M3 with one float32 scale per 128 x 128 block of its [K, N]
+# matrix (DeepSeek-V3's and Qwen3's FP8 releases, read as they are): the products read
+# the stored bits and scales, never quantize the weight, and give no weight gradient.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _frozen_dense(recipe, layout, x, qw, sw):
+    return _frozen_dense_fwd(recipe, layout, x, qw, sw)[0]
+
+
+def _frozen_dense_fwd(recipe, layout, x, qw, sw):
+    q = _as_matrix(qw, layout)                              # [K, N] E4M3
+    qx, sx = _q_tiles(x, recipe.fwd_dtype)                  # 1x128 tiles
+    y = _blockwise_mm(recipe, qx, sx, q, _cols(sw, q.shape[1]), x.dtype)
+    return y, (qw, sw)
+
+
+def _frozen_dense_bwd(recipe, layout, res, g):
+    qw, sw = res
+    q = _as_matrix(qw, layout)
+    qg, sg = _q_tiles(g, recipe.bwd_dtype)                  # 1x128 tiles along N
+    dx = _blockwise_mm(recipe, qg, sg, q.T, _cols(sw.T, q.shape[0]), g.dtype)
+    return match_varying(dx, g), None, None
+
+
+_frozen_dense.defvjp(_frozen_dense_fwd, _frozen_dense_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _frozen_grouped(recipe, layout, x, qw, sw, group_sizes):
+    return _frozen_grouped_fwd(recipe, layout, x, qw, sw, group_sizes)[0]
+
+
+def _frozen_grouped_fwd(recipe, layout, x, qw, sw, group_sizes):
+    rows = _row_groups(group_sizes, x.shape[0])
+    q = _as_matrix(qw, layout)                              # [G, K, N] E4M3
+    qx, sx = _q_tiles(x, recipe.fwd_dtype)
+    y = _grouped_blockwise_mm(recipe, qx, sx, q, _cols(sw, q.shape[2]), group_sizes, rows,
+                              x.dtype)
+    return y, (qw, sw, group_sizes)
+
+
+def _frozen_grouped_bwd(recipe, layout, res, g):
+    qw, sw, group_sizes = res
+    q = _as_matrix(qw, layout)
+    rows = _row_groups(group_sizes, g.shape[0])
+    qg, sg = _q_tiles(g, recipe.bwd_dtype)
+    dx = _grouped_blockwise_mm(recipe, qg, sg, jnp.swapaxes(q, 1, 2),
+                               _cols(jnp.swapaxes(sw, 1, 2), q.shape[1]), group_sizes, rows,
+                               g.dtype)
+    return match_varying(dx, g), None, None, None
+
+
+_frozen_grouped.defvjp(_frozen_grouped_fwd, _frozen_grouped_bwd)
+
+
+def check_frozen(w: Any, scales: Any, recipe: Recipe) -> None:
+    """Refuses a frozen FP8 weight the blockwise products cannot read: a recipe that is not
+    blockwise, a weight that is not E4M3, or scales that are not one float32 per 128 x 128
+    block of its matrix (``[..., ceil(K / 128), ceil(N / 128)]``; ``K``, ``N`` its last two
+    axes once reshaped, checked by the caller)."""
+    if recipe.name != "blockwise":
+        raise ValueError(f"a frozen FP8 weight needs the blockwise recipe, got {recipe.name}")
+    if jnp.dtype(w.dtype) != jnp.dtype(recipe.fwd_dtype):
+        raise ValueError(f"a frozen FP8 weight must be {jnp.dtype(recipe.fwd_dtype).name}, got "
+                         f"{jnp.dtype(w.dtype).name}")
+    if jnp.dtype(scales.dtype) != jnp.dtype(jnp.float32):
+        raise ValueError(f"a frozen FP8 weight's scales must be float32, got {scales.dtype}")
+
+
 # ----------------------------------------------------------------------------- public products
 
 
