@@ -389,3 +389,63 @@ def test_a_peft_export_refuses_mlp_adapters_peft_would_move_to_the_experts(fp8_l
     with pytest.raises(ValueError, match="re-targets") as info:
         save_adapters(model, str(tmp_path / "p"), rank=2, alpha=16.0)
     assert "\n" not in str(info.value) and not (tmp_path / "p").exists()
+
+
+LORA_TINY = ["lora.rank=4", "model.bias_update_rate=0.0", "lora.base=bfloat16"]
+
+
+@pytest.mark.slow
+def test_a_sigkilled_lora_run_resumes_bitwise_like_an_uninterrupted_one(tmp_path):
+    """train.py with adapters over a bfloat16 base (tests/test_faults.py's launcher),
+    checkpointing every 4 steps, killed by SIGKILL at step 6 or later: the rerun resumes
+    from the last complete checkpoint (adapters and optimizer state; the base rebuilt and
+    checked against its digest) and logs the uninterrupted run's losses, bit for bit."""
+    from test_faults import complete_steps, finish, launch, train_rows, wait_for
+
+    proc = launch(tmp_path, *LORA_TINY, "train.steps=100000", "train.checkpoint_every=4")
+    wait_for(lambda: len(train_rows(tmp_path)) >= 6 and complete_steps(tmp_path), proc,
+             "6 logged steps and a complete checkpoint")
+    proc.kill()
+    finish(proc)
+    uninterrupted = {r["step"]: r["loss"] for r in train_rows(tmp_path)}
+    last, logged = complete_steps(tmp_path)[-1], max(uninterrupted)
+    assert logged > last
+    again = launch(tmp_path, *LORA_TINY, f"train.steps={logged}", "train.checkpoint_every=100000")
+    out, err = finish(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"at step {last}" in out
+    rows = train_rows(tmp_path)
+    assert [r["loss"] for r in rows] == [uninterrupted[s] for s in range(1, logged + 1)]
+    assert len({r["loss"] for r in rows[last:]}) == logged - last  # the adapters moved
+
+
+def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_path):
+    """The checkpoint holds the adapters and their optimizer state, not the base (its
+    arrays are the trained parameters' size), and a digest of the base; a resume over a
+    base whose weights changed under the same path is refused in one line before a step."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    from jaxmp.train.loop import train_and_evaluate
+    from jaxmp.train.artifacts import load
+
+    tmp, src, _, overrides = lora_run
+    base = tmp_path / "base"
+    shutil.copytree(src, base)
+    run = tmp_path / "run"
+    over = [o for o in overrides if not o.startswith(("model.init_from", "train.steps"))]
+    cfg = load_config("configs/finetune.py", over + [f"model.init_from={base}", "train.steps=1"])
+    train_and_evaluate(cfg, str(run), num_devices=2)
+    meta = json.load(open(run / "checkpoints" / "1" / "verify" / "metadata"))
+    assert len(meta["lora_base_digest"]) == 64
+    tree = (run / "checkpoints" / "1" / "state" / "_METADATA").read_text()
+    assert "wq_lora_a" in tree and "table" not in tree and "attn_norm" not in tree  # no base
+    tensors = load_file(str(base / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors[name] = tensors[name] * 1.001
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    cfg2 = load_config("configs/finetune.py", over + [f"model.init_from={base}", "train.steps=2"])
+    with pytest.raises(ValueError, match="another base") as info:
+        train_and_evaluate(cfg2, str(run), num_devices=2)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="another base"):
+        load(str(run))  # the export's reader too

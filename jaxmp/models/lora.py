@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 __all__ = ["Lora", "FrozenParam", "TRAINABLE", "LORA_BASES", "DEFAULT_TARGETS", "apply_lora",
-           "adapted", "lora_product", "fp8_base_weights", "fp8_matrix", "frozen_fp8", "dequantized", "merged_weight", "merge_lora", "base_digest", "is_lora"]
+           "adapted", "lora_product", "freeze_base", "fp8_base_weights", "fp8_matrix", "frozen_fp8", "dequantized", "merged_weight", "merge_lora", "base_digest", "is_lora"]
 
 # lora.base: what the frozen base weights are stored as. "master": the parameter dtype of
 # each module's policy (float32 under the mixed presets); "bfloat16"; "fp8": the targeted
@@ -186,7 +186,7 @@ def apply_lora(model: nnx.Module, lora: Lora, seed: int) -> List[str]:
         kinds = list(dict.fromkeys(re.sub(r"/\d+/", "/{i}/", s) for s in seen))
         raise ValueError(f"lora.targets pattern {unused[0]!r} matches no projection of this "
                          f"model; projections look like: {', '.join(kinds[:12])}")
-    _freeze(model, lora.base)
+    freeze_base(model, lora.base)
     return adapted_paths
 
 
@@ -208,7 +208,7 @@ def _add_adapter(module, name, var, axes, lora: Lora, key) -> None:
     module.lora_scale = float(lora.scale)
 
 
-def _freeze(model, base: str) -> None:
+def freeze_base(model, base: str) -> None:
     """Every ``nnx.Param`` that is not an adapter becomes a :class:`FrozenParam`, in the
     dtype ``base`` says (``master``: as stored; ``bfloat16``; ``fp8``: the projections
     :func:`fp8_base_weights` names in E4M3 with their block scales, the rest bfloat16)."""

@@ -357,16 +357,25 @@ def _check_table(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None
             raise ValueError(f"{key}={value!r} is not allowed; it must be {spec.allowed}")
 
 
-def _check_lora(config: ml_collections.ConfigDict, model: ModelConfig) -> Optional[Lora]:
+def _check_lora(config: ml_collections.ConfigDict, model: ModelConfig,
+                rules: PolicyRules) -> Optional[Lora]:
     """The ``lora.*`` section as a :class:`~jaxmp.models.Lora` (None at rank 0), refusing
     what adapters cannot take: router biases that move (``model.bias_update_rate``; a
-    PEFT adapter cannot carry them) and an FP8 base without ``model.init_from``'s FP8
-    checkpoint."""
+    PEFT adapter cannot carry them) and an FP8 base under an FP8 recipe other than
+    blockwise (an FP8 base that is not a blockwise-FP8 checkpoint is refused by
+    :meth:`jaxmp.train.Experiment.check_init_from`)."""
     c = config.lora
     if not c.rank:
         return None
     lora = Lora(rank=int(c.rank), alpha=float(c.alpha), targets=Lora.parse_targets(c.targets),
                 base=c.base)
+    recipes = {p.fp8.name for p in [rules.default, *(p for _, p in rules.rules)]
+               if p.fp8 is not None}
+    if lora.base == "fp8" and recipes - {"blockwise"}:
+        raise ValueError(f"lora.base=fp8 with precision.policy={config.precision.policy!r}, whose "
+                         f"FP8 recipe is {sorted(recipes - {'blockwise'})[0]}: the frozen E4M3 "
+                         f"base is read by the blockwise products; allowed: a policy without FP8 "
+                         f"(the base product is blockwise FP8 anyway) or fp8_blockwise")
     if model.bias_update_rate:
         raise ValueError(f"lora.rank={c.rank} with model.bias_update_rate="
                          f"{model.bias_update_rate!r}: the router biases are part of the frozen "
@@ -465,7 +474,7 @@ def validate_config(config: ml_collections.ConfigDict,
     except ValueError as e:
         raise ValueError(f"precision: {e}") from None
     layout = _check_parallel(config, model, int(num_devices))
-    lora = _check_lora(config, model)
+    lora = _check_lora(config, model, rules)
     return Settings(config=config, model=model, rules=rules, loss_scale=loss_scale, lora=lora,
                     comm=comm_kwargs, num_devices=int(num_devices), layout=layout,
                     reduce_dtype=reduce_dtype)

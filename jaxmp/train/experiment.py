@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmp import sharding, target
 from jaxmp.models import ModelConfig, MoETransformer, count_params
-from jaxmp.models.lora import TRAINABLE, apply_lora, base_digest
+from jaxmp.models.lora import TRAINABLE, apply_lora, base_digest, freeze_base
 from jaxmp.models.transformer import layer_stacks, model_policy_rules, param_compute_dtypes
 from jaxmp.precision import comm
 from jaxmp.precision.policy import PolicyRules
@@ -72,7 +72,7 @@ def unmatched_rules(rules: PolicyRules, paths, quiet=()) -> List[str]:
             if pattern not in quiet and not any(re.search(pattern, p) for p in paths)]
 
 
-def parameter_bytes(config: ModelConfig, rules: Any) -> int:
+def parameter_bytes(config: ModelConfig, rules: Any, base: Optional[str] = None) -> int:
     """Bytes of the model's parameters in their ``param_dtype`` s, without building it:
     two abstract one-layer models (its first layer dense, then MoE) give the embedding,
     head and final norm and one block of each kind, and each layer counts as its kind's
@@ -82,6 +82,9 @@ def parameter_bytes(config: ModelConfig, rules: Any) -> int:
     Args:
       config: the :class:`~jaxmp.models.ModelConfig`.
       rules: the run's precision rules (the parameters' dtypes).
+      base: a LoRA run's ``lora.base`` (the frozen base's dtypes,
+        :func:`jaxmp.models.lora.freeze_base`; the adapters, a small fraction, not
+        counted), or None.
 
     Returns:
       The bytes, a Python int (equal to the built model's: tests/test_silent_faults.py).
@@ -98,7 +101,13 @@ def parameter_bytes(config: ModelConfig, rules: Any) -> int:
                                   layer_types=(),  # a window adds no parameter
                                   first_dense_layers=0 if moe else 1,
                                   num_experts=config.num_experts if moe else 0)
-        model = nnx.eval_shape(lambda: MoETransformer(one, rules, rngs=nnx.Rngs(0)))
+        def build(one=one):
+            model = MoETransformer(one, rules, rngs=nnx.Rngs(0))
+            if base is not None:
+                freeze_base(model, base)
+            return model
+
+        model = nnx.eval_shape(build)
         block = nbytes(nnx.state(model.blocks[0], nnx.Param))
         glob = nbytes(nnx.state(model, nnx.Param)) - block
         total += block * counts[moe]
@@ -433,7 +442,8 @@ class Experiment:
           ValueError: ``model.init_from`` is not a checkpoint directory (a config.json
             file plans a run, it does not start one), or a tensor is missing, unused,
             misshapen or not a float, or a tied head differs from the embedding (one line
-            naming the file and tensor).
+            naming the file and tensor); ``lora.base=fp8`` over a checkpoint that is not
+            blockwise FP8.
         """
         path = self.config.model.init_from
         if path:
@@ -441,6 +451,17 @@ class Experiment:
 
             hf.check_weights(path, self.model_config, self.settings.rules,
                              target=_target_of(self.mesh))
+            lora = self.settings.lora
+            if lora is not None and lora.base == "fp8":
+                text, _ = hf.text_config(hf.read_config(path))
+                q = hf.quantization(text["model_type"], text)
+                if q is None or q[0] != "fp8":
+                    raise ValueError(f"lora.base=fp8 needs a blockwise-FP8 base, and "
+                                     f"model.init_from={path} has "
+                                     f"{'no quantization_config' if q is None else q[0] + ' weights'}; "
+                                     f"allowed: a checkpoint with quantization_config quant_method "
+                                     f"fp8 (export --format hf --quantize fp8 writes one), or "
+                                     f"lora.base=bfloat16")
 
     def check_tokenizer(self) -> None:
         """The cheap checks of ``data.tokenizer`` against ``model.vocab_size``, before any

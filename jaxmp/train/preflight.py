@@ -57,7 +57,8 @@ def check_parameter_memory(settings: Settings) -> None:
     have, source = device_memory(device)
     if have is None:
         return
-    need = parameter_bytes(settings.model, settings.rules)
+    need = parameter_bytes(settings.model, settings.rules,
+                           None if settings.lora is None else settings.lora.base)
     n = settings.num_devices
     if need / n > have:
         m = settings.model
@@ -172,6 +173,8 @@ def banner(exp: Experiment, data) -> str:
     """
     cfg, m, state = exp.config, exp.model_config, exp.abstract_state
     total, active = exp.param_counts
+    lora = exp.settings.lora
+    trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     n = exp.mesh.devices.size
     state_bytes = device_bytes(state)
     c = exp.settings.comm
@@ -187,7 +190,9 @@ def banner(exp: Experiment, data) -> str:
         f"  model       : {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, " + (
             f"{m.num_experts} routed + {m.num_shared_experts} shared experts, top-{m.top_k}"
             if m.num_experts else f"dense (feed-forward width {m.d_ff})"),
-        f"  parameters  : {total:,} total, {active:,} active per token",
+        f"  parameters  : {total:,} total, {active:,} active per token" + (
+            f"; LoRA: {trained:,} trained in adapters of rank {lora.rank} (alpha {lora.alpha:g}), "
+            f"the base frozen as {lora.base}" if lora is not None else ""),
         *([f"  weights     : from model.init_from={cfg.model.init_from} (at step 0; a resumed "
            f"run's are its checkpoint's)"] if cfg.model.get("init_from") else []),
         f"  policy      : {exp.rules}",
