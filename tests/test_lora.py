@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxmp.models import Lora, apply_lora, MoETransformer
-from jaxmp.models.lora import FrozenParam, TRAINABLE, lora_product, merged_weight
+from jaxmp.models.lora import FrozenParam, TRAINABLE, fp8_matrix, lora_product, merged_weight
 from jaxmp.precision import ops
 from jaxmp.train.config import load_config
 
@@ -449,3 +449,61 @@ def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="another base"):
         load(str(run))  # the export's reader too
+
+
+def _instructions(hlo_text):
+    """``{instruction name: (element type, dims)}`` and the ``(result, operand)`` names of
+    every ``convert`` of an optimized HLO module."""
+    import re
+    shapes, converts = {}, []
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\w[\w\-]*)\((%[\w.\-]+)?",
+                         hlo_text, re.M):
+        name, dtype, dims, op, first = m.groups()
+        shapes[name] = (dtype, tuple(int(d) for d in dims.split(",") if d))
+        if op == "convert":
+            converts.append((name, first[1:]))
+    return shapes, converts
+
+
+def test_an_fp8_base_is_never_quantized_or_dequantized_in_the_compiled_step():
+    """Issue 42, point 2: the trainer's step with ``lora.base=fp8``, compiled deviceless for
+    one H100: the frozen E4M3 weights reach the blockwise Mosaic GPU GEMMs as stored. No
+    ``convert`` makes an E4M3 array of a weight's size (in any layout: no re-quantization;
+    a bfloat16 base under fp8_blockwise makes its ``[Kb, 128, Nb, 128]`` blocks), none
+    reads an E4M3 array of a weight's size (no bfloat16 or float32 copy held); each projection is one forward GEMM and one ``dx`` GEMM (no
+    weight gradient; layer 0's q/k/v ``dx`` feeds the frozen embedding only and is dropped)."""
+    from jaxmp.analysis import gpu, hlo
+    problem = gpu.plugin_problem()
+    if problem is not None:
+        pytest.skip(f"deviceless GPU compile: {problem}")
+    from jaxmp.train.state import split_frozen
+
+    over = ["model.d_model=256", "model.num_heads=2", "model.head_dim=128", "model.d_ff=512",
+            "model.num_experts=0", "model.num_layers=2", "model.first_dense_layers=2",
+            "model.max_len=192", "data.seq_len=192", "train.batch_size=2", "lora.rank=16",
+            "lora.base=fp8", "model.bias_update_rate=0.0"]
+    step = gpu.compile_step(load_config("configs/tiny_moe.py", over), gpu.get_target("H100"), 1)
+    frozen = split_frozen(step.experiment.abstract_state.rest)[0]
+    weights = set()
+    for path, v in nnx.to_flat_state(frozen):
+        value = v.get_value()
+        if value.dtype == jnp.float8_e4m3fn:
+            axes = tuple(v.get_metadata()["out_sharding"])
+            lead, k, n = fp8_matrix(str(path[-1]), value.shape, axes)
+            weights.add(k * n)
+    tokens = 2 * 192
+    assert len(weights) == 2 and not weights & {tokens * 256, tokens * 512}  # told apart
+    shapes, converts = _instructions(step.hlo_text)
+
+    def weight_sized(name):  # a weight in any layout (its [Kb, 128, Nb, 128] blocks too)
+        return int(np.prod(shapes[name][1])) in weights
+
+    quantized = [r for r, o in converts if shapes[r][0] == "f8e4m3fn" and weight_sized(r)]
+    dequantized = [r for r, o in converts if o in shapes and shapes[o][0] == "f8e4m3fn"
+                   and weight_sized(o)]
+    assert quantized == [] and dequantized == []
+    assert any(shapes[r][0] == "f8e4m3fn" for r, _ in converts)  # the activations' tiles
+    kernels = hlo.hlo_kernels(hlo.parse_module(step.hlo_text))
+    mosaic = [k for k in kernels if k.kind == "mosaic_gpu" and "scaled_mm" in k.op_name]
+    forward = [k for k in mosaic if "transpose(" not in k.op_name]
+    assert (len(forward), len(mosaic) - len(forward)) == (2 * 7, 2 * 7 - 3)
