@@ -9,7 +9,9 @@ For each ``configs/hf/*.json`` (the config.json of a released checkpoint, copied
 temporary folder as ``config.json``), each strategy (``parallel.strategy`` dp, zero1,
 fsdp, and for a model with routed experts fsdp with ``parallel.expert`` = the devices,
 i.e. every device holds 1/8 of each MoE layer's experts) and each policy (mixed_bf16 and
-fp8_blockwise, router and norms float32 as ``configs/finetune.py`` has them), it builds
+fp8_blockwise, router and norms float32 as ``configs/finetune.py`` has them; with
+``--policies lora_bf16,lora_fp8`` also rank-16 LoRA over a frozen bfloat16 or E4M3 base,
+:data:`LORA_POLICIES`), it builds
 the trainer's config as ``train.py --config configs/finetune.py
 --config.model.init_from=DIR`` does (scanned layers, ``model.remat=full``,
 ``model.attention=auto``: cuDNN's fused attention on the GPU), compiles the trainer's own
@@ -31,7 +33,8 @@ workspace, no allocator or NCCL buffers (:data:`jaxmp.analysis.gpu.CAVEATS`).
 It writes ``OUT.json`` (one record per case, rewritten after each case, so a long run
 that is stopped keeps what it compiled; ``--resume`` skips the cases already there and
 keeps those this run does not ask for, so that a long run can be done in steps) and
-``OUT.md`` (one row per model and strategy, one column per policy and target).
+``OUT.md`` (one row per model and strategy, one column per policy and target; the LoRA
+policies in a table of their own).
 
 ``--toy`` shrinks every config.json (2 layers, width 64, 8 experts, vocabulary 256,
 sequences of 64 tokens) and compiles the same trainer step for 8 host CPU devices, so
@@ -59,6 +62,12 @@ HF_CONFIGS = ROOT / "configs" / "hf"
 DEVICES = 8
 POLICIES = {"mixed_bf16": "mixed_bf16; router: fp32; norm: fp32",
             "fp8_blockwise": "fp8_blockwise; router: fp32; norm: fp32"}
+# LoRA (--policies lora_bf16,lora_fp8; not run by default): mixed_bf16 with rank-16
+# adapters on attention, dense MLPs and shared experts (jaxmp.models.lora's default
+# targets, the routed experts left out) over a frozen base in bfloat16 or E4M3 with
+# 128 x 128 block scales (lora.base), the router biases frozen with it.
+LORA_POLICIES = {"lora_bf16": "bfloat16", "lora_fp8": "fp8"}
+ALL_POLICIES = {**POLICIES, **{name: POLICIES["mixed_bf16"] for name in LORA_POLICIES}}
 STRATEGIES = ("dp", "zero1", "fsdp", "expert")  # "expert": fsdp with parallel.expert = DEVICES
 TARGETS = ("H100", "H200")
 
@@ -143,8 +152,14 @@ def released_models(names: Optional[Sequence[str]] = None) -> Dict[str, dict]:
 def case_overrides(folder: str, policy: str, strategy: str, batch: int, seq_len: int,
                    capacity_factor: float) -> List[str]:
     """The ``--config.KEY=VALUE`` overrides of one case, on top of configs/finetune.py."""
-    out = [f"--config.model.init_from={folder}", f"--config.precision.policy={POLICIES[policy]}",
+    from jaxmp.analysis.accounting import LORA_RANK
+
+    out = [f"--config.model.init_from={folder}",
+           f"--config.precision.policy={ALL_POLICIES[policy]}",
            f"--config.train.batch_size={batch}", f"--config.data.seq_len={seq_len}"]
+    if policy in LORA_POLICIES:
+        out += [f"--config.lora.rank={LORA_RANK}", f"--config.lora.base={LORA_POLICIES[policy]}",
+                "--config.model.bias_update_rate=0.0"]
     if strategy == "expert":
         out += ["--config.parallel.strategy=fsdp", f"--config.parallel.expert={DEVICES}",
                 f"--config.model.capacity_factor={capacity_factor}"]
@@ -251,19 +266,27 @@ def markdown(report: dict) -> str:
                "compiled deviceless by XLA's GPU compiler")
             + f"; fits = at most {s['fit_margin']:.0%} of the device "
               f"({', '.join(f'{t} {b / 1e9:.1f} GB' for t, b in s['device_bytes'].items())})")
-    cols = [f"{p} {DEVICES} x {t}" for p in policies for t in targets]
-    lines = [head, "", "| model | parameters (active) | strategy | " + " | ".join(cols) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |"]
-    for model in s["models"]:
-        recs = [r for r in report["cases"] if r["model"] == model and "params" in r]
-        size = (f"{_count(recs[0]['params'])} ({_count(recs[0]['active_params'])})"
-                if recs else "")
-        for strategy in s["strategies"]:
-            row = [by.get((model, p, strategy, t)) for p in policies for t in targets]
-            if strategy == "expert" and not any(row) and report["moe"].get(model) is False:
-                continue  # a dense model has no expert parallelism
-            lines.append(f"| {model} | {size} | {_strategy_name(strategy)} | "
-                         + " | ".join(_cell(r) for r in row) + " |")
+    lines = [head]
+    # One table of full training, one of LoRA (only the models with a case in it).
+    for group in ([p for p in policies if p not in LORA_POLICIES],
+                  [p for p in policies if p in LORA_POLICIES]):
+        if not group:
+            continue
+        cols = [f"{p} {DEVICES} x {t}" for p in group for t in targets]
+        lines += ["", "| model | parameters (active) | strategy | " + " | ".join(cols) + " |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |"]
+        for model in s["models"]:
+            recs = [r for r in report["cases"] if r["model"] == model and "params" in r]
+            if not any(r["policy"] in group for r in report["cases"] if r["model"] == model):
+                continue
+            size = (f"{_count(recs[0]['params'])} ({_count(recs[0]['active_params'])})"
+                    if recs else "")
+            for strategy in s["strategies"]:
+                row = [by.get((model, p, strategy, t)) for p in group for t in targets]
+                if strategy == "expert" and not any(row) and report["moe"].get(model) is False:
+                    continue  # a dense model has no expert parallelism
+                lines.append(f"| {model} | {size} | {_strategy_name(strategy)} | "
+                             + " | ".join(_cell(r) for r in row) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -279,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="writes OUT.json and OUT.md")
     p.add_argument("--toy", action="store_true", help="toy sizes, compiled for 8 CPU devices")
     p.add_argument("--models", default="", help="comma-separated configs/hf names (default all)")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated, of {', '.join(ALL_POLICIES)} (default: "
+                        f"{','.join(POLICIES)})")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--per_device_batch", type=int, default=1)
@@ -303,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jaxmp.analysis.report import output_problem
 
     try:
-        policies = _choices("policies", args.policies, tuple(POLICIES))
+        policies = _choices("policies", args.policies, tuple(ALL_POLICIES))
         strategies = _choices("strategies", args.strategies, STRATEGIES)
         targets = _choices("targets", args.targets, TARGETS)
         models = released_models([m for m in args.models.split(",") if m])
@@ -334,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--toy needs {DEVICES} CPU devices; JAX started with "
                      f"{jax.device_count('cpu')} (XLA_FLAGS sets fewer)")
     report = {"setup": {"devices": DEVICES, "toy": args.toy, "models": list(models),
-                        "policies": policies, "policy_strings": POLICIES,
+                        "policies": policies,
+                        "policy_strings": {p: ALL_POLICIES[p] for p in policies},
                         "strategies": strategies, "targets": targets,
                         "per_device_batch": args.per_device_batch, "seq_len": seq_len,
                         "capacity_factor": args.capacity_factor, "config": "configs/finetune.py",
@@ -352,11 +378,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report["moe"].update(old.get("moe", {}))
         setup = report["setup"]  # the table shows the old cases too, in the canonical order
         sizes = {n: i for i, n in enumerate(released_models())}
-        for field, order in (("models", sizes), ("policies", tuple(POLICIES)),
+        for field, order in (("models", sizes), ("policies", tuple(ALL_POLICIES)),
                              ("strategies", STRATEGIES), ("targets", TARGETS)):
             union = set(setup[field]) | set(old["setup"][field])
             setup[field] = sorted(union, key=list(order).index)
         setup["device_bytes"] = {**old["setup"]["device_bytes"], **setup["device_bytes"]}
+        setup["policy_strings"] = {**old["setup"].get("policy_strings", {}),
+                                   **setup["policy_strings"]}
     # done: the earlier cases not yet visited (each written, so that a stopped run loses none)
     with tempfile.TemporaryDirectory() as tmp:
         folders = {}

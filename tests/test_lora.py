@@ -507,3 +507,37 @@ def test_an_fp8_base_is_never_quantized_or_dequantized_in_the_compiled_step():
     mosaic = [k for k in kernels if k.kind == "mosaic_gpu" and "scaled_mm" in k.op_name]
     forward = [k for k in mosaic if "transpose(" not in k.op_name]
     assert (len(forward), len(mosaic) - len(forward)) == (2 * 7, 2 * 7 - 3)
+
+
+# tiny_moe (d_model 64, 4 heads of 16, a dense layer of d_ff 256, a MoE layer of 4 routed
+# and 1 shared expert of 64) with rank-16 adapters on attention, the dense MLP and the
+# shared expert: in x 16 + 16 x out per projection.
+R = 16
+TINY_ADAPTERS = (2 * 4 * (64 * R + R * 64)          # q, k, v, o of both layers
+                 + 2 * (64 * R + R * 256) + (256 * R + R * 64)  # the dense SwiGLU
+                 + 3 * (64 * R + R * 64))           # the shared expert
+TINY_PARAMS = 176_832  # tests/test_accounting.py's count by formula
+# What lora.base=fp8 holds in E4M3: attention, the dense SwiGLU, routed and shared experts;
+# one float32 scale per 128 x 128 block of each (every matrix here is 1 or 2 blocks).
+TINY_FP8 = 2 * 4 * 64 * 64 + 3 * 64 * 256 + 3 * 4 * 64 * 64 + 3 * 64 * 64
+TINY_SCALES = 8 * 1 + 3 * 2 + 12 * 1 + 3 * 1
+
+
+@pytest.mark.parametrize("mode,base_bytes", [
+    ("lora_master", 4 * TINY_PARAMS), ("lora_bf16", 2 * TINY_PARAMS),
+    ("lora_fp8", TINY_FP8 + 4 * TINY_SCALES + 2 * (TINY_PARAMS - TINY_FP8))])
+def test_the_report_lora_modes_count_base_and_adapters_by_hand(mode, base_bytes):
+    """Issue 42, point 4: a LoRA mode's persistent state per device (dp, one device), from
+    the abstract train state of the report's own experiment: float32 adapters, their
+    float32 gradient and Adam moments (plus two int32 counts), and the frozen base in
+    float32, bfloat16, or E4M3 with its block scales and bfloat16 for the rest."""
+    from jaxmp.analysis import accounting
+    from jaxmp.train.experiment import Experiment
+
+    assert accounting.default_modes(load_config("configs/tiny_moe.py")) == list(accounting.MODES)
+    config = accounting.mode_config(load_config("configs/tiny_moe.py"), mode)
+    assert (config.lora.rank, config.model.bias_update_rate) == (R, 0.0)
+    got = accounting.state_bytes(Experiment.create(config, num_devices=1))
+    assert got["params_bytes"] == got["grads_bytes"] == 4 * TINY_ADAPTERS == 151_552
+    assert got["opt_state_bytes"] == 2 * 4 * TINY_ADAPTERS + 8
+    assert got["frozen_base_bytes"] == base_bytes

@@ -8,7 +8,14 @@ Per device, in bytes, for the config's layout (``parallel.strategy`` and
 
 ``params_bytes``
     the master weights ``TrainState.params`` as stored (float32 in every mixed mode):
-    the device's shard under ``zero1`` and ``fsdp``, everything under ``dp``.
+    the device's shard under ``zero1`` and ``fsdp``, everything under ``dp``; in a LoRA
+    mode (:data:`LORA_MODES`) the adapters alone.
+``frozen_base_bytes``
+    a LoRA mode's frozen base (``TrainState.rest``'s :class:`~jaxmp.models.FrozenParam`
+    s), laid out as the forward pass reads parameters (whole under ``dp`` and ``zero1``,
+    split under ``fsdp``): 4 bytes a parameter for ``lora.base=master``, 2 for
+    ``bfloat16``, about 1 for ``fp8`` (E4M3 projections plus a float32 scale per 128 x 128
+    block; norms, embeddings, router and head in bfloat16); 0 in every other mode.
 ``grads_bytes``
     the gradient buffer: one float32 value per parameter (what the step hands
     :func:`jaxmp.optim.apply_gradients`, unscaled), laid out like ``params_bytes``.
@@ -23,8 +30,8 @@ Per device, in bytes, for the config's layout (``parallel.strategy`` and
     the top-k error-feedback residual (:func:`jaxmp.comm.init_comm_state`), one float32
     row per device; 0 without compression.
 ``persistent_bytes``
-    what stays in memory between steps: ``params_bytes + opt_state_bytes +
-    compute_copy_bytes + comm_state_bytes`` (divided by the parameter count, the table's
+    what stays in memory between steps: ``params_bytes + frozen_base_bytes +
+    opt_state_bytes + compute_copy_bytes + comm_state_bytes`` (divided by the parameter count, the table's
     bytes per parameter: 8 for float32 masters with bf16 moments, 6 for bfloat16 masters
     with stochastic rounding, 8 with Kahan's bfloat16 compensation; divided by the data
     axis under ``zero1`` and ``fsdp``, plus ZeRO-1's replicated compute copy).
@@ -91,6 +98,7 @@ from jaxmp._checks import check_int
 from jaxmp.precision import comm
 from jaxmp.train.config import complete_config
 from jaxmp.train.experiment import Experiment
+from jaxmp.train.state import split_frozen
 from jaxmp.train.step import forward_args, loss_fn
 
 __all__ = [
@@ -160,28 +168,54 @@ MODES: Mapping[str, Mapping[str, Any]] = {
            "optim.mu_dtype": moments, "optim.nu_dtype": moments,
            "precision.grad_reduce_dtype": reduce, "precision.grad_compression": compression,
            "precision.topk_ratio": TOPK_RATIO,
-           "optim.update_rounding": _UPDATE_ROUNDING.get(name, "nearest")}
+           "optim.update_rounding": _UPDATE_ROUNDING.get(name, "nearest"),
+           "lora.rank": 0, "lora.base": "master"}
     for name, policy, loss_scale, moments, reduce, compression in _MODE_TABLE}
 
-MEMORY_KEYS = ("params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
-               "comm_state_bytes", "activation_bytes")
-# What stays in memory between steps: the master weights, the optimizer state (moments,
-# Kahan compensation), ZeRO-1's compute copy and the top-k residual.
-PERSISTENT_KEYS = ("params_bytes", "opt_state_bytes", "compute_copy_bytes", "comm_state_bytes")
+# The LoRA modes (jaxmp.models.lora): mixed_bf16's settings, rank-r adapters (float32
+# masters, Adam moments for them alone) over a frozen base kept as its float32 masters,
+# in bfloat16, or as E4M3 with 128 x 128 block scales. The rank is the config's lora.rank,
+# or LORA_RANK where it is 0; the router biases are frozen with the base
+# (model.bias_update_rate 0, as lora.rank > 0 requires).
+LORA_RANK = 16
+LORA_MODES: Mapping[str, Mapping[str, Any]] = {
+    f"lora_{short}": {**MODES["mixed_bf16"], "lora.rank": None, "lora.base": base}
+    for short, base in (("master", "master"), ("bf16", "bfloat16"), ("fp8", "fp8"))}
+# Every mode by name: the full-training ones, then the LoRA ones.
+ALL_MODES: Mapping[str, Mapping[str, Any]] = {**MODES, **LORA_MODES}
+
+MEMORY_KEYS = ("params_bytes", "frozen_base_bytes", "grads_bytes", "opt_state_bytes",
+               "compute_copy_bytes", "comm_state_bytes", "activation_bytes")
+# What stays in memory between steps: the master weights, a LoRA run's frozen base, the
+# optimizer state (moments, Kahan compensation), ZeRO-1's compute copy and the top-k residual.
+PERSISTENT_KEYS = ("params_bytes", "frozen_base_bytes", "opt_state_bytes", "compute_copy_bytes",
+                   "comm_state_bytes")
+
+
+def default_modes(config: ml_collections.ConfigDict) -> list:
+    """The modes a report accounts when none are named: :data:`MODES`, and the LoRA ones
+    (:data:`LORA_MODES`) too when ``config`` trains adapters (``lora.rank > 0``)."""
+    return list(MODES) + (list(LORA_MODES) if complete_config(config).lora.rank else [])
 
 
 def mode_config(config: ml_collections.ConfigDict, mode: str) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with the overrides of ``MODES[mode]`` applied.
+    """A copy of ``config`` with the overrides of ``ALL_MODES[mode]`` applied (a LoRA
+    mode's rank: the config's ``lora.rank``, or :data:`LORA_RANK`; a LoRA mode also sets
+    ``model.bias_update_rate`` to 0).
 
     Raises:
-      ValueError: ``mode`` is not a key of :data:`MODES` (they are listed).
+      ValueError: ``mode`` is not a key of :data:`ALL_MODES` (they are listed).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
+    if mode not in ALL_MODES:
+        raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(ALL_MODES)}")
     out = complete_config(config)
-    for key, value in MODES[mode].items():
+    for key, value in ALL_MODES[mode].items():
         section, name = key.split(".")
+        if key == "lora.rank" and value is None:  # a LoRA mode: the config's rank, or 16
+            value = out.lora.rank or LORA_RANK
         out[section][name] = value
+    if out.lora.rank:  # the router biases are part of the frozen base
+        out.model.bias_update_rate = 0.0
     return out
 
 
@@ -360,15 +394,19 @@ def state_bytes(exp: Experiment) -> Dict[str, int]:
     """Per-device bytes of the persistent train state, from its abstract shapes and shardings.
 
     Returns:
-      ``{"params_bytes", "grads_bytes", "opt_state_bytes", "compute_copy_bytes",
-      "comm_state_bytes"}``: the master weights, their gradient (one master-dtype value
-      per parameter, laid out like it), the optimizer state, ZeRO-1's compute-dtype copy
-      and the top-k residual, in bytes on one device.
+      ``{"params_bytes", "frozen_base_bytes", "grads_bytes", "opt_state_bytes",
+      "compute_copy_bytes", "comm_state_bytes"}``: the master weights (a LoRA run's
+      adapters), a LoRA run's frozen base (0 otherwise; E4M3 weights and their scales
+      under ``lora.base=fp8``), their gradient (one master-dtype value per trained
+      parameter, laid out like it), the optimizer state, ZeRO-1's compute-dtype copy and
+      the top-k residual, in bytes on one device.
     """
     state, state_sh = exp.abstract_state, exp.state_shardings
     params = _per_device_bytes(state.params, state_sh.params)
     copy = state.compute_params
+    frozen = split_frozen(state.rest)[0]
     return {"params_bytes": params,
+            "frozen_base_bytes": _per_device_bytes(frozen, split_frozen(state_sh.rest)[0]),
             # The step hands the optimizer unscaled float32 gradients, laid out like the
             # params, whatever their dtype (bfloat16 masters cast them afterwards).
             "grads_bytes": _per_device_bytes(state.params, state_sh.params, itemsize=4),
@@ -407,7 +445,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
 
     Args:
       config: a trainer config (e.g. ``configs/tiny_moe.py``'s ``get_config()``).
-      mode: a key of :data:`MODES`.
+      mode: a key of :data:`ALL_MODES`.
       num_devices: devices of the mesh (``num_devices / parallel.expert`` along
         ``"data"``).
       breakdown: also return the top ``breakdown`` residual groups (0 = none).
@@ -415,8 +453,8 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
         parallel.expert)``).
 
     Returns:
-      ``{"policy": str, "strategy": str, "expert": int, "params_bytes": int,
-      "grads_bytes": int, "opt_state_bytes": int, "compute_copy_bytes": int,
+      ``{"policy": str, "strategy": str, "expert": int, "lora_rank": int,
+      "params_bytes": int, "frozen_base_bytes": int, "grads_bytes": int, "opt_state_bytes": int, "compute_copy_bytes": int,
       "comm_state_bytes": int, "activation_bytes": int, "grad_allreduce_bytes": int,
       "collective_bytes": {op: {dtype: int}}, "total_bytes": int}`` plus ``"xla_memory"`` (the
       ``memory_analysis()`` byte counts, None on CPU), ``"hlo_source"`` (which HLO the collectives
@@ -455,7 +493,7 @@ def account_mode(config: ml_collections.ConfigDict, mode: str, num_devices: int 
     residuals = step_residuals(exp)
     collectives = hlo_collectives(hlo)
     out = {"policy": cfg.precision.policy, "strategy": exp.layout.strategy,
-           "expert": exp.layout.expert,
+           "expert": exp.layout.expert, "lora_rank": int(cfg.lora.rank),
            **state_bytes(exp),
            "activation_bytes": sum(r.nbytes for r in residuals if r.kind == "computed"),
            "grad_allreduce_bytes": gradient_collective_bytes(collectives, dense, sparse),
@@ -492,7 +530,7 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
 
     Args:
       config: a trainer config.
-      modes: keys of :data:`MODES` (default: all, in table order).
+      modes: keys of :data:`ALL_MODES` (default :func:`default_modes`, in table order).
       num_devices: data-parallel devices.
       breakdown: top residual groups to keep per mode (0 = none).
       skip_failed: a mode whose step XLA cannot compile here (e.g. XLA:CPU's limit of
@@ -515,10 +553,10 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
       ValueError: an unknown mode (before any work), or as :func:`account_mode`.
       jax.errors.JaxRuntimeError: XLA cannot compile a mode's step (unless ``skip_failed``).
     """
-    modes = list(MODES) if modes is None else list(modes)
+    modes = default_modes(config) if modes is None else list(modes)
     for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(MODES)}")
+        if mode not in ALL_MODES:
+            raise ValueError(f"unknown precision mode {mode!r}; allowed: {', '.join(ALL_MODES)}")
     say = progress or (lambda text: None)
     config = complete_config(config)
     mesh = data_mesh(num_devices, int(config.parallel.expert))
@@ -582,7 +620,8 @@ def format_accounting(report: dict, title: str = "") -> str:
              f"model.scan_layers={s.get('scan_layers')}",
              "  bytes per device (MiB = 2**20 bytes); 'vs fp32' divides by the fp32 mode's figure"]
     base = report["modes"].get("fp32")
-    rows = (("params", "params_bytes", True), ("grads", "grads_bytes", True),
+    rows = (("params", "params_bytes", True), ("frozen base", "frozen_base_bytes", True),
+            ("grads", "grads_bytes", True),
             ("optimizer state", "opt_state_bytes", True),
             ("compute copy", "compute_copy_bytes", True),
             ("top-k residual", "comm_state_bytes", True),
@@ -593,8 +632,10 @@ def format_accounting(report: dict, title: str = "") -> str:
     for mode, reason in report.get("skipped", {}).items():
         lines += ["", f"mode {mode}: not accounted: {reason}"]
     for mode, r in report["modes"].items():
-        o = MODES[mode]
-        lines += ["", f"mode {mode}: policy \"{r['policy']}\"; loss scale "
+        o = ALL_MODES[mode]
+        lora = (f"; LoRA rank {r['lora_rank']} adapters (trained, float32 masters, Adam "
+                f"moments) over a frozen {o['lora.base']} base" if r.get("lora_rank") else "")
+        lines += ["", f"mode {mode}: policy \"{r['policy']}\"{lora}; loss scale "
                       f"{o['precision.loss_scale']}; Adam moments "
                       f"{o['optim.mu_dtype'] or 'in the master dtype'}; update rounding "
                       f"{o['optim.update_rounding']}; grad_reduce_dtype "

@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("--config options")
     a.add_argument("--modes", default=None,
                    help="comma-separated precision modes (default: all of "
-                        "jaxmp.analysis.accounting.MODES)")
+                        "jaxmp.analysis.accounting.MODES, and of LORA_MODES (lora_master, "
+                        "lora_bf16, lora_fp8) when the config has lora.rank > 0)")
     a.add_argument("--breakdown", type=int, nargs="?", const=15, default=0, metavar="K",
                    help="list the K (default 15) largest saved residuals per mode "
                         "with their source")
@@ -411,12 +412,13 @@ def _main_config(parser: argparse.ArgumentParser, args) -> int:
              else None)
     if modes == []:
         parser.error(f"--modes {args.modes!r} names no precision mode; allowed: "
-                     f"{', '.join(accounting.MODES)}")
+                     f"{', '.join(accounting.ALL_MODES)}")
     try:
         config = load_config(args.config, args.overrides)
         notes = []
         if modes is None:  # the default modes: those that run under the config's layout
-            modes, skipped = runnable_modes(config, accounting.MODES)
+            modes, skipped = runnable_modes(config, {m: accounting.ALL_MODES[m] for m in
+                                                     accounting.default_modes(config)})
             if skipped:
                 notes.append(f"note: skipped {', '.join(skipped)}: top-k compression runs only "
                              "with parallel.strategy='dp' and parallel.expert=1 (this config: "
