@@ -1,5 +1,5 @@
 """``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf|peft]
-[--quantize fp8] [--force]``.
+[--quantize fp8] [--dtype float32|bfloat16] [--force]``.
 
 ``--format jaxmp`` (the default) writes a training run's checkpoint as
 ``model.safetensors`` (every array of the model by its dotted path), ``config.json``
@@ -20,7 +20,8 @@ A LoRA run (``lora.rank > 0``): its checkpoints hold the adapters, and its base 
 again from ``model.init_from`` (or rebuilt from the seed) and checked against the digest
 the checkpoint records. ``--format jaxmp`` and ``--format hf`` (``--quantize fp8``
 included) write the merged model, ``W + (alpha / r) A B`` per adapted weight
-(:func:`jaxmp.models.lora.merge_lora`); ``--format peft`` writes the adapters alone as
+(:func:`jaxmp.models.lora.merge_lora`), in float32 (``--dtype bfloat16`` rounds every
+weight of an hf export to bfloat16); ``--format peft`` writes the adapters alone as
 ``adapter_config.json`` and ``adapter_model.safetensors``
 (:func:`jaxmp.train.artifacts.export_peft`), which ``peft.PeftModel.from_pretrained(base,
 DIR)`` loads; a run without adapters is refused.
@@ -65,9 +66,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--quantize", choices=("fp8",), default=None,
                    help="with --format hf: fp8 writes the projections as blockwise FP8 (E4M3, "
                    "a float32 scale per 128 x 128 block) with a quantization_config")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="with --format hf: every weight rounded to this dtype (default: as "
+                   "trained; a LoRA run's merged weights in float32)")
     p.add_argument("--force", action="store_true", help="replace the export's files in a "
                    "directory that is not empty (its other files are kept)")
     args = p.parse_args(argv)
+    if args.dtype and args.format != "hf":
+        p.exit(2, f"{p.prog}: error: --dtype {args.dtype} needs --format hf (a jaxmp export "
+                  f"keeps the master weights)\n")
     if args.quantize and args.format != "hf":
         p.exit(2, f"{p.prog}: error: --quantize {args.quantize} needs --format hf (a jaxmp "
                   f"export keeps the master weights)\n")
@@ -79,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.format == "hf":
             meta = export_hf(args.workdir, args.out, args.step, force=args.force, notes=notes,
-                             quantize=args.quantize)
+                             quantize=args.quantize, dtype=args.dtype)
         elif args.format == "peft":
             meta = export_peft(args.workdir, args.out, args.step, force=args.force, notes=notes)
         else:

@@ -190,6 +190,16 @@ def test_the_merged_exports_are_the_adapted_model(lora_run):
     assert export.main(["--workdir", str(tmp / "run"), "--out", str(out), "--format", "hf"]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
     assert _rel_err(_hf_logits(merged, TOKENS), ours) < 1e-4
+    # merged in bfloat16: every weight the float32 merge rounded to nearest even
+    bf16 = tmp / "merged_bf16"
+    assert export.main(["--workdir", str(tmp / "run"), "--out", str(bf16), "--format", "hf",
+                        "--dtype", "bfloat16"]) == 0
+    written = json.load(open(bf16 / "config.json"))
+    assert written.get("torch_dtype", written.get("dtype")) == "bfloat16"
+    a = transformers.AutoModelForCausalLM.from_pretrained(str(out)).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(str(bf16), dtype=torch.bfloat16).state_dict()
+    for name, w in a.items():
+        assert torch.equal(w.bfloat16(), b[name]), name
 
 
 def test_a_peft_export_of_a_run_without_adapters_is_refused(tmp_path):
@@ -541,3 +551,76 @@ def test_the_report_lora_modes_count_base_and_adapters_by_hand(mode, base_bytes)
     assert got["params_bytes"] == got["grads_bytes"] == 4 * TINY_ADAPTERS == 151_552
     assert got["opt_state_bytes"] == 2 * 4 * TINY_ADAPTERS + 8
     assert got["frozen_base_bytes"] == base_bytes
+
+
+def test_an_fp8_base_refuses_a_checkpoint_without_its_fp8_form_before_the_corpus(lora_run,
+                                                                               tmp_path):
+    """``lora.base=fp8`` over a bfloat16/float32 checkpoint, or over FP8 blocks the
+    blockwise kernels cannot take (64 x 64), is one line from the header checks the trainer
+    runs before it reads its corpus; so is the loader, for a block it cannot read."""
+    from test_hf import _fp8_checkpoint
+    from jaxmp.train.experiment import Experiment
+
+    tmp, src, _, overrides = lora_run
+    over = [o for o in overrides if not o.startswith("model.init_from")] + ["lora.base=fp8",
+                                                                           "precision.policy=mixed_bf16"]
+    exp = Experiment.create(load_config("configs/finetune.py", over + [f"model.init_from={src}"]),
+                            num_devices=2)
+    with pytest.raises(ValueError, match="no quantization_config") as info:
+        exp.check_init_from()
+    assert "\n" not in str(info.value)
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(
+        _hf_config("qwen3_moe", vocab_size=128)).float().eval()
+    fp8_dir = tmp_path / "fp8_64"
+    _fp8_checkpoint(model, str(fp8_dir), (64, 64), np.random.RandomState(0))
+    _char_tokenizer(fp8_dir)
+    exp = Experiment.create(load_config("configs/finetune.py", over + [
+        f"model.init_from={fp8_dir}"]), num_devices=2)
+    with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\]; allowed: \[128, 128\]"):
+        exp.check_init_from()
+    with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\]"):
+        exp.init_state()  # the loader's own check
+
+
+@pytest.mark.parametrize("base", ["bfloat16", "fp8"])
+def test_adapters_train_alike_under_every_strategy_and_expert_parallelism(base):
+    """Two LoRA steps of tiny_moe on 4 devices under dp, zero1, fsdp and fsdp with expert
+    parallelism 2: the same losses and adapters as dp (float32 policy; the routed experts'
+    frozen base split along ``expert``; an FP8 base's adapters after the first step), the
+    frozen base laid out as the forward pass reads
+    parameters (split over ``data`` under fsdp only)."""
+    from jaxmp.train.experiment import Experiment
+    from jaxmp.train.state import split_frozen
+
+    results = {}
+    for strategy, expert in (("dp", 1), ("zero1", 1), ("fsdp", 1), ("fsdp", 2)):
+        cfg = load_config("configs/tiny_moe.py", [
+            f"parallel.strategy={strategy}", f"parallel.expert={expert}", "lora.rank=4",
+            f"lora.base={base}", "model.bias_update_rate=0.0", "train.batch_size=8",
+            "optim.warmup_steps=0", "model.capacity_factor=4.0", "data.max_tokens=20000",
+            "precision.policy=fp32"])
+        exp = Experiment.create(cfg, num_devices=4)
+        state = exp.init_state()
+        frozen = split_frozen(state.rest)[0]
+        wq = frozen["blocks"][0]["attn"]["wq"].get_value()
+        split = "data" in str(wq.sharding.spec)
+        assert split == (strategy == "fsdp"), (strategy, wq.sharding.spec)
+        batch = exp.batch_to_device(next(exp.data.train_iter))
+        losses, params = [], []
+        for _ in range(2):
+            state, m = exp.train_step(state, batch)
+            losses.append(float(m["loss"]))
+            params.append(jax.device_get(state.params))
+        results[(strategy, expert)] = (losses, params)
+    ref_losses, ref_params = results[("dp", 1)]
+    # An FP8 base: the activations' E4M3 tiles of the second step may round an element the
+    # other way after a last-bit difference of the first step's reductions, so its
+    # adapters are compared after the first step.
+    compared = 1 if base == "fp8" else 2
+    for key, (losses, params) in results.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, err_msg=str(key))
+        for a, b in zip(jax.tree.leaves(params[compared - 1]),
+                        jax.tree.leaves(ref_params[compared - 1])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
+                                       err_msg=str(key))

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -27,6 +28,9 @@ from flax import nnx
 from jaxmp import sharding
 from jaxmp.models import MoETransformer, ModelConfig
 from jaxmp.models.lora import merge_lora
+
+# export_hf's dtype: what every weight may be rounded to (--dtype).
+EXPORT_DTYPES = ("float32", "bfloat16")
 from jaxmp.train.checkpoint import CheckpointError, Checkpointer
 from jaxmp.train.config import complete_config, config_to_dict
 from jaxmp.train.experiment import Experiment
@@ -456,7 +460,8 @@ def _hf_weights_written(directory: pathlib.Path) -> str:
 
 def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
               step: Optional[int] = None, force: bool = False,
-              notes: Optional[list] = None, quantize: Optional[str] = None) -> dict:
+              notes: Optional[list] = None, quantize: Optional[str] = None,
+              dtype: Optional[str] = None) -> dict:
     """Writes a checkpoint as a Hugging Face model directory (``--format hf``).
 
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
@@ -488,6 +493,9 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
       quantize: None, or ``"fp8"``: the projections in blockwise FP8 (E4M3, one float32
         scale per 128 x 128 block) with config.json's ``quantization_config``, as
         :func:`jaxmp.models.save_pretrained` writes them (``--quantize fp8``).
+      dtype: None (the weights as trained: the master weights, a LoRA run's merged in
+        float32), ``"float32"`` or ``"bfloat16"`` (every weight rounded to it, nearest
+        even; ``--dtype``).
 
     Returns:
       ``{"family", "step", "tokenizer"}`` (``tokenizer``: the file written or None).
@@ -509,6 +517,12 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
                                                                   notes)
     model = merge_lora(model)  # a LoRA run's adapters merged into its base
+    if dtype is not None:
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(EXPORT_DTYPES)}")
+        weights = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(
+            jnp.dtype(dtype)), weights))
     from jaxmp.train.chat import end_of_turn_ids, kept_chat_template, kept_chat_tokens
 
     template = kept_chat_template(workdir)  # the one a chat run trained with

@@ -443,7 +443,7 @@ class Experiment:
             file plans a run, it does not start one), or a tensor is missing, unused,
             misshapen or not a float, or a tied head differs from the embedding (one line
             naming the file and tensor); ``lora.base=fp8`` over a checkpoint that is not
-            blockwise FP8.
+            blockwise FP8 in 128 x 128 blocks.
         """
         path = self.config.model.init_from
         if path:
@@ -461,6 +461,12 @@ class Experiment:
                                      f"{'no quantization_config' if q is None else q[0] + ' weights'}; "
                                      f"allowed: a checkpoint with quantization_config quant_method "
                                      f"fp8 (export --format hf --quantize fp8 writes one), or "
+                                     f"lora.base=bfloat16")
+                block = list(q[1]["weight_block_size"])
+                if block != [128, 128]:
+                    raise ValueError(f"lora.base=fp8: model.init_from={path} has "
+                                     f"weight_block_size {block}; allowed: [128, 128] (the "
+                                     f"blocks the blockwise FP8 kernels read), or "
                                      f"lora.base=bfloat16")
 
     def check_tokenizer(self) -> None:
