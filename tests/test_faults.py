@@ -65,6 +65,29 @@ def finish(proc):
             proc.kill()
 
 
+def assert_sigkilled_run_resumes_bitwise(workdir, *overrides):
+    """train.py with ``overrides``, checkpointing every 4 steps, killed by SIGKILL once it
+    logged 6 steps and completed a checkpoint; the rerun to the last logged step resumes
+    from that checkpoint and logs the uninterrupted run's losses, bit for bit, each step
+    past it a new loss (the weights moved)."""
+    proc = launch(workdir, *overrides, "train.steps=100000", "train.checkpoint_every=4")
+    wait_for(lambda: len(train_rows(workdir)) >= 6 and complete_steps(workdir), proc,
+             "6 logged steps and a complete checkpoint")
+    proc.kill()
+    finish(proc)
+    uninterrupted = {r["step"]: r["loss"] for r in train_rows(workdir)}
+    last, logged = complete_steps(workdir)[-1], max(uninterrupted)
+    assert logged > last  # steps past the checkpoint to compare with
+    again = launch(workdir, *overrides, f"train.steps={logged}", "train.checkpoint_every=100000")
+    out, err = finish(again)
+    assert again.returncode == 0, err[-3000:]
+    assert f"at step {last}" in out
+    rows = train_rows(workdir)
+    assert [r["step"] for r in rows] == list(range(1, logged + 1))
+    assert [r["loss"] for r in rows] == [uninterrupted[s] for s in range(1, logged + 1)]
+    assert len({r["loss"] for r in rows[last:]}) == logged - last
+
+
 def train_rows(workdir):
     return read_metrics(pathlib.Path(workdir) / "metrics.jsonl", "train")
 

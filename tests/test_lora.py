@@ -110,12 +110,30 @@ def test_lora_config_refusals():
                 else "seed=0"]), 1)
 
 
+def _train_lora(tmp, src, *extra):
+    """Two LoRA steps of train.py's path (configs/finetune.py, ``model.init_from=src``) on
+    a 2-device mesh under fsdp with scanned layers, at a learning rate that moves the
+    adapters, into ``tmp/run``; returns the overrides."""
+    from jaxmp.train.loop import train_and_evaluate
+
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 300)
+    overrides = [
+        f"model.init_from={src}", "data.seq_len=32", "train.batch_size=4",
+        "optim.learning_rate=3e-2", "optim.warmup_steps=0", "optim.weight_decay=0.0",
+        f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
+        "model.scan_layers=True", "train.steps=2", "train.sample_tokens=0",
+        "train.eval_every=0", "lora.rank=4", "lora.alpha=8", "parallel.strategy=fsdp", *extra]
+    summary = train_and_evaluate(load_config("configs/finetune.py", overrides),
+                                 str(tmp / "run"), num_devices=2)
+    assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    return overrides
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A tiny Llama checkpoint, and two LoRA steps of train.py's path on it (2 devices,
     fsdp, scanned), with a learning rate that moves the adapters."""
-    from jaxmp.train.loop import train_and_evaluate
-
     tmp = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(
@@ -123,18 +141,7 @@ def lora_run(tmp_path_factory):
     src = tmp / "src"
     original.save_pretrained(str(src))
     _char_tokenizer(src)
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("def f(x):\n    return x + 1\n" * 300)
-    overrides = [
-        f"model.init_from={src}", "precision.policy=fp32", "data.seq_len=32",
-        "train.batch_size=4", "optim.learning_rate=3e-2", "optim.warmup_steps=0",
-        f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
-        "model.scan_layers=True", "train.steps=2", "train.sample_tokens=0",
-        "train.eval_every=0", "lora.rank=4", "lora.alpha=8", "parallel.strategy=fsdp",
-        "optim.weight_decay=0.0"]
-    summary = train_and_evaluate(load_config("configs/finetune.py", overrides),
-                                 str(tmp / "run"), num_devices=2)
-    assert summary["step"] == 2
+    overrides = _train_lora(tmp, src, "precision.policy=fp32")
     return tmp, src, original, overrides
 
 
@@ -273,7 +280,6 @@ def fp8_lora_run(request, tmp_path_factory):
     per projection), and two LoRA steps over it with ``lora.base=fp8`` (train.py's path,
     2 devices, fsdp with expert parallelism off)."""
     from test_hf import _fp8_checkpoint
-    from jaxmp.train.loop import train_and_evaluate
 
     family = request.param
     tmp = tmp_path_factory.mktemp(f"fp8lora_{family}")
@@ -288,19 +294,8 @@ def fp8_lora_run(request, tmp_path_factory):
         model, str(src), (128, 128), np.random.RandomState(3),
         quantize=lambda n: n.endswith(("proj.weight", "proj_with_mqa.weight")))
     _char_tokenizer(src)
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("def f(x):\n    return x + 1\n" * 300)
-    overrides = [
-        f"model.init_from={src}", "precision.policy=mixed_bf16", "data.seq_len=32",
-        "train.batch_size=4", "optim.learning_rate=3e-2", "optim.warmup_steps=0",
-        f"data.path={corpus}", "data.num_eval_batches=0", "data.eval_fraction=0",
-        "model.scan_layers=True", "train.steps=2", "train.sample_tokens=0",
-        "train.eval_every=0", "lora.rank=4", "lora.alpha=8", "lora.base=fp8",
-        "parallel.strategy=fsdp", "optim.weight_decay=0.0",
-        "lora.targets=attn/w"]  # what peft loads onto these families (PEFT_MOE_REMAPPED)
-    summary = train_and_evaluate(load_config("configs/finetune.py", overrides),
-                                 str(tmp / "run"), num_devices=2)
-    assert summary["step"] == 2 and all(np.isfinite(summary["train_losses"]))
+    _train_lora(tmp, src, "precision.policy=mixed_bf16", "lora.base=fp8",
+                "lora.targets=attn/w")  # what peft loads onto these families (PEFT_MOE_REMAPPED)
     return family, tmp, src, quantized
 
 
@@ -410,23 +405,9 @@ def test_a_sigkilled_lora_run_resumes_bitwise_like_an_uninterrupted_one(tmp_path
     checkpointing every 4 steps, killed by SIGKILL at step 6 or later: the rerun resumes
     from the last complete checkpoint (adapters and optimizer state; the base rebuilt and
     checked against its digest) and logs the uninterrupted run's losses, bit for bit."""
-    from test_faults import complete_steps, finish, launch, train_rows, wait_for
+    from test_faults import assert_sigkilled_run_resumes_bitwise
 
-    proc = launch(tmp_path, *LORA_TINY, "train.steps=100000", "train.checkpoint_every=4")
-    wait_for(lambda: len(train_rows(tmp_path)) >= 6 and complete_steps(tmp_path), proc,
-             "6 logged steps and a complete checkpoint")
-    proc.kill()
-    finish(proc)
-    uninterrupted = {r["step"]: r["loss"] for r in train_rows(tmp_path)}
-    last, logged = complete_steps(tmp_path)[-1], max(uninterrupted)
-    assert logged > last
-    again = launch(tmp_path, *LORA_TINY, f"train.steps={logged}", "train.checkpoint_every=100000")
-    out, err = finish(again)
-    assert again.returncode == 0, err[-3000:]
-    assert f"at step {last}" in out
-    rows = train_rows(tmp_path)
-    assert [r["loss"] for r in rows] == [uninterrupted[s] for s in range(1, logged + 1)]
-    assert len({r["loss"] for r in rows[last:]}) == logged - last  # the adapters moved
+    assert_sigkilled_run_resumes_bitwise(tmp_path, *LORA_TINY)
 
 
 def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_path):
@@ -599,6 +580,7 @@ def test_adapters_train_alike_under_every_strategy_and_expert_parallelism(base):
             f"parallel.strategy={strategy}", f"parallel.expert={expert}", "lora.rank=4",
             f"lora.base={base}", "model.bias_update_rate=0.0", "train.batch_size=8",
             "optim.warmup_steps=0", "model.capacity_factor=4.0", "data.max_tokens=20000",
+            "data.num_eval_batches=1",
             "precision.policy=fp32"])
         exp = Experiment.create(cfg, num_devices=4)
         state = exp.init_state()
@@ -612,6 +594,7 @@ def test_adapters_train_alike_under_every_strategy_and_expert_parallelism(base):
             state, m = exp.train_step(state, batch)
             losses.append(float(m["loss"]))
             params.append(jax.device_get(state.params))
+        losses.append(exp.evaluate(state))  # the eval step reads the base as the train step
         results[(strategy, expert)] = (losses, params)
     ref_losses, ref_params = results[("dp", 1)]
     # An FP8 base: the activations' E4M3 tiles of the second step may round an element the

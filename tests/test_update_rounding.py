@@ -331,26 +331,9 @@ def test_a_sigkilled_stochastic_run_resumes_bitwise_like_an_uninterrupted_one(tm
     after its last complete checkpoint are the uninterrupted run's. The rerun resumes
     from that checkpoint and logs the same losses, bit for bit: the counter and so the
     random bits come back with the checkpoint, the bfloat16 weights exactly."""
-    from test_faults import complete_steps, finish, launch, train_rows, wait_for
+    from test_faults import assert_sigkilled_run_resumes_bitwise
 
-    rounding = PURE + ["optim.update_rounding=stochastic"]
-    proc = launch(tmp_path, *rounding, "train.steps=100000", "train.checkpoint_every=4")
-    wait_for(lambda: len(train_rows(tmp_path)) >= 6 and complete_steps(tmp_path), proc,
-             "6 logged steps and a complete checkpoint")
-    proc.kill()
-    finish(proc)
-    uninterrupted = {r["step"]: r["loss"] for r in train_rows(tmp_path)}
-    last, logged = complete_steps(tmp_path)[-1], max(uninterrupted)
-    assert logged > last  # steps past the checkpoint to compare with
-
-    again = launch(tmp_path, *rounding, f"train.steps={logged}", "train.checkpoint_every=100000")
-    out, err = finish(again)
-    assert again.returncode == 0, err[-3000:]
-    assert f"at step {last}" in out
-    rows = train_rows(tmp_path)
-    assert [r["step"] for r in rows] == list(range(1, logged + 1))
-    assert [r["loss"] for r in rows] == [uninterrupted[s] for s in range(1, logged + 1)]
-    assert len({r["loss"] for r in rows[last:]}) == logged - last  # every step moved the weights
+    assert_sigkilled_run_resumes_bitwise(tmp_path, *PURE, "optim.update_rounding=stochastic")
 
 
 # --- Accounting ------------------------------------------------------------------------------

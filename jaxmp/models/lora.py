@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 __all__ = ["Lora", "FrozenParam", "TRAINABLE", "LORA_BASES", "DEFAULT_TARGETS", "apply_lora",
-           "adapted", "lora_product", "freeze_base", "fp8_base_weights", "fp8_matrix", "frozen_fp8", "dequantized", "merged_weight", "merge_lora", "base_digest", "is_lora"]
+           "adapted", "lora_product", "freeze_base", "fp8_base_weights", "fp8_matrix", "frozen_fp8", "dequantized", "frozen_metadata", "merged_weight", "merge_lora", "base_digest", "is_lora"]
 
 # lora.base: what the frozen base weights are stored as. "master": the parameter dtype of
 # each module's policy (float32 under the mixed presets); "bfloat16"; "fp8": the targeted
@@ -225,7 +225,19 @@ def freeze_base(model, base: str) -> None:
             value = var.get_value()
             if base != "master" and jnp.issubdtype(value.dtype, jnp.floating):
                 value = value.astype(jnp.bfloat16)
-            setattr(module, name, FrozenParam(value, **var.get_metadata()))
+            setattr(module, name, FrozenParam(value, **frozen_metadata(var)))
+
+
+def frozen_metadata(var) -> dict:
+    """``var``'s metadata for its frozen copy: a routed expert's logical axes with
+    ``expert`` as ``frozen_expert`` and its ``embed`` unsplit (:mod:`jaxmp.sharding.rules`:
+    under FSDP the experts are split and gathered along their leading axis instead)."""
+    meta = dict(var.get_metadata())
+    axes = tuple(meta.get("out_sharding") or ())
+    if "expert" in axes:
+        meta["out_sharding"] = tuple("frozen_expert" if a == "expert" else
+                                     None if a == "embed" else a for a in axes)
+    return meta
 
 
 def fp8_base_weights(module) -> Tuple[str, ...]:
@@ -240,10 +252,11 @@ def fp8_base_weights(module) -> Tuple[str, ...]:
 
 def fp8_matrix(name: str, shape, axes) -> Tuple[int, int, int]:
     """``(lead, K, N)`` of a weight stored as ``[*lead, *in, *out]``: how many leading axes
-    are a scanned stack's ``layers`` or routed experts' ``expert`` (each its own matrix),
+    are a scanned stack's ``layers`` or routed experts' ``expert`` / ``frozen_expert``
+    (each its own matrix),
     and the contracted and kept sizes of its ``[K, N]`` matrix."""
     lead = 0
-    while lead < len(axes) and axes[lead] in ("layers", "expert"):
+    while lead < len(axes) and axes[lead] in ("layers", "expert", "frozen_expert"):
         lead += 1
     inner = tuple(shape[lead:])
     n_in = _in_dims(name, len(inner))
@@ -257,12 +270,12 @@ def _freeze_fp8(module, name: str, var) -> None:
     from jaxmp.precision import fp8
 
     value = var.get_value()
-    meta = var.get_metadata()
+    meta = frozen_metadata(var)
     stored = getattr(module, f"{name}_scale_inv", None)
     if stored is not None and jnp.dtype(value.dtype) == jnp.dtype(fp8.E4M3):
         setattr(module, name, FrozenParam(value, **meta))
         setattr(module, f"{name}_scale_inv", FrozenParam(stored.get_value(),
-                                                         **stored.get_metadata()))
+                                                         **frozen_metadata(stored)))
         return
     axes = tuple(meta.get("out_sharding") or (None,) * value.ndim)
     lead, k, n = fp8_matrix(name, value.shape, axes)

@@ -40,8 +40,14 @@ __all__ = [
 # Every logical name the models use; a rule table must map each (None = replicated).
 # "layers" is the leading axis of the scanned layout's stacked variables
 # (jaxmp.models.transformer): replicated in every table here, one slice per scan step.
+# "frozen_expert" is the expert axis of a LoRA model's frozen routed experts
+# (jaxmp.models.lora): split like "expert", and under FSDP also over "data" in place of
+# their "embed" axis, so that the per-layer all-gather runs along the slice's leading
+# (major) axis: gathered along "embed", XLA's GPU layout assignment transposed each whole
+# stacked expert weight once, outside the scanned loop (a second copy of the frozen experts
+# as temporaries: 82 GB a device for DeepSeek-V3's E4M3 experts under fsdp).
 LOGICAL_AXES = ("batch", "vocab", "embed", "heads", "head_dim", "mlp", "expert", "expert_mlp",
-                "layers", "expert_logit")
+                "layers", "expert_logit", "frozen_expert")
 
 EXPERT_AXIS = "expert"
 
@@ -56,10 +62,12 @@ DATA_PARALLEL_RULES: Tuple[Tuple[str, Any], ...] = (
     ("expert_mlp", None),
     ("layers", None),
     ("expert_logit", None),
+    ("frozen_expert", None),
 )
 
 FSDP_RULES: Tuple[Tuple[str, Any], ...] = tuple(
-    (name, DATA_AXIS if name == "embed" else axis) for name, axis in DATA_PARALLEL_RULES)
+    (name, DATA_AXIS if name in ("embed", "frozen_expert") else axis)
+    for name, axis in DATA_PARALLEL_RULES)
 
 Rules = Union[Sequence[Tuple[str, Any]], Mapping[str, Any]]
 
@@ -163,8 +171,9 @@ def layout(strategy: str = DP.name, expert: int = 1,
     check_choice("parallel.strategy", strategy, STRATEGIES)
     check_int("parallel.expert", expert, 1)
     check_choice("parallel.dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
-    base = dict(DATA_PARALLEL_RULES, batch=(DATA_AXIS, EXPERT_AXIS), expert=EXPERT_AXIS)
-    split = dict(base, embed=DATA_AXIS)
+    base = dict(DATA_PARALLEL_RULES, batch=(DATA_AXIS, EXPERT_AXIS), expert=EXPERT_AXIS,
+                frozen_expert=EXPERT_AXIS)
+    split = dict(base, embed=DATA_AXIS, frozen_expert=(EXPERT_AXIS, DATA_AXIS))
     state = split if STRATEGY[strategy].splits_state else base
     compute = split if STRATEGY[strategy].splits_compute else base
     return Layout(strategy, int(expert), tuple(state.items()), tuple(compute.items()),
