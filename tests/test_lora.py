@@ -428,6 +428,12 @@ def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_
     train_and_evaluate(cfg, str(run), num_devices=2)
     meta = json.load(open(run / "checkpoints" / "1" / "verify" / "metadata"))
     assert len(meta["lora_base_digest"]) == 64
+    from jaxmp.train import CheckpointError
+    for key, value in (("lora.base", "bfloat16"), ("lora.rank", "8")):  # the run's adapters
+        other = load_config("configs/finetune.py", over + [f"model.init_from={base}",
+                                                           "train.steps=2", f"{key}={value}"])
+        with pytest.raises(CheckpointError, match=rf"different settings \({key}: saved"):
+            train_and_evaluate(other, str(run), num_devices=2)
     tree = (run / "checkpoints" / "1" / "state" / "_METADATA").read_text()
     assert "wq_lora_a" in tree and "table" not in tree and "attn_norm" not in tree  # no base
     tensors = load_file(str(base / "model.safetensors"))

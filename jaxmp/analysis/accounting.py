@@ -565,7 +565,9 @@ def accounting_report(config: ml_collections.ConfigDict, modes: Optional[Sequenc
         + (", unscanned: XLA compiles each layer on its own, so the compiles grow with "
            "the layers; model.scan_layers=True compiles one" if not m.scan_layers
            and m.num_layers > 32 else "") + ") ...")
-    total, active = Experiment.create(config, mesh=mesh).param_counts
+    counted = complete_config(config)  # the model's parameters, without adapters
+    counted.lora.rank = 0
+    total, active = Experiment.create(counted, mesh=mesh).param_counts
     t = config.train
     out = {
         "model": {"params": int(total), "active_params": int(active)},

@@ -14,7 +14,12 @@ logits: ``A`` starts as ``kaiming_uniform_(a=sqrt(5))`` (uniform in
 ``+-1/sqrt(fan_in)``), ``B`` at zeros (the adapted model starts as the base), the scale
 is ``alpha / r`` (not rsLoRA), no dropout, no bias. The adapter product runs in the
 module's compute dtype whatever its policy's FP8 recipe (which quantizes the base
-product only); the adapters are master weights in the module's ``param_dtype``.
+product only); the adapters are master weights in the module's ``param_dtype``. With
+``Lora.base == "fp8"`` every projection's frozen weight is E4M3 with a float32 scale per
+128 x 128 block of its ``[K, N]`` matrix (``<weight>_scale_inv``), which
+:func:`jaxmp.fp8.matmul` reads as stored (``scales=``); a frozen routed expert's
+``expert`` axis is named ``frozen_expert`` (:func:`frozen_metadata`), which FSDP splits
+and gathers in place of its ``embed`` axis.
 
 Which projections take adapters: those :func:`jaxmp.models.layers.matmul` multiplies by
 (attention, linear attention, MLA, dense MLPs, shared experts, an untied head), matched
@@ -38,11 +43,14 @@ import numpy as np
 from flax import nnx
 
 __all__ = ["Lora", "FrozenParam", "TRAINABLE", "LORA_BASES", "DEFAULT_TARGETS", "apply_lora",
-           "adapted", "lora_product", "freeze_base", "fp8_base_weights", "fp8_matrix", "frozen_fp8", "dequantized", "frozen_metadata", "merged_weight", "merge_lora", "base_digest", "is_lora"]
+           "adapted", "lora_product", "freeze_base", "fp8_base_weights", "fp8_matrix",
+           "frozen_fp8", "dequantized", "frozen_metadata", "merged_weight", "merge_lora",
+           "base_digest", "is_lora"]
 
 # lora.base: what the frozen base weights are stored as. "master": the parameter dtype of
-# each module's policy (float32 under the mixed presets); "bfloat16"; "fp8": the targeted
-# projections as E4M3 with a float32 scale per block, read by the blockwise FP8 kernels.
+# each module's policy (float32 under the mixed presets); "bfloat16"; "fp8": every
+# projection (fp8_base_weights) as E4M3 with a float32 scale per 128 x 128 block, read by
+# the blockwise FP8 kernels, the rest bfloat16.
 LORA_BASES = ("master", "bfloat16", "fp8")
 # lora.targets' default: every projection of attention (Gated DeltaNet and MLA included),
 # of the dense MLPs and of the shared experts; not the routed experts, router or head.

@@ -670,7 +670,9 @@ class MoETransformer(nnx.Module):
 
 
 def count_params(model: MoETransformer) -> tuple[int, int]:
-    """Total and per-token active parameter counts (``nnx.Param`` only, not router biases).
+    """Total and per-token active parameter counts (``nnx.Param`` only, not router biases,
+    nor the block scales of a ``lora.base=fp8`` model's E4M3 weights; a LoRA model's
+    adapters included).
 
     Active = everything except the routed experts a token does not use: embeddings,
     attention, norms, head, dense FFNs, shared experts, routers, and ``top_k`` of the
@@ -682,7 +684,9 @@ def count_params(model: MoETransformer) -> tuple[int, int]:
     Returns:
       ``(total, active_per_token)`` as Python ints.
     """
-    total = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    total = sum(int(np.prod(v.get_value().shape))
+                for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+                if not str(path[-1]).endswith("_scale_inv"))  # a frozen E4M3 weight's scales
     inactive = 0
     cfg = model.config
     for _, module in nnx.iter_modules(model):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import jax
+from flax import nnx
 import numpy as np
 
 from jaxmp._checks import F32_MAX
@@ -224,4 +225,29 @@ def precision_warnings(exp: Experiment) -> list:
     # The default policy's own float32 islands (router, norm) are not the user's words: a
     # dense model has no router, and no warning is due for it.
     default = {pattern for pattern, _ in get_policy_rules(DEFAULTS["precision.policy"]).rules}
-    return lines + unmatched_rules(exp.settings.rules, exp.module_paths, quiet=default)
+    return lines + unmatched_rules(exp.settings.rules, exp.module_paths, quiet=default) + \
+        _peft_warnings(exp)
+
+
+def _peft_warnings(exp: Experiment) -> list:
+    """A LoRA run with MLP adapters whose family peft re-targets at the routed experts
+    (:data:`jaxmp.models.hf.peft.PEFT_MOE_REMAPPED`): its PEFT export will be refused,
+    said before it trains."""
+    from jaxmp.models import hf
+    from jaxmp.models.hf.peft import PEFT_MOE_REMAPPED
+
+    if exp.settings.lora is None:
+        return []
+    try:
+        family = hf.family_of(exp.model_config)
+    except ValueError:
+        return []
+    mlp = [p for p, _ in nnx.to_flat_state(exp.abstract_state.params)
+           if str(p[-1]).endswith("_lora_a") and any(str(k) in ("mlp", "shared_experts")
+                                                      for k in p)]
+    if family not in PEFT_MOE_REMAPPED or not mlp:
+        return []
+    return [f"lora.targets={exp.config.lora.targets!r} adapts MLP projections of a {family} "
+            f"model, which peft re-targets at the routed experts: this run exports merged "
+            f"(--format hf) but not as a PEFT adapter; lora.targets=attn/w trains adapters "
+            f"that --format peft writes"]

@@ -30,7 +30,7 @@ SAVED_STACKS = "stacks"
 
 # Config sections that must match between a checkpoint and the run resuming it; the
 # rest (steps, logging cadence, ...) may change, e.g. to continue training longer.
-INCOMPATIBLE_KEYS = ("model", "precision", "optim", "data.seq_len", "data.path", "data.tokenizer",
+INCOMPATIBLE_KEYS = ("model", "precision", "optim", "lora", "data.seq_len", "data.path", "data.tokenizer",
                      "data.token_dtype", "data.eod_id", "data.format", "data.loss_on",
                      "data.packing", "data.truncate", "data.chat_template",
                      "data.max_tokens", "train.batch_size", "train.grad_accum_steps", "seed")
