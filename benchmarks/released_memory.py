@@ -276,7 +276,8 @@ def markdown(report: dict) -> str:
         lines += ["", "| model | parameters (active) | strategy | " + " | ".join(cols) + " |",
                   "| --- | --- | --- | " + " | ".join("---" for _ in cols) + " |"]
         for model in s["models"]:
-            recs = [r for r in report["cases"] if r["model"] == model and "params" in r]
+            recs = [r for r in report["cases"] if r["model"] == model and "params" in r
+                    and r["policy"] in group]  # a LoRA model counts its adapters
             if not any(r["policy"] in group for r in report["cases"] if r["model"] == model):
                 continue
             size = (f"{_count(recs[0]['params'])} ({_count(recs[0]['active_params'])})"

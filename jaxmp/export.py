@@ -1,5 +1,5 @@
 """``python -m jaxmp.export --workdir DIR --out DIR [--step N] [--format jaxmp|hf|peft]
-[--quantize fp8] [--dtype float32|bfloat16] [--force]``.
+[--quantize fp8] [--dtype float32|bfloat16] [--base DIR] [--force]``.
 
 ``--format jaxmp`` (the default) writes a training run's checkpoint as
 ``model.safetensors`` (every array of the model by its dotted path), ``config.json``
@@ -20,11 +20,14 @@ A LoRA run (``lora.rank > 0``): its checkpoints hold the adapters, and its base 
 again from ``model.init_from`` (or rebuilt from the seed) and checked against the digest
 the checkpoint records. ``--format jaxmp`` and ``--format hf`` (``--quantize fp8``
 included) write the merged model, ``W + (alpha / r) A B`` per adapted weight
-(:func:`jaxmp.models.lora.merge_lora`), in float32 (``--dtype bfloat16`` rounds every
-weight of an hf export to bfloat16); ``--format peft`` writes the adapters alone as
+(:func:`jaxmp.models.lora.merge_lora`), in float32 (in the parameter dtype: float32
+under the mixed presets; ``--dtype bfloat16`` rounds every weight of an hf export to
+bfloat16); ``--format peft`` writes the adapters alone as
 ``adapter_config.json`` and ``adapter_model.safetensors``
 (:func:`jaxmp.train.artifacts.export_peft`), which ``peft.PeftModel.from_pretrained(base,
-DIR)`` loads; a run without adapters is refused.
+DIR)`` loads; a run without adapters is refused, as is one over a multimodal wrapper.
+``--base DIR``: a LoRA run's base where it is now, when it moved from the run's
+``model.init_from``.
 
 Every format writes into a new temporary directory beside ``--out`` and moves the files
 into place only once all are written: a failed export (a full disk, a file-size limit, a
@@ -69,6 +72,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="with --format hf: every weight rounded to this dtype (default: as "
                    "trained; a LoRA run's merged weights in float32)")
+    p.add_argument("--base", default=None, metavar="DIR",
+                   help="a LoRA run's base checkpoint where it is now, when it moved from the "
+                   "run's model.init_from (checked against the digest its checkpoints record)")
     p.add_argument("--force", action="store_true", help="replace the export's files in a "
                    "directory that is not empty (its other files are kept)")
     args = p.parse_args(argv)
@@ -86,11 +92,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.format == "hf":
             meta = export_hf(args.workdir, args.out, args.step, force=args.force, notes=notes,
-                             quantize=args.quantize, dtype=args.dtype)
+                             quantize=args.quantize, dtype=args.dtype, base_dir=args.base)
         elif args.format == "peft":
-            meta = export_peft(args.workdir, args.out, args.step, force=args.force, notes=notes)
+            meta = export_peft(args.workdir, args.out, args.step, force=args.force, notes=notes,
+                               base_dir=args.base)
         else:
-            meta = export(args.workdir, args.out, args.step, force=args.force, notes=notes)
+            meta = export(args.workdir, args.out, args.step, force=args.force, notes=notes,
+                          base_dir=args.base)
     except (ValueError, CheckpointError, OSError) as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     finally:

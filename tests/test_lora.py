@@ -103,7 +103,9 @@ def test_lora_config_refusals():
                          "not a regular expression"),
                         (["lora.rank=4", "model.bias_update_rate=0.0", "lora.base=int8"],
                          "lora.base"),
-                        (["lora.rank=-1"], "lora.rank")]:
+                        (["lora.rank=-1"], "lora.rank"),
+                        (["lora.base=fp8"], "lora.base='fp8' is set with lora.rank=0"),
+                        (["lora.targets=nothing"], "lora.targets='nothing' is set with lora.rank=0")]:
         with pytest.raises(ValueError, match=match):
             validate_config(load_config("configs/tiny_moe.py", over + [
                 "model.bias_update_rate=0.001" if "model.bias_update_rate=0.0" not in over
@@ -436,6 +438,14 @@ def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_
             train_and_evaluate(other, str(run), num_devices=2)
     tree = (run / "checkpoints" / "1" / "state" / "_METADATA").read_text()
     assert "wq_lora_a" in tree and "table" not in tree and "attn_norm" not in tree  # no base
+    from jaxmp import export
+    moved = tmp_path / "moved"
+    base.rename(moved)  # the base moved after training: named, and given back with --base
+    with pytest.raises(ValueError, match="holds no config.json .moved or deleted"):
+        load(str(run))
+    assert export.main(["--workdir", str(run), "--out", str(tmp_path / "p"), "--format", "peft",
+                        "--base", str(moved)]) == 0
+    moved.rename(base)
     tensors = load_file(str(base / "model.safetensors"))
     name = "model.layers.1.self_attn.o_proj.weight"
     tensors[name] = tensors[name] * 1.001
@@ -613,3 +623,37 @@ def test_adapters_train_alike_under_every_strategy_and_expert_parallelism(base):
                         jax.tree.leaves(ref_params[compared - 1])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
                                        err_msg=str(key))
+
+
+def test_a_gradient_norm_past_float32_is_a_divergent_step_and_no_state_holds_it():
+    """``lora.alpha=1e30``: finite gradients whose norm overflows float32. The step looks
+    divergent and the running means stay finite (a checkpoint holding an infinite mean
+    could not be restored)."""
+    from jaxmp.train.experiment import Experiment
+
+    exp = Experiment.create(load_config("configs/tiny_moe.py", [
+        "lora.rank=4", "lora.alpha=1e30", "model.bias_update_rate=0.0", "train.batch_size=2",
+        "data.max_tokens=4000", "optim.warmup_steps=0"]), num_devices=1)
+    state = exp.init_state()
+    batch = exp.batch_to_device(next(exp.data.train_iter))
+    for _ in range(2):
+        state, m = exp.train_step(state, batch)
+    assert not np.isfinite(float(m["grad_norm"])) and bool(m["divergent"])
+    assert all(np.isfinite(float(x)) for x in (state.grad_norm_ema, state.loss_ema))
+
+
+def test_an_fp8_scale_past_float32_times_448_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from test_hf import _fp8_checkpoint
+    from jaxmp.models import from_pretrained
+
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config("llama")).float()
+    _fp8_checkpoint(model, str(tmp_path), (128, 128), np.random.RandomState(0))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight_scale_inv"][:] = 3e38
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="up_proj.weight_scale_inv holds a scale of 3e.38, past "
+                                         "float32's range") as info:
+        from_pretrained(str(tmp_path), "fp32")
+    assert "\n" not in str(info.value)

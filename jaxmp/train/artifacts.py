@@ -84,12 +84,14 @@ def load(workdir: str | os.PathLike, step: Optional[int] = None, *,
 
 
 def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
-             num_devices: Optional[int] = None):
+             num_devices: Optional[int] = None, base_dir: Optional[str] = None):
     """:func:`load` for the command-line readers (``jaxmp.sample``, ``jaxmp.export``),
     which print what :func:`load` turns into ``RuntimeWarning`` s.
 
     Args:
       workdir, step, num_devices: as :func:`load`.
+      base_dir: a LoRA run's base checkpoint where it is now, when it moved from the run's
+        ``model.init_from`` (checked against the digest the checkpoint records).
 
     Returns:
       ``(model, tokenizer, config, step, notes)``: :func:`load`'s three, the checkpoint
@@ -137,6 +139,8 @@ def read_run(workdir: str | os.PathLike, step: Optional[int] = None,
         saved = config_to_dict(exp.config)
         for key in ("train", "parallel"):  # what was changed above may differ from the saved run
             saved[key] = saved_config[key]
+        if base_dir is not None:  # a LoRA run's moved base (its digest is checked)
+            exp.config.model.init_from = os.path.abspath(os.path.expanduser(base_dir))
         read, state, data_state = ckpt.restore(exp.checkpoint_template, saved,
                                                step=None if step is None else int(step),
                                                adapt=exp.checkpoint_adapter())
@@ -179,13 +183,14 @@ def _flat_arrays(model: nnx.Module) -> dict:
     return out
 
 
-def _load_for_export(workdir, out, step, force, notes):
+def _load_for_export(workdir, out, step, force, notes, base_dir=None):
     """What both exports start with: ``out`` checked (cheap checks first, nothing
     written), the checkpoint read (read-only), ``out`` checked against the run's inputs,
     the corrupt checkpoints passed over added to ``notes`` (or warned about when None).
     Returns ``(model, tokenizer, config, step, out resolved)``."""
     real = _check_out(out, workdir, force)
-    model, tokenizer, config, saved_step, passed_over = read_run(workdir, step)
+    model, tokenizer, config, saved_step, passed_over = read_run(workdir, step,
+                                                                 base_dir=base_dir)
     _check_out_is_no_input(out, real, config)
     if notes is not None:
         notes.extend(passed_over)
@@ -196,7 +201,8 @@ def _load_for_export(workdir, out, step, force, notes):
 
 
 def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[int] = None,
-           force: bool = False, notes: Optional[list] = None) -> dict:
+           force: bool = False, notes: Optional[list] = None,
+           base_dir: Optional[str] = None) -> dict:
     """Writes a checkpoint as safetensors weights, a ``config.json`` and the tokenizer.
 
     The step written into ``config.json`` is the one whose weights were read (one
@@ -212,6 +218,8 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
       force: replace the export's files in a directory that is not empty.
       notes: a list that gets a sentence for each corrupt checkpoint passed over (else
         each is a ``RuntimeWarning``).
+      base_dir: a LoRA run's base checkpoint where it is now, when it moved from the
+        run's ``model.init_from`` (``--base``; checked against the checkpoint's digest).
 
     Returns:
       The ``config.json`` contents: ``model`` (the model config keys), ``policy``,
@@ -229,7 +237,7 @@ def export(workdir: str | os.PathLike, out: str | os.PathLike, step: Optional[in
     """
     from jaxmp.models.hf.files import save_safetensors
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
-                                                                  notes)
+                                                                  notes, base_dir)
     tensors = _flat_arrays(merge_lora(model))  # a LoRA run's adapters merged into its base
     kind = ("bytes" if isinstance(tokenizer, ByteTokenizer) else
             "sentencepiece" if isinstance(tokenizer, SentencePieceTokenizer) else "huggingface")
@@ -461,7 +469,7 @@ def _hf_weights_written(directory: pathlib.Path) -> str:
 def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
               step: Optional[int] = None, force: bool = False,
               notes: Optional[list] = None, quantize: Optional[str] = None,
-              dtype: Optional[str] = None) -> dict:
+              dtype: Optional[str] = None, base_dir: Optional[str] = None) -> dict:
     """Writes a checkpoint as a Hugging Face model directory (``--format hf``).
 
     :func:`jaxmp.models.save_pretrained` writes ``config.json`` and the safetensors weights
@@ -489,7 +497,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
       out: the export directory (created; it must be empty unless ``force``).
       step: the checkpoint step; the newest good one when None.
       force: replace the export's files in a directory that is not empty.
-      notes: as :func:`export`.
+      notes, base_dir: as :func:`export`.
       quantize: None, or ``"fp8"``: the projections in blockwise FP8 (E4M3, one float32
         scale per 128 x 128 block) with config.json's ``quantization_config``, as
         :func:`jaxmp.models.save_pretrained` writes them (``--quantize fp8``).
@@ -515,7 +523,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
     from jaxmp.models.hf import save_pretrained
 
     model, tokenizer, config, saved_step, real = _load_for_export(workdir, out, step, force,
-                                                                  notes)
+                                                                  notes, base_dir)
     model = merge_lora(model)  # a LoRA run's adapters merged into its base
     if dtype is not None:
         if dtype not in EXPORT_DTYPES:
@@ -573,7 +581,7 @@ def export_hf(workdir: str | os.PathLike, out: str | os.PathLike,
 
 def export_peft(workdir: str | os.PathLike, out: str | os.PathLike,
                 step: Optional[int] = None, force: bool = False,
-                notes: Optional[list] = None) -> dict:
+                notes: Optional[list] = None, base_dir: Optional[str] = None) -> dict:
     """Writes a LoRA run's adapters as a PEFT adapter directory (``--format peft``):
     ``adapter_config.json`` and ``adapter_model.safetensors``
     (:func:`jaxmp.models.hf.peft.save_adapters`), which
@@ -582,24 +590,36 @@ def export_peft(workdir: str | os.PathLike, out: str | os.PathLike,
     directory moved into place).
 
     Args:
-      workdir, out, step, force, notes: as :func:`export`.
+      workdir, out, step, force, notes, base_dir: as :func:`export`.
 
     Returns:
       ``{"step", "targets", "base"}``: the step read, the number of modules adapted and the
       base model's path.
 
     Raises:
-      ValueError: a run without adapters (``lora.rank=0``), before anything is written;
+      ValueError: a run without adapters (``lora.rank=0``), or over a multimodal wrapper's
+        text model (``gemma3``, ``qwen3_5_moe``: peft names its modules otherwise), before
+        anything is written;
         the refusals of :func:`export`; as :func:`load` (a base whose digest is not the
         checkpoint's).
       CheckpointError: as :func:`load`.
     """
     from jaxmp.models.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapters
 
-    model, _, config, saved_step, real = _load_for_export(workdir, out, step, force, notes)
+    model, _, config, saved_step, real = _load_for_export(workdir, out, step, force, notes,
+                                                          base_dir)
     if not config.lora.rank:  # before anything is written
         raise ValueError(f"{workdir} was trained without adapters (lora.rank=0): a PEFT export "
                          f"needs a run with lora.rank > 0; use --format hf or jaxmp")
+    from jaxmp.models import hf
+
+    base = config.model.init_from
+    wrapper = hf.text_config(hf.read_config(base))[1] if base else None
+    if wrapper is not None:  # peft would look for the text model's modules at the top level
+        raise ValueError(f"the base {base} is a multimodal {wrapper} checkpoint, whose text "
+                         f"model's modules peft names under the wrapper; a PEFT export of its "
+                         f"adapters is not supported: export the merged text model with "
+                         f"--format hf")
 
     def write(directory: pathlib.Path) -> dict:
         written = save_adapters(model, str(directory), rank=config.lora.rank,

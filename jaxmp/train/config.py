@@ -359,13 +359,20 @@ def _check_table(config: ml_collections.ConfigDict, keys: Sequence[str]) -> None
 
 def _check_lora(config: ml_collections.ConfigDict, model: ModelConfig,
                 rules: PolicyRules) -> Optional[Lora]:
-    """The ``lora.*`` section as a :class:`~jaxmp.models.Lora` (None at rank 0), refusing
-    what adapters cannot take: router biases that move (``model.bias_update_rate``; a
+    """The ``lora.*`` section as a :class:`~jaxmp.models.Lora` (None at rank 0, where a
+    ``lora.alpha``, ``lora.targets`` or ``lora.base`` the config gives is refused: it would
+    not be used), refusing what adapters cannot take: router biases that move (``model.bias_update_rate``; a
     PEFT adapter cannot carry them) and an FP8 base under an FP8 recipe other than
     blockwise (an FP8 base that is not a blockwise-FP8 checkpoint is refused by
     :meth:`jaxmp.train.Experiment.check_init_from`)."""
     c = config.lora
     if not c.rank:
+        given = _given(config)
+        unused = [k for k in ("lora.alpha", "lora.targets", "lora.base") if k in given]
+        if unused:
+            raise ValueError(f"{unused[0]}={given[unused[0]]!r} is set with lora.rank=0 (no "
+                             f"adapters: every parameter trains); set lora.rank > 0, or leave "
+                             f"{unused[0]} out")
         return None
     lora = Lora(rank=int(c.rank), alpha=float(c.alpha), targets=Lora.parse_targets(c.targets),
                 base=c.base)

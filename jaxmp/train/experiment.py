@@ -15,6 +15,7 @@ measured is what is trained::
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 import math
 import re
@@ -377,6 +378,11 @@ class Experiment:
         if self.settings.lora is None or len(split_frozen(state.rest)[0]):
             return state
         path = self.config.model.init_from  # read now: an export sets it after create
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"this LoRA run's base model.init_from={path} holds no config.json "
+                             f"(moved or deleted?): its checkpoints hold the adapters and a "
+                             f"digest of the base, which is read from there; give its new "
+                             f"place (python -m jaxmp.export --base DIR)")
         base = (_init_from(path, self.settings, self.mesh, self.layout, self.optimizer,
                            self.state_shardings.replace(compute_params=None))
                 if path else self._init())
@@ -468,6 +474,8 @@ class Experiment:
                                      f"weight_block_size {block}; allowed: [128, 128] (the "
                                      f"blocks the blockwise FP8 kernels read), or "
                                      f"lora.base=bfloat16")
+                hf.check_fp8_base(path, self.model_config, self.settings.rules,
+                                  target=_target_of(self.mesh))
 
     def check_tokenizer(self) -> None:
         """The cheap checks of ``data.tokenizer`` against ``model.vocab_size``, before any

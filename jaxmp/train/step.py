@@ -344,7 +344,8 @@ class _Health(NamedTuple):
 def _health(state: TrainState, ce, grad_norm, applied, check: DivergenceCheck) -> _Health:
     """The :class:`_Health` after this step.
 
-    An applied step looks divergent when its loss is not finite, when its loss exceeds
+    An applied step looks divergent when its loss or its gradient norm is not finite (a
+    norm past float32's range from finite gradients: its square sum overflows), when its loss exceeds
     ``check.loss_spike_factor`` times the running mean of the healthy applied steps'
     losses and :data:`LOSS_SPIKE_FLOOR`, when its gradient norm exceeds ``check.grad_norm_spike_factor`` times theirs,
     or when its gradient norm is exactly 0 (no learning signal: a collapsed model). A
@@ -356,7 +357,7 @@ def _health(state: TrainState, ce, grad_norm, applied, check: DivergenceCheck) -
     def above(x, ema, factor):
         return seen & (factor > 0) & (x > factor * ema)
 
-    divergent = applied & (~jnp.isfinite(ce)
+    divergent = applied & (~jnp.isfinite(ce) | ~jnp.isfinite(grad_norm)
                            | (above(ce, state.loss_ema, check.loss_spike_factor)
                               & (ce > LOSS_SPIKE_FLOOR))
                            | above(grad_norm, state.grad_norm_ema, check.grad_norm_spike_factor)

@@ -58,11 +58,11 @@ from jaxmp.models.hf.config import (RUNTIME_FIELDS, config_from_hf, config_to_hf
                                     quantization, text_config)
 from jaxmp.models.hf.families import FAMILIES
 from jaxmp.models.hf.files import check_directory, read_config, tokenizer_eos
-from jaxmp.models.hf.load import check_weights, from_pretrained, load_weights
+from jaxmp.models.hf.load import check_fp8_base, check_weights, from_pretrained, load_weights
 from jaxmp.models.hf.save import MAX_SHARD_BYTES, save_pretrained
 from jaxmp.models.hf.spec import IGNORED_FIELDS, Family, Field
 
 __all__ = ["from_pretrained", "save_pretrained", "config_from_hf", "config_to_hf", "FAMILIES",
            "IGNORED_FIELDS", "MAX_SHARD_BYTES", "RUNTIME_FIELDS", "load_weights", "read_config",
            "family_of", "tokenizer_eos", "check_weights", "check_directory", "Family", "Field",
-           "quantization", "text_config"]
+           "quantization", "text_config", "check_fp8_base"]

@@ -449,7 +449,8 @@ class Files:
         ``name`` (its ``weight_scale_inv``), as stored.
 
         Raises:
-          ValueError: a scale that is not finite or not positive (naming the tensor).
+          ValueError: a scale that is not finite, not positive, or so large that 448 times
+          it overflows float32 (naming the tensor).
         """
         scale = self._fp8[name][0]
         with self._fp8_scale(name):
@@ -457,6 +458,11 @@ class Files:
         if not np.all(s > 0):
             raise ValueError(f"{os.path.join(self.path, self._fp8[name][1])}: tensor {scale} "
                              f"holds a scale <= 0; allowed: positive scales")
+        if not np.all(s <= np.finfo(np.float32).max / 448):
+            raise ValueError(f"{os.path.join(self.path, self._fp8[name][1])}: tensor {scale} "
+                             f"holds a scale of {float(s.max()):.4g}, past float32's range "
+                             f"times E4M3's largest value (448); allowed: scales up to "
+                             f"{float(np.finfo(np.float32).max / 448):.4g}")
         return s
 
     def _e4m3(self, name: str, index) -> np.ndarray:

@@ -38,7 +38,7 @@ from jaxmp.models.config import ModelConfig
 from jaxmp.models.transformer import MoETransformer
 from jaxmp.precision import fp8 as fp8_lib
 
-__all__ = ["from_pretrained", "load_weights", "check_weights", "owner"]
+__all__ = ["from_pretrained", "load_weights", "check_weights", "check_fp8_base", "owner"]
 
 
 def _cast(files: Files, name: Any, x: np.ndarray, dtype) -> np.ndarray:
@@ -93,15 +93,26 @@ def _fp8_scales(files: Files, config, family, layers, key, stacked) -> np.ndarra
     return files.fp8_scales(name).T
 
 
-def _fp8_base_source(files: Files, path: str, name, module, key: str) -> bool:
+def _hf_names(config, family, layers, key) -> Tuple[str, ...]:
+    """Every checkpoint tensor jaxmp variable ``key`` is read from: one per layer of a
+    scanned stack (``layers``; None: global) and per routed expert."""
+    out = []
+    for layer in (layers or (None,)):
+        name, _ = _source(config, family, None if layer is None else (layer,), key)
+        out.extend(name if isinstance(name, tuple) else (name,))
+    return tuple(out)
+
+
+def _fp8_base_source(files: Files, path: str, names, module, key: str) -> bool:
     """Whether a ``fp8_base`` load keeps this weight in E4M3; refuses one whose checkpoint
-    tensor is not E4M3 with 128 x 128 blocks (what the blockwise kernels read)."""
+    tensors (``names``: every layer's and expert's) are not all E4M3 with 128 x 128 blocks
+    (what the blockwise kernels read)."""
     from jaxmp.models.lora import fp8_base_weights
     from jaxmp.precision.fp8 import BLOCK
 
     if key.rpartition("/")[2] not in fp8_base_weights(module):
         return False
-    for n in (name if isinstance(name, tuple) else (name,)):
+    for n in names:
         if not files.is_fp8(n):
             raise ValueError(f"lora.base=fp8: {path} stores {n} unquantized; allowed: a "
                              f"blockwise-FP8 checkpoint (quantization_config quant_method fp8; "
@@ -328,6 +339,27 @@ def check_weights(path: str, config: ModelConfig, policy: Any = "fp32", *,
     _checked(path, config, policy, target)
 
 
+def check_fp8_base(path: str, config: ModelConfig, policy: Any = "fp32", *,
+                   target=None) -> None:
+    """:func:`check_weights`, and that every projection a ``lora.base=fp8`` model keeps in
+    E4M3 (:func:`jaxmp.models.lora.fp8_base_weights`) is stored so, every layer's and
+    expert's, in 128 x 128 blocks: from the headers alone, before the trainer reads its
+    corpus.
+
+    Raises:
+      ValueError: as :func:`check_weights`; a projection stored unquantized or in other
+        blocks (one line, naming the tensor).
+    """
+    files, family, abstract, sources = _checked(path, config, policy, target)
+    for path_, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        layers, key, _ = sources[tuple(str(x) for x in path_)]
+        table = global_table(config) if layers is None else layer_table(config, family,
+                                                                         layers[0])
+        if key in table:
+            _fp8_base_source(files, path, _hf_names(config, family, layers, key),
+                             owner(abstract, path_), key)
+
+
 def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=None,
                  rules=None, target=None, fp8_base: bool = False) -> MoETransformer:
     """:func:`from_pretrained` with the :class:`ModelConfig` given: ``config``'s architecture
@@ -368,7 +400,8 @@ def load_weights(path: str, config: ModelConfig, policy: Any = "fp32", *, mesh=N
         table = global_table(config) if layers is None else layer_table(config, family,
                                                                          layers[0])
         if key in table and fp8_base and _fp8_base_source(
-                files, path, table[key][0], owner(abstract, path_), key):
+                files, path, _hf_names(config, family, layers, key), owner(abstract, path_),
+                key):
             dtype = jnp.float8_e4m3fn
             axes = tuple(var.get_metadata().get("out_sharding") or (None,) * len(shape))
             lead = fp8_matrix(str(path_[-1]), shape, axes)[0]
