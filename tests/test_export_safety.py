@@ -71,8 +71,8 @@ def run(tmp_path_factory):
 def loaded_once(run, monkeypatch):
     """``artifacts.read_run`` answers with the run read once (for tests that change the
     process's file-size limit or user, where reading the checkpoint is not the subject)."""
-    monkeypatch.setattr(artifacts, "read_run", lambda workdir, step=None, num_devices=None:
-                        run.loaded)
+    monkeypatch.setattr(artifacts, "read_run",
+                        lambda workdir, step=None, num_devices=None, base_dir=None: run.loaded)
 
 
 def _tree(path: pathlib.Path) -> dict:
@@ -249,7 +249,8 @@ def test_a_file_size_limit_is_one_line_and_keeps_the_old_export(run, tmp_path, c
     before, around = _tree(out), sorted(os.listdir(tmp_path))
     assert os.path.getsize(out / "model.safetensors") > 8192
     with monkeypatch.context() as m:  # the run read once, before the limit
-        m.setattr(artifacts, "read_run", lambda workdir, step=None, num_devices=None: run.loaded)
+        m.setattr(artifacts, "read_run",
+                  lambda workdir, step=None, num_devices=None, base_dir=None: run.loaded)
         with _file_size_limit(8192):
             code, stdout, err = _export(capsys, run, out, "--format", fmt, "--force")
     line = _one_error_line(err, "export")

@@ -299,8 +299,8 @@ def test_loads_onto_an_fsdp_mesh_each_device_its_slice(checkpoint):
     asked = []
     original = hf_load.read_tensor
 
-    def spy(files, name, kind, shape, index):
-        out = original(files, name, kind, shape, index)
+    def spy(files, name, kind, shape, index, raw=False):
+        out = original(files, name, kind, shape, index, raw)
         asked.append((name, out.size))
         return out
 
@@ -568,7 +568,7 @@ def test_released_configs_map():
 
     files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "hf",
                                           "*.json")))
-    assert len(files) == 8
+    assert len(files) == 9
     for f in files:
         ModelConfig(**hf.config_from_hf(json.load(open(f))))
     # Gemma-3-4B's text_config gives only what differs from transformers' defaults: its
@@ -649,7 +649,8 @@ def test_a_sentencepiece_tokenizer_exports_for_autotokenizer(tmp_path, monkeypat
         tok = SentencePieceTokenizer(tmp_path / f"{kind}.model")
         net = MoETransformer(ModelConfig(vocab_size=320, num_layers=1, d_model=32, num_heads=4,
                                          d_ff=64, max_len=64), "fp32", rngs=nnx.Rngs(0))
-        monkeypatch.setattr(artifacts, "read_run", lambda workdir, step: (net, tok, None, 7, []))
+        monkeypatch.setattr(artifacts, "read_run",
+                            lambda workdir, step, base_dir=None: (net, tok, None, 7, []))
         return artifacts.export_hf(tmp_path / "run", out), tok
 
     meta, tok = export(kind, tmp_path / "out")

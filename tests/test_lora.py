@@ -134,16 +134,20 @@ def _train_lora(tmp, src, *extra):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A tiny Llama checkpoint, and two LoRA steps of train.py's path on it (2 devices,
-    fsdp, scanned), with a learning rate that moves the adapters."""
+    """A tiny Llama checkpoint (its weights bfloat16 values, as released), and two LoRA
+    steps of train.py's path on it over a bfloat16 base (2 devices, fsdp, scanned, float32
+    compute), with a learning rate that moves the adapters."""
     tmp = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(
         _hf_config("llama", vocab_size=128)).float().eval()
+    with torch.no_grad():
+        for p in original.parameters():
+            p.copy_(p.bfloat16().float())
     src = tmp / "src"
     original.save_pretrained(str(src))
     _char_tokenizer(src)
-    overrides = _train_lora(tmp, src, "precision.policy=fp32")
+    overrides = _train_lora(tmp, src, "precision.policy=fp32", "lora.base=bfloat16")
     return tmp, src, original, overrides
 
 
@@ -157,8 +161,10 @@ def test_the_frozen_base_is_bitwise_the_checkpoint_and_the_adapters_moved(lora_r
     want = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(base, nnx.Param))}
     frozen = nnx.to_flat_state(nnx.state(model, FrozenParam))
     assert len(frozen) == len(want)
-    for p, v in frozen:
-        np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(want[p]))
+    for p, v in frozen:  # the bfloat16 base holds the checkpoint's (bfloat16) values
+        assert v.get_value().dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(v.get_value(), np.float32),
+                                      np.asarray(want[p]))
     b = [np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, TRAINABLE))
          if str(p[-1]).endswith("_lora_b")]
     assert b and all(np.abs(x).max() > 1e-3 for x in b)
@@ -431,7 +437,7 @@ def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_
     meta = json.load(open(run / "checkpoints" / "1" / "verify" / "metadata"))
     assert len(meta["lora_base_digest"]) == 64
     from jaxmp.train import CheckpointError
-    for key, value in (("lora.base", "bfloat16"), ("lora.rank", "8")):  # the run's adapters
+    for key, value in (("lora.base", "master"), ("lora.rank", "8")):  # the run's adapters
         other = load_config("configs/finetune.py", over + [f"model.init_from={base}",
                                                            "train.steps=2", f"{key}={value}"])
         with pytest.raises(CheckpointError, match=rf"different settings \({key}: saved"):
@@ -448,7 +454,7 @@ def test_a_lora_checkpoint_holds_no_base_and_refuses_another_base(lora_run, tmp_
     moved.rename(base)
     tensors = load_file(str(base / "model.safetensors"))
     name = "model.layers.1.self_attn.o_proj.weight"
-    tensors[name] = tensors[name] * 1.001
+    tensors[name] = tensors[name] * 1.5  # (a change the bfloat16 base holds)
     save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
     cfg2 = load_config("configs/finetune.py", over + [f"model.init_from={base}", "train.steps=2"])
     with pytest.raises(ValueError, match="another base") as info:
