@@ -113,7 +113,7 @@ def matmul(module: nnx.Module, x: jax.Array, name: str, spec: Optional[str] = No
     adapter = lora.adapted(module, name)
     if adapter is None:
         return y
-    return y + lora.lora_product(x, *adapter, spec, ops.cast_matmul).astype(y.dtype)
+    return y + lora.lora_product(x, *adapter, spec).astype(y.dtype)
 
 
 def make_param(rngs: "nnx.Rngs | ParamKeys", init, shape: Sequence[int], dtype, axes: Sequence[Optional[str]]

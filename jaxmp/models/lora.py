@@ -42,6 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmp.precision import ops
+from jaxmp.precision._fp8.einsum import _parse_spec
+
 __all__ = ["Lora", "FrozenParam", "TRAINABLE", "LORA_BASES", "DEFAULT_TARGETS", "apply_lora",
            "adapted", "lora_product", "freeze_base", "fp8_base_weights", "fp8_matrix",
            "frozen_fp8", "dequantized", "frozen_metadata", "merged_weight", "merge_lora",
@@ -332,35 +335,33 @@ def _rank_letter(spec: str) -> str:
 
 
 def lora_product(x: jax.Array, a: jax.Array, b: jax.Array, scale: float,
-                 spec: Optional[str], cast_matmul) -> jax.Array:
+                 spec: Optional[str]) -> jax.Array:
     """``scale * (x A) B`` in ``x``'s dtype (the compute dtype), for the product
-    ``einsum(spec, x, W)`` of the weight the adapter belongs to.
+    ``einsum(spec, x, W)`` of the weight the adapter belongs to; each product is
+    :func:`jaxmp.ops.cast_matmul` (the adapters cast to ``x``'s dtype).
 
     Args:
       x: the activation, as the weight's product reads it.
       a: ``[*in, r]``; b: ``[r, *out]`` (the weight's contracted and kept dimensions).
       scale: ``alpha / r``.
       spec: the weight's ``einsum`` spec, or None for ``x @ W``.
-      cast_matmul: :func:`jaxmp.ops.cast_matmul` (the adapters cast to ``x``'s dtype).
 
     Raises:
-      ValueError: ``a`` does not contract what ``spec`` contracts.
+      ValueError: a spec :func:`jaxmp.fp8.matmul` would not take, or ``a`` does not
+        contract what ``spec`` contracts.
     """
     if spec is None:
-        xa = cast_matmul(x, a)
-        y = cast_matmul(xa, b)
+        y = ops.cast_matmul(ops.cast_matmul(x, a), b)
     else:
-        xs, rest = spec.replace(" ", "").split(",")
-        ws, out = rest.split("->")
+        xs, ws, out, contracted, group = _parse_spec(spec, x.ndim, a.ndim + b.ndim - 2)
         n_in = a.ndim - 1
-        contracted = ws[:n_in]
-        if any(c not in xs or c in out for c in contracted) or any(c not in out for c in ws[n_in:]):
+        if group or sorted(contracted) != sorted(ws[:n_in]):
             raise ValueError(f"an adapter A of shape {a.shape} does not contract what "
                              f"{spec!r} contracts")
         r = _rank_letter(spec)
         mid = "".join(c for c in xs if c not in contracted) + r
-        xa = cast_matmul(x, a, f"{xs},{contracted}{r}->{mid}")
-        y = cast_matmul(xa, b, f"{mid},{r}{ws[n_in:]}->{out}")
+        xa = ops.cast_matmul(x, a, f"{xs},{ws[:n_in]}{r}->{mid}")
+        y = ops.cast_matmul(xa, b, f"{mid},{r}{ws[n_in:]}->{out}")
     return (y * jnp.asarray(scale, y.dtype)).astype(x.dtype)
 
 

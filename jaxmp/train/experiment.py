@@ -378,6 +378,11 @@ class Experiment:
         if self.settings.lora is None or len(split_frozen(state.rest)[0]):
             return state
         path = self.config.model.init_from  # read now: an export sets it after create
+        where = path or f"the random base of seed={self.config.seed}"
+        saved = (meta or {}).get(BASE_DIGEST)
+        if not isinstance(saved, str):
+            raise ValueError(f"the checkpoint holds adapters but records no digest of their base "
+                             f"({BASE_DIGEST!r} in its meta): it cannot be checked against {where}")
         if path and not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"this LoRA run's base model.init_from={path} holds no config.json "
                              f"(moved or deleted?): its checkpoints hold the adapters and a "
@@ -387,17 +392,12 @@ class Experiment:
                            self.state_shardings.replace(compute_params=None))
                 if path else self._init())
         frozen = split_frozen(base.rest)[0]
-        saved = (meta or {}).get(BASE_DIGEST)
-        where = self.config.model.init_from or f"the random base of seed={self.config.seed}"
-        if not isinstance(saved, str):
-            raise ValueError(f"the checkpoint holds adapters but records no digest of their base "
-                             f"({BASE_DIGEST!r} in its meta): it cannot be checked against {where}")
-        self._digest = None
-        if self.base_digest(state.replace(rest=frozen)) != saved:
+        digest = base_digest(frozen)
+        if digest != saved:
             raise ValueError(f"the checkpoint's adapters were trained on another base than "
-                             f"{where} (base digest {saved[:16]}..., this one "
-                             f"{self._digest[:16]}...); give the model.init_from they were "
-                             f"trained on")
+                             f"{where} (base digest {saved[:16]}..., this one {digest[:16]}...); "
+                             f"give the model.init_from they were trained on")
+        self._digest = digest  # this run's base, which its checkpoints record
         return state.replace(rest=nnx.merge_state(state.rest, frozen))
 
     @property
@@ -455,27 +455,30 @@ class Experiment:
         if path:
             from jaxmp.models import hf
 
-            hf.check_weights(path, self.model_config, self.settings.rules,
-                             target=_target_of(self.mesh))
             lora = self.settings.lora
-            if lora is not None and lora.base == "fp8":
-                text, _ = hf.text_config(hf.read_config(path))
-                q = hf.quantization(text["model_type"], text)
-                if q is None or q[0] != "fp8":
-                    raise ValueError(f"lora.base=fp8 needs a blockwise-FP8 base, and "
-                                     f"model.init_from={path} has "
-                                     f"{'no quantization_config' if q is None else q[0] + ' weights'}; "
-                                     f"allowed: a checkpoint with quantization_config quant_method "
-                                     f"fp8 (export --format hf --quantize fp8 writes one), or "
-                                     f"lora.base=bfloat16")
-                block = list(q[1]["weight_block_size"])
-                if block != [128, 128]:
-                    raise ValueError(f"lora.base=fp8: model.init_from={path} has "
-                                     f"weight_block_size {block}; allowed: [128, 128] (the "
-                                     f"blocks the blockwise FP8 kernels read), or "
-                                     f"lora.base=bfloat16")
-                hf.check_fp8_base(path, self.model_config, self.settings.rules,
-                                  target=_target_of(self.mesh))
+            if lora is None or lora.base != "fp8":
+                hf.check_weights(path, self.model_config, self.settings.rules,
+                                 target=_target_of(self.mesh))
+                return
+            hf.check_directory(path)  # an FP8 base: its quantization first, then the tensors
+            text, _ = hf.text_config(hf.read_config(path))
+            q = hf.quantization(text["model_type"], text)
+            if q is None or q[0] != "fp8":
+                raise ValueError(f"lora.base=fp8 needs a blockwise-FP8 base, and "
+                                 f"model.init_from={path} has "
+                                 f"{'no quantization_config' if q is None else q[0] + ' weights'}; "
+                                 f"allowed: a checkpoint with quantization_config quant_method "
+                                 f"fp8 (export --format hf --quantize fp8 writes one), or "
+                                 f"lora.base=bfloat16")
+            block = list(q[1]["weight_block_size"])
+            if block != [128, 128]:
+                raise ValueError(f"lora.base=fp8: model.init_from={path} has "
+                                 f"weight_block_size {block}; allowed: [128, 128] (the "
+                                 f"blocks the blockwise FP8 kernels read), or "
+                                 f"lora.base=bfloat16")
+            # check_weights' checks, and every projection's E4M3 form, in one read
+            hf.check_fp8_base(path, self.model_config, self.settings.rules,
+                              target=_target_of(self.mesh))
 
     def check_tokenizer(self) -> None:
         """The cheap checks of ``data.tokenizer`` against ``model.vocab_size``, before any
